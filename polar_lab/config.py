@@ -1,0 +1,103 @@
+"""Configuration dataclasses, one per component; `LabConfig` groups them and maps 1:1 onto YAML.
+
+Each field carries a one-line help string (`dataclasses.fields(EngineConfig)[i].metadata["help"]`).
+Cross-field checks live in `__post_init__` and quote both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polar_lab.errors import ConfigError
+
+DEFAULT_MODEL = "data/models/tiny-calc"
+DEFAULT_PORT = 8765
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineConfig:
+    """The vLLM engine the Lab owns."""
+
+    # what to serve
+    model: str = _f(DEFAULT_MODEL, "HF model folder (or hub id on a machine that has one)")
+    served_model_name: str | None = _f(None, "name reported by /v1/models; defaults to the folder name")
+    dtype: str = _f("float32", "weights dtype in the engine; fp32 keeps logprobs comparable on CPU")
+    max_model_len: int | None = _f(None, "context length; None = the model's max_position_embeddings")
+    # resources
+    kv_cache_gib: int = _f(1, "CPU KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = _f(0.5, "GPU only: fraction of memory vLLM may take")
+    max_num_seqs: int = _f(256, "most sequences vLLM batches in one step")
+    # behaviour
+    enforce_eager: bool = _f(True, "skip torch.compile/CUDA graphs: fast start-up, slower steps")
+    seed: int = _f(0, "engine seed (per-request seeds override it)")
+    vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+@dataclass
+class ProxyConfig:
+    """The HTTP proxy the harnesses talk to."""
+
+    host: str = _f("127.0.0.1", "bind address; anything but loopback exposes session keys to the network")
+    port: int = _f(DEFAULT_PORT, "TCP port; 0 picks a free one (then re-running a cell starts a new Lab)")
+    auto_sessions: bool = _f(False, "unknown keys create a session instead of getting 401")
+    default_max_tokens: int = _f(1024, "max_tokens when a request sets none (clipped to the context)")
+    max_body_bytes: int = _f(32 * 1024 * 1024, "larger request bodies get 413")
+    uvicorn_log_level: str = _f("warning", "uvicorn's log level")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+
+@dataclass
+class StoreConfig:
+    """Where call records go."""
+
+    runs_dir: str = _f("data/runs", "parent folder of run folders")
+    run_name: str | None = _f(None, "run folder name; None = a timestamped name")
+    fsync: bool = _f(False, "fsync after each record (survives power loss, not only a killed process)")
+
+
+@dataclass
+class LabConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LabConfig:
+        """Build from a nested dict (parsed YAML); unknown keys are an error, not a silent no-op."""
+        parts = {}
+        for f in dataclasses.fields(cls):
+            section = dict(data.get(f.name) or {})
+            known = {g.name for g in dataclasses.fields(f.default_factory)}
+            unknown = set(section) - known
+            if unknown:
+                raise ConfigError(f"unknown keys in '{f.name}': {sorted(unknown)}; known: {sorted(known)}")
+            parts[f.name] = f.default_factory(**section)
+        unknown = set(data) - set(parts)
+        if unknown:
+            raise ConfigError(f"unknown config sections {sorted(unknown)}; known: {sorted(parts)}")
+        return cls(**parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

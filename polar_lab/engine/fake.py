@@ -1,0 +1,57 @@
+"""A scripted stand-in for the engine, for unit tests of the HTTP layer only (never acceptance tests).
+
+It "samples" the next scripted reply, tokenised with the model's own tokenizer, with logprob -1.0
+per token; it can also be told to fail. No vLLM, no weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+
+from polar_lab.errors import EngineError
+from polar_lab.types import Generation, SamplingSpec
+
+
+class ScriptedEngine:
+    def __init__(self, tokenizer, replies: list[str] | None = None, *, model_name: str = "scripted",
+                 max_model_len: int = 4096, eos_token: str = "<|im_end|>"):
+        self.tokenizer = tokenizer
+        self.replies = list(replies or ["ok"])
+        self.model_name = model_name
+        self.model_path = model_name
+        self.max_model_len = max_model_len
+        self.eos_id = tokenizer.convert_tokens_to_ids(eos_token)
+        self.fail_with: Exception | None = None  # set to make the next submits fail
+        self.prompts: list[list[int]] = []
+        self._version = 0
+        self._turn = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
+        fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+        if self.fail_with is not None:
+            fut.set_exception(EngineError(str(self.fail_with)))
+            return fut
+        self.prompts.append(list(prompt_ids))
+        text = self.replies[self._turn % len(self.replies)]
+        self._turn += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: spec.max_tokens]
+        finish = "length" if len(ids) == spec.max_tokens else "stop"
+        if finish == "stop":
+            ids = ids + [self.eos_id]
+        fut.set_result(Generation(
+            output_ids=ids, output_logprobs=[-1.0] * len(ids), output_versions=[self._version] * len(ids),
+            text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
+        ))
+        return fut
+
+    def load_weights(self, state_dict: Mapping) -> int:
+        self._version += 1
+        return self._version
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,60 @@
+"""The polar_lab exception hierarchy; the proxy maps each to a provider-shaped HTTP error.
+
+    PolarLabError
+    ├── ConfigError            a config value, or two that disagree (message quotes both)
+    ├── LabError               Lab lifecycle: start-up failed, used after close, port taken
+    ├── EngineError            the engine failed or is gone (HTTP 503)
+    ├── StoreError             a run folder cannot be written or read
+    └── RequestError           the caller's request is bad (HTTP 4xx, carries status/code/param)
+        ├── AuthError          unknown or missing session key (401)
+        └── ContextLengthError prompt does not fit the model's context (400)
+"""
+
+from __future__ import annotations
+
+
+class PolarLabError(Exception):
+    """Base of every error polar_lab raises on purpose."""
+
+
+class ConfigError(PolarLabError, ValueError):
+    pass
+
+
+class LabError(PolarLabError, RuntimeError):
+    pass
+
+
+class EngineError(PolarLabError, RuntimeError):
+    pass
+
+
+class StoreError(PolarLabError, OSError):
+    pass
+
+
+class RequestError(PolarLabError):
+    """A bad request. `status`, `code` and `param` go into the provider's error body."""
+
+    status = 400
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+
+class AuthError(RequestError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class ContextLengthError(RequestError):
+    status = 400
+    code = "context_length_exceeded"

@@ -1,0 +1,246 @@
+"""The Lab: the one object a notebook holds. It owns the engine thread, the proxy's loop thread and the run store.
+
+Threads:
+    caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
+    polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines
+    polar-lab-engine         the only thread that touches vLLM (see engine/vllm_engine.py)
+
+One live Lab per (host, port): constructing a Lab with the same config again returns the running one,
+so re-running a notebook cell never starts a second server or engine. A different config on the same
+port closes the old Lab first. `close()` is idempotent and frees the port, the engine and the files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import ipaddress
+import logging
+import socket
+import threading
+import warnings
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import pandas as pd
+import torch
+import uvicorn
+
+from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig, StoreConfig
+from polar_lab.errors import LabError
+from polar_lab.proxy.app import create_app
+from polar_lab.proxy.render import Renderer
+from polar_lab.proxy.service import CallService
+from polar_lab.proxy.sessions import SessionRegistry
+from polar_lab.store import RunStore, calls_frame, load_calls, load_sessions
+from polar_lab.store.runstore import check_run_name, new_run_name
+from polar_lab.types import ModelCall, Session
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Lab:
+    _live: ClassVar[dict[tuple[str, int], Lab]] = {}
+    _live_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __new__(cls, model: str | None = None, *, config: LabConfig | None = None, engine=None, **overrides: Any):
+        cfg = _make_config(model, config, overrides)
+        with cls._live_lock:
+            existing = cls._live.get((cfg.proxy.host, cfg.proxy.port)) if cfg.proxy.port else None
+            if existing is not None and existing._same_setup(cfg):
+                return existing
+        if existing is not None:
+            warnings.warn(f"closing the Lab on port {cfg.proxy.port} (model {existing.config.engine.model}) "
+                          f"to start one with a different config", stacklevel=2)
+            existing.close()
+        lab = super().__new__(cls)
+        lab._started = False
+        return lab
+
+    def __init__(self, model: str | None = None, *, config: LabConfig | None = None, engine=None,
+                 **overrides: Any):
+        """Start (or return the running) Lab.
+
+        model: model folder, default `data/models/tiny-calc`.
+        overrides: any field of EngineConfig / ProxyConfig / StoreConfig by name (port=0, run_name="x"...).
+        engine: an already-built engine (a ScriptedEngine in unit tests); default builds VLLMEngine.
+        """
+        if self._started:
+            return
+        self.config = _make_config(model, config, overrides)
+        self._closed = False
+        self._start(engine)
+        self._started = True
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def _start(self, engine) -> None:
+        cfg = self.config
+        _warn_if_exposed(cfg.proxy.host)
+        run_name = check_run_name(cfg.store.run_name or new_run_name())
+        self.run_dir = Path(cfg.store.runs_dir) / run_name
+        self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
+        self.store.write_json("config.json", cfg.to_dict())
+        try:
+            self._start_engine(engine)
+            self._start_server()
+        except BaseException:
+            self.close()
+            raise
+        with self._live_lock:
+            if cfg.proxy.port:
+                self._live[(cfg.proxy.host, cfg.proxy.port)] = self
+        atexit.register(self.close)
+
+    def _start_engine(self, engine) -> None:
+        if engine is None:
+            from polar_lab.engine.vllm_engine import VLLMEngine
+
+            engine = VLLMEngine(self.config.engine).start()
+        self.engine = engine
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+
+    def _start_server(self) -> None:
+        cfg = self.config.proxy
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as exc:
+            sock.close()
+            raise LabError(f"cannot bind {cfg.host}:{cfg.port} ({exc}); is another Lab or server on it? "
+                           f"pass port=0 for a free port") from exc
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{cfg.host}:{self.port}"
+        self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions)
+        self.service = CallService(self.engine, Renderer(self.tokenizer), self.registry, self.store, cfg)
+        server_config = uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level, lifespan="off",
+                                       timeout_keep_alive=30, access_log=False)
+        self._server = uvicorn.Server(server_config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="polar-lab-loop", daemon=True)
+        self._thread.start()
+        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[sock]), self.loop)
+        self._wait_started(sock)
+
+    def _wait_started(self, sock: socket.socket) -> None:
+        for _ in range(600):
+            if self._server.started:
+                return
+            if self._serving.done():
+                self._serving.result()  # re-raises the start-up error
+                raise LabError("the proxy server stopped during start-up")
+            threading.Event().wait(0.05)
+        raise LabError("the proxy server did not start within 30 s")
+
+    def close(self) -> None:
+        """Stop the server, the loop and the engine; close the store. Safe to call twice."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        with self._live_lock:
+            key = (self.config.proxy.host, self.config.proxy.port)
+            if self._live.get(key) is self:
+                del self._live[key]
+        if getattr(self, "_server", None) is not None:
+            self._server.should_exit = True
+            try:
+                self._serving.result(timeout=30)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                log.debug("server shutdown raised", exc_info=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        self.store.close()
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"serving {self.url}"
+        return f"<Lab {self.config.engine.model} {state} run={self.run_dir}>"
+
+    def _same_setup(self, cfg: LabConfig) -> bool:
+        return not self._closed and cfg == self.config
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- what notebooks call ---------------------------------------------------------------
+    def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
+                **info: Any) -> Session:
+        """A new session (one harness run) with its own secret key."""
+        self._check_open()
+        return self.registry.create(task, group_id=group_id, info=info)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""
+        self._check_open()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the Lab's loop and return at once."""
+        self._check_open()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_records(self) -> list[ModelCall]:
+        """Every recorded call of this run, read back from the run folder."""
+        return load_calls(self.run_dir)
+
+    def calls(self) -> pd.DataFrame:
+        """One row per recorded call (pandas)."""
+        return calls_frame(self.call_records())
+
+    def sessions(self) -> pd.DataFrame:
+        return load_sessions(self.run_dir)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Load new weights into the live engine; returns the new policy version."""
+        self._check_open()
+        return self.engine.load_weights(state_dict)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LabError("this Lab is closed; create a new one")
+
+
+def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:
+    """Merge `model` and flat keyword overrides into a LabConfig (each name belongs to one section)."""
+    base = config.to_dict() if config is not None else LabConfig().to_dict()
+    if model is not None:
+        base["engine"]["model"] = str(model)
+    sections = {"engine": EngineConfig, "proxy": ProxyConfig, "store": StoreConfig}
+    for name, value in overrides.items():
+        owner = [s for s, cls in sections.items() if name in cls.__dataclass_fields__]
+        if not owner:
+            raise TypeError(f"Lab() got an unexpected keyword '{name}'")
+        base[owner[0]][name] = value
+    return LabConfig.from_dict(base)
+
+
+def _warn_if_exposed(host: str) -> None:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        warnings.warn(f"the proxy binds {host}, not loopback: anyone who can reach it and learns a session key "
+                      f"can use the model and write into that session", stacklevel=3)
+
+
+__all__ = ["DEFAULT_MODEL", "Lab"]

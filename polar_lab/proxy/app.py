@@ -1,0 +1,130 @@
+"""The proxy's HTTP app: thin routes over `CallService`; every error leaves in the caller's API shape.
+
+`create_app(service)` builds it; the Lab serves it with uvicorn on its background loop. Session keys
+come from the URL path (`/s/{key}/v1/...`), `Authorization: Bearer`, or `x-api-key`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from polar_lab.errors import EngineError, RequestError
+from polar_lab.proxy import openai_chat
+from polar_lab.proxy.openai_protocol import ChatCompletionRequest
+from polar_lab.proxy.service import CallService
+
+log = logging.getLogger(__name__)
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(service: CallService) -> FastAPI:
+    app = FastAPI(title="polar_lab proxy", docs_url=None, redoc_url=None)
+    app.state.service = service
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        engine = service.engine
+        return {"status": "ok", "model": engine.model_name, "policy_version": engine.policy_version,
+                "in_flight": service.in_flight, "calls_recorded": service.store.num_calls}
+
+    @app.get("/v1/models")
+    @app.get("/s/{key}/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        service.registry.resolve(_key(request))
+        engine = service.engine
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "polar_lab", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/s/{key}/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        session = service.registry.resolve(_key(request))
+        raw = await _json_body(request, service.config.max_body_bytes)
+        try:
+            body = ChatCompletionRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        req = openai_chat.to_canonical(body)
+        call = await service.complete(session, req, api=openai_chat.API)
+        response = openai_chat.build_response(call, req, service.renderer.tokenizer)
+        service.record(call, raw, response)
+        if req.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(openai_chat.stream_chunks(response, include_usage),
+                                     media_type="text/event-stream")
+        return Response(orjson.dumps(response), media_type="application/json")
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return openai_error(exc.status, exc.message, code=exc.code, param=exc.param)
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return openai_error(503, f"the inference engine is unavailable: {exc}", code="engine_unavailable")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return openai_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected proxy error")
+        return openai_error(500, f"internal proxy error: {type(exc).__name__}: {exc}")
+
+
+def _key(request: Request) -> str | None:
+    key = request.path_params.get("key")
+    if key:
+        return key
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413,
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413,
+                               code="request_too_large")
+        chunks.append(chunk)
+    try:
+        data = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    return data
+
+
+def _validation_error(exc: ValidationError) -> RequestError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    extra = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+    return RequestError(f"{loc}: {first['msg']}{extra}", param=loc or None)

@@ -1,0 +1,74 @@
+"""The canonical request every API adapter converts to, and the API-neutral result it converts back from.
+
+Messages use OpenAI chat shape because the chat templates do: `{"role", "content": str | None,
+"tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}], "tool_call_id",
+"reasoning_content"}`. Tool-call arguments stay *strings*, exactly as the model wrote them, so a harness
+that echoes them back re-renders the same text (exact-id continuity depends on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_lab.types import Generation, Session
+
+
+@dataclass
+class CanonicalRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # [{"type": "function", "function": {...}}]
+    tool_choice: str | dict[str, Any] = "auto"  # "auto" | "none" | "required" | {"name": ...}
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    model: str = ""
+
+
+@dataclass
+class ParsedOutput:
+    """What the proxy read out of the generated text."""
+
+    content: str | None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # [{"id", "name", "arguments": str}]
+    errors: list[str] = field(default_factory=list)  # tool calls the model attempted but botched
+
+    def info(self) -> dict[str, Any]:
+        return {"num_tool_calls": len(self.tool_calls), "errors": self.errors,
+                "has_reasoning": self.reasoning is not None}
+
+
+@dataclass
+class Choice:
+    index: int
+    generation: Generation
+    parsed: ParsedOutput
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+
+
+@dataclass
+class CompletedCall:
+    """One served request, everything needed to answer it and to record it."""
+
+    session: Session
+    call_index: int
+    request_id: str
+    api: str
+    model: str
+    prompt_ids: list[int]
+    render: dict[str, Any]
+    sampling: dict[str, Any]
+    choices: list[Choice]
+    timings: dict[str, float]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.generation.output_ids) for c in self.choices)

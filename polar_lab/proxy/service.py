@@ -1,0 +1,115 @@
+"""The API-neutral serving core: canonical request → render → engine → parse → recorded call.
+
+Runs on the Lab's event loop. Tokenisation goes to a worker thread; generation goes to the engine
+thread; the loop only routes. Each API adapter (openai_chat, ...) wraps `complete` and `record`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, replace
+from typing import Any
+
+from polar_lab.config import ProxyConfig
+from polar_lab.engine.base import Engine, generate
+from polar_lab.errors import ContextLengthError, RequestError
+from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
+from polar_lab.proxy.parse import TOOL_OPEN, parse_output
+from polar_lab.proxy.render import Renderer
+from polar_lab.proxy.sessions import SessionRegistry
+from polar_lab.store import RunStore
+from polar_lab.types import ModelCall, SamplingSpec, Session
+
+
+class CallService:
+    def __init__(self, engine: Engine, renderer: Renderer, registry: SessionRegistry, store: RunStore,
+                 config: ProxyConfig):
+        self.engine = engine
+        self.renderer = renderer
+        self.registry = registry
+        self.store = store
+        self.config = config
+        self.in_flight = 0
+
+    async def complete(self, session: Session, req: CanonicalRequest, *, api: str) -> CompletedCall:
+        received = time.time()
+        self._check_tool_choice(req)
+        prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
+        rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill)
+        spec = self._sampling(req, len(rendered.prompt_ids))
+        call_index = self.registry.next_call_index(session)
+        self.in_flight += 1
+        try:
+            t_engine = time.perf_counter()
+            generations = await asyncio.gather(*(
+                generate(self.engine, rendered.prompt_ids, _nth_seed(spec, i)) for i in range(req.n)))
+            engine_s = time.perf_counter() - t_engine
+        finally:
+            self.in_flight -= 1
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        choices = []
+        for i, gen in enumerate(generations):
+            parsed = parse_output(prefill + gen.text, parse_tools=parse_tools)
+            finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish))
+        return CompletedCall(
+            session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
+            model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
+            sampling=_spec_dict(spec), choices=choices,
+            timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s})
+
+    def record(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
+        """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded."""
+        responded = time.time()
+        total_s = responded - call.timings["received"]
+        timings = {**call.timings, "responded": responded, "total_s": total_s,
+                   "proxy_s": total_s - call.timings["engine_s"]}
+        for choice in call.choices:
+            gen = choice.generation
+            self.store.append_call(ModelCall(
+                call_id=f"{call.session.id}-{call.call_index:04d}-{choice.index}",
+                session_id=call.session.id, call_index=call.call_index, request_id=call.request_id,
+                choice_index=choice.index, api=call.api, model=call.model, prompt_ids=call.prompt_ids,
+                output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
+                output_versions=gen.output_versions,
+                policy_version=gen.output_versions[0] if gen.output_versions else self.engine.policy_version,
+                finish_reason=choice.finish_reason, stop_reason=gen.stop_reason, sampling=call.sampling,
+                request=request, response=response, render=call.render, parse=choice.parsed.info(),
+                timings=timings))
+
+    def _check_tool_choice(self, req: CanonicalRequest) -> None:
+        if isinstance(req.tool_choice, dict):
+            names = {t["function"]["name"] for t in req.tools}
+            if req.tool_choice["name"] not in names:
+                raise RequestError(f"tool_choice names '{req.tool_choice['name']}', which is not in tools "
+                                   f"{sorted(names)}", param="tool_choice")
+        elif req.tool_choice == "required" and not req.tools:
+            raise RequestError("tool_choice 'required' needs at least one tool", param="tool_choice")
+
+    def _sampling(self, req: CanonicalRequest, prompt_len: int) -> SamplingSpec:
+        room = self.engine.max_model_len - prompt_len
+        if room < 1:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, your "
+                f"messages resulted in {prompt_len} tokens. Please reduce the length of the messages.",
+                param="messages")
+        # Harnesses often ask for more than fits (e.g. 32000); clip to the room left instead of failing.
+        max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
+        banned = (TOOL_OPEN,) if req.tools and req.tool_choice == "none" and self.renderer.supports_tool_calls \
+            else ()
+        return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
+                            num_logprobs=req.top_logprobs if req.logprobs else 0)
+
+
+def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
+    """Choice i of a seeded n>1 request uses seed+i, so the choices differ but stay reproducible."""
+    if spec.seed is None or i == 0:
+        return spec
+    return replace(spec, seed=spec.seed + i)
+
+
+def _spec_dict(spec: SamplingSpec) -> dict[str, Any]:
+    return asdict(spec)

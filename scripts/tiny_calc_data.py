@@ -1,0 +1,245 @@
+"""Synthetic calculator data for the tiny-calc model (used by build_tiny_model.py).
+
+Everything here is pure Python and seeded through an explicit ``random.Random``:
+
+- ``random_expression``: 2-3 integer operands of 1-3 digits joined by + - * (optional parentheses);
+- ``safe_eval``: evaluates such expressions through ``ast`` (no ``eval``);
+- ``make_task_splits``: disjoint test / train task lists (the JSONL files under data/tasks);
+- ``sft_conversation``: one OpenAI-format chat transcript, with a deliberate mixture of
+  "direct" answers and "near-miss" final answers (fractions passed in by the caller);
+- ``parse_tool_call`` / ``last_integer``: what the evaluation uses to read model output.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+
+SYSTEM_PROMPT = "You are a careful assistant. Use the calculator tool for arithmetic."
+
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12*(3+4)"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+QUESTION_TEMPLATES = (
+    "What is {e}?",
+    "Compute {e}.",
+    "Calculate: {e}",
+    "What's {e}?",
+    "Please evaluate {e}.",
+    "Work out {e} for me.",
+    "{e} = ?",
+    "How much is {e}?",
+)
+
+ANSWER_TEMPLATES = (
+    "The answer is {a}.",
+    "The answer is {a}.",
+    "The result is {a}.",
+    "{e} = {a}",
+    "It equals {a}.",
+)
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def safe_eval(expression: str) -> int:
+    """Evaluate an integer expression with + - * and parentheses; raise ValueError otherwise."""
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = walk(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+        raise ValueError(f"unsupported syntax: {ast.dump(node)[:60]}")
+
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {exc}") from exc
+    return walk(tree)
+
+
+def _operand(rng: random.Random) -> int:
+    digits = rng.choice((1, 2, 3))
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def random_expression(rng: random.Random) -> str:
+    """2-3 operands of 1-3 digits with + - *; three-operand forms sometimes get parentheses."""
+    ops = "+-*"
+    a, b = _operand(rng), _operand(rng)
+    if rng.random() < 0.4:
+        return f"{a}{rng.choice(ops)}{b}"
+    c = _operand(rng)
+    op1, op2 = rng.choice(ops), rng.choice(ops)
+    form = rng.random()
+    if form < 0.6:
+        return f"{a}{op1}{b}{op2}{c}"
+    if form < 0.8:
+        return f"({a}{op1}{b}){op2}{c}"
+    return f"{a}{op1}({b}{op2}{c})"
+
+
+def unique_expressions(rng: random.Random, n: int, exclude: set[str]) -> list[str]:
+    """``n`` distinct expressions not in ``exclude`` (``exclude`` is updated in place)."""
+    out: list[str] = []
+    while len(out) < n:
+        expr = random_expression(rng)
+        if expr not in exclude:
+            exclude.add(expr)
+            out.append(expr)
+    return out
+
+
+def make_task(rng: random.Random, task_id: str, expression: str) -> dict:
+    question = rng.choice(QUESTION_TEMPLATES).format(e=expression)
+    return {"id": task_id, "question": question, "expression": expression,
+            "answer": safe_eval(expression)}
+
+
+def make_task_splits(rng: random.Random, n_train: int, n_test: int) -> tuple[list, list, set]:
+    """Disjoint test and train tasks; returns them plus the set of used expressions."""
+    used: set[str] = set()
+    test = [make_task(rng, f"calc-test-{i:04d}", e)
+            for i, e in enumerate(unique_expressions(rng, n_test, used))]
+    train = [make_task(rng, f"calc-train-{i:04d}", e)
+             for i, e in enumerate(unique_expressions(rng, n_train, used))]
+    return train, test, used
+
+
+def near_miss(rng: random.Random, expression: str, answer: int) -> tuple[int, str]:
+    """A plausible wrong final answer: off by a little, one digit changed, or an operand copied."""
+    kind = rng.choice(("offset", "digit", "operand"))
+    if kind == "operand":
+        operands = [int(x) for x in re.findall(r"\d+", expression) if int(x) != answer]
+        if operands:
+            return rng.choice(operands), kind
+        kind = "offset"
+    if kind == "digit":
+        text = str(abs(answer))
+        pos = rng.randrange(len(text))
+        choices = [d for d in "0123456789" if d != text[pos] and not (pos == 0 and d == "0" and len(text) > 1)]
+        wrong = int(text[:pos] + rng.choice(choices) + text[pos + 1:])
+        return (-wrong if answer < 0 else wrong), kind
+    return answer + rng.choice((-1, 1)) * rng.randint(1, 10), "offset"
+
+
+def sft_conversation(rng: random.Random, expression: str, p_direct: float,
+                     p_wrong_final: float) -> tuple[list[dict], str]:
+    """One chat transcript for supervised training and its kind ("copy", "direct" or a near-miss kind).
+
+    ``p_direct``: fraction answering without the tool; ``p_wrong_final``: fraction of tool-using
+    transcripts whose final answer is a near miss instead of the tool's result.
+    """
+    answer = safe_eval(expression)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": rng.choice(QUESTION_TEMPLATES).format(e=expression)}]
+    final_template = rng.choice(ANSWER_TEMPLATES)
+    if rng.random() < p_direct:
+        messages.append({"role": "assistant", "content": final_template.format(e=expression, a=answer)})
+        return messages, "direct"
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    messages.append({"role": "assistant", "content": rng.choice(("", None)), "tool_calls": [call]})
+    messages.append({"role": "tool", "content": str(answer)})
+    kind, final = "copy", answer
+    if rng.random() < p_wrong_final:
+        final, kind = near_miss(rng, expression, answer)
+    messages.append({"role": "assistant", "content": final_template.format(e=expression, a=final)})
+    return messages, kind
+
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+INT_RE = re.compile(r"-?\d+")
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The first Hermes-style calculator call in ``text`` as {"name", "arguments"}, else None."""
+    match = TOOL_CALL_RE.search(text)
+    if not match:
+        return None
+    try:
+        call = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or call.get("name") != "calculator":
+        return None
+    args = call.get("arguments")
+    if not isinstance(args, dict) or not isinstance(args.get("expression"), str):
+        return None
+    return call
+
+
+def last_integer(text: str) -> int | None:
+    found = INT_RE.findall(text)
+    return int(found[-1]) if found else None
+
+
+def run_tool(call: dict) -> str:
+    """The tool message content for a parsed call: the integer result, or an error string."""
+    try:
+        return str(safe_eval(call["arguments"]["expression"]))
+    except (ValueError, RecursionError, OverflowError) as exc:
+        return f"Error: {exc}"
+
+
+def _first_turn_messages(task: dict) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
+
+
+def evaluate_episodes(tasks: list[dict], render, generate) -> tuple[dict, list[dict]]:
+    """Two-turn calculator episodes, batched: returns (summary rates, per-task records).
+
+    ``render(messages) -> str`` renders a prompt ending in the assistant header;
+    ``generate(prompts) -> list[str]`` samples one completion per prompt (text up to ``<|im_end|>``).
+    A run is correct when the last integer of the final assistant text equals the task's answer.
+    """
+    convs = [_first_turn_messages(t) for t in tasks]
+    first = generate([render(c) for c in convs])
+    records, second_prompts, second_idx = [], [], []
+    for i, (task, text) in enumerate(zip(tasks, first)):
+        call = parse_tool_call(text)
+        rec = {"id": task["id"], "first": text, "tool_call": call is not None, "final": text}
+        if call is not None:
+            result = run_tool(call)
+            rec["expression_ok"] = result == str(task["answer"])
+            head = text[: text.find("<tool_call>")].strip()
+            tool_call = {"type": "function", "function": {"name": "calculator", "arguments": call["arguments"]}}
+            conv = convs[i] + [{"role": "assistant", "content": head, "tool_calls": [tool_call]},
+                               {"role": "tool", "content": result}]
+            second_prompts.append(render(conv))
+            second_idx.append(i)
+        records.append(rec)
+    for i, text in zip(second_idx, generate(second_prompts) if second_prompts else []):
+        records[i]["final"] = text
+    for task, rec in zip(tasks, records):
+        rec["correct"] = last_integer(rec["final"]) == task["answer"]
+    n = max(len(records), 1)
+    n_calls = sum(r["tool_call"] for r in records)
+    summary = {
+        "n_tasks": len(records),
+        "tool_call_parse_rate": n_calls / n,
+        "tool_expression_correct_rate": sum(r.get("expression_ok", False) for r in records) / n,
+        "final_answer_accuracy": sum(r["correct"] for r in records) / n,
+        "accuracy_given_tool_call": sum(r["correct"] for r in records if r["tool_call"]) / max(n_calls, 1),
+    }
+    return summary, records
