@@ -14,12 +14,12 @@ from polar_lab.types import Generation, SamplingSpec
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, replies: list[str] | None = None, *, model_name: str = "scripted",
-                 max_model_len: int = 4096, eos_token: str = "<|im_end|>"):
+    def __init__(self, tokenizer, replies: list[str] | None = None, *, model_path: str,
+                 model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>"):
         self.tokenizer = tokenizer
         self.replies = list(replies or ["ok"])
         self.model_name = model_name
-        self.model_path = model_name
+        self.model_path = model_path  # where the Lab loads the tokenizer from
         self.max_model_len = max_model_len
         self.eos_id = tokenizer.convert_tokens_to_ids(eos_token)
         self.fail_with: Exception | None = None  # set to make the next submits fail

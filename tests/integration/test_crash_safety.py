@@ -1,0 +1,38 @@
+"""A process SIGKILLed mid-run leaves a store from which every completed call loads."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from polar_lab.store import load_calls
+
+CHILD = Path(__file__).with_name("crash_child.py")
+
+
+def test_sigkill_mid_run_loses_no_completed_call(model_path, tmp_path):
+    # TMPDIR inside tmp_path: vLLM's rendezvous file cannot be cleaned up by a SIGKILLed process
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TMPDIR": str(tmp_path / "tmp")}
+    child = subprocess.Popen([sys.executable, str(CHILD), model_path, str(tmp_path), "killed"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    answered = []
+    try:
+        deadline = time.monotonic() + 300
+        for line in child.stdout:
+            if line.strip() != "READY":
+                answered.append(line.strip())
+            if len(answered) >= 40 or time.monotonic() > deadline:
+                break
+        os.kill(child.pid, signal.SIGKILL)  # mid-run: 8 workers have calls in flight
+        answered += [line.strip() for line in child.stdout if line.strip()]
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert len(answered) >= 40
+    recorded = [c.request_id for c in load_calls(tmp_path / "killed")]
+    assert set(answered) <= set(recorded), "an answered call is missing from the store"
+    assert len(recorded) == len(set(recorded)), "a call was recorded twice"

@@ -1,0 +1,123 @@
+"""The HTTP layer over a scripted engine: auth, error shapes, streaming shape, request options.
+
+These use real HTTP (uvicorn) and the real store; only the engine is scripted. The same behaviours
+are checked against real vLLM in tests/integration/.
+"""
+
+import httpx
+import openai
+import pytest
+
+
+def _post(lab, path, body=None, *, content=None, key=None, headers=None):
+    headers = dict(headers or {})
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(lab.url + path, json=body, content=content, headers=headers, timeout=30)
+
+
+def _assert_openai_error(r, status, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("key", [None, "", "pl-not-a-real-key"])
+def test_unknown_or_missing_key_is_401(scripted_lab, key):
+    r = _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=key)
+    _assert_openai_error(r, 401, "invalid_api_key")
+    assert scripted_lab.store.num_calls == 0
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"{not json", "parse the JSON"),                      # malformed JSON
+    (b"[1, 2]", "JSON object"),                            # JSON, but not an object
+    (b'{"model": "x"}', "messages"),                       # missing required field
+    (b'{"messages": []}', "messages"),                     # empty conversation
+    (b'{"messages": [{"role": "wizard", "content": "x"}]}', "role"),   # unknown role
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 7}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+])
+def test_bad_bodies_are_400_in_openai_shape(scripted_lab, content, needle):
+    s = scripted_lab.session()
+    r = _post(scripted_lab, "/v1/chat/completions", content=content, key=s.key,
+              headers={"content-type": "application/json"})
+    _assert_openai_error(r, 400)
+    assert needle in r.json()["error"]["message"]
+
+
+def test_named_tool_choice_must_name_a_given_tool(scripted_lab):
+    s = scripted_lab.session()
+    body = {"messages": MSG, "tools": [{"type": "function", "function": {"name": "a"}}],
+            "tool_choice": {"type": "function", "function": {"name": "b"}}}
+    r = _post(scripted_lab, "/v1/chat/completions", body, key=s.key)
+    _assert_openai_error(r, 400)
+    assert r.json()["error"]["param"] == "tool_choice"
+
+
+def test_body_over_the_cap_is_413(scripted_lab):
+    s = scripted_lab.session()
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (33 * 1024 * 1024) + b'"}]}'
+    r = _post(scripted_lab, "/v1/chat/completions", content=big, key=s.key)
+    _assert_openai_error(r, 413, "request_too_large")
+
+
+def test_unknown_route_is_404_in_openai_shape(scripted_lab):
+    _assert_openai_error(httpx.get(scripted_lab.url + "/v1/nope"), 404)
+
+
+def test_key_in_path_or_bearer_both_authenticate(scripted_lab):
+    s = scripted_lab.session()
+    by_path = openai.OpenAI(base_url=s.openai_base_url, api_key="anything")
+    by_bearer = openai.OpenAI(base_url=scripted_lab.url + "/v1", api_key=s.key)
+    for client in (by_path, by_bearer):
+        assert client.chat.completions.create(model="m", messages=MSG).choices[0].message.content == "Hello there."
+    assert scripted_lab.calls().session_id.tolist() == [s.id, s.id]
+
+
+def test_streaming_chunks_reassemble_to_the_non_streaming_answer(scripted_lab):
+    s = scripted_lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key)
+    chunks = list(client.chat.completions.create(model="m", messages=MSG, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello there."
+    assert chunks[-1].usage.completion_tokens == len(scripted_lab.call_records()[-1].output_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_n_choices_are_recorded_one_per_choice(scripted_lab):
+    s = scripted_lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key)
+    reply = client.chat.completions.create(model="m", messages=MSG, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    calls = scripted_lab.call_records()
+    assert [c.choice_index for c in calls] == [0, 1, 2] and len({c.request_id for c in calls}) == 1
+
+
+def test_max_tokens_beyond_the_context_is_clipped_not_refused(scripted_lab):
+    s = scripted_lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key)
+    client.chat.completions.create(model="m", messages=MSG, max_tokens=10**6)
+    (call,) = scripted_lab.call_records()
+    assert call.sampling["max_tokens"] == scripted_lab.engine.max_model_len - len(call.prompt_ids)
+
+
+def test_engine_failure_is_503_and_the_proxy_keeps_serving(scripted_lab):
+    s = scripted_lab.session()
+    scripted_lab.engine.fail_with = RuntimeError("boom")
+    _assert_openai_error(_post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key), 503)
+    scripted_lab.engine.fail_with = None
+    assert _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key).status_code == 200
+
+
+def test_health_and_models(scripted_lab):
+    assert httpx.get(scripted_lab.url + "/health").json()["status"] == "ok"
+    s = scripted_lab.session()
+    models = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key).models.list()
+    assert [m.id for m in models.data] == ["scripted"]

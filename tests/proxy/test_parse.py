@@ -1,0 +1,51 @@
+"""Tool-call and reasoning parsing of generated text (Hermes/Qwen format)."""
+
+import json
+
+import pytest
+
+from polar_lab.proxy.parse import parse_output
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*7"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content, names, n_errors", [
+    ("The answer is 21.", "The answer is 21.", [], 0),                          # plain answer
+    (CALL, None, ["calculator"], 0),                                            # call, no content
+    ("Let me compute.\n" + CALL, "Let me compute.", ["calculator"], 0),         # content before call
+    (CALL + "\n" + CALL.replace("3*7", "1+1"), None, ["calculator"] * 2, 0),    # two calls
+    ('<tool_call>\n{"name": "calculator", "argu', None, [], 1),                  # cut off by max_tokens
+    ("<tool_call>\nnot json\n</tool_call>", None, [], 1),                        # garbage inside
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', None, [], 1),               # no name
+    ('<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', None, [], 1),  # args not an object
+    ('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>', None, ["f"], 0),  # compact JSON
+    ('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', None, ["f"], 0),  # string args
+])
+def test_parse_table(text, content, names, n_errors):
+    parsed = parse_output(text)
+    assert parsed.content == content
+    assert [c["name"] for c in parsed.tool_calls] == names
+    assert len(parsed.errors) == n_errors
+
+
+def test_arguments_are_the_exact_text_the_model_wrote():
+    # Spacing the model chose survives, so the harness echoes back byte-identical arguments.
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression":  "3 * 7"}}\n</tool_call>'
+    (call,) = parse_output(text).tool_calls
+    assert call["arguments"] == '{"expression":  "3 * 7"}'
+    assert json.loads(call["arguments"]) == {"expression": "3 * 7"}
+
+
+def test_tool_parsing_can_be_off():
+    parsed = parse_output(CALL, parse_tools=False)
+    assert parsed.content == CALL and parsed.tool_calls == []
+
+
+def test_reasoning_is_split_from_content():
+    parsed = parse_output("<think>\nadd them\n</think>\n\nThe answer is 2.")
+    assert (parsed.reasoning, parsed.content) == ("add them", "The answer is 2.")
+
+
+def test_every_call_gets_a_distinct_id():
+    parsed = parse_output(CALL + "\n" + CALL)
+    assert len({c["id"] for c in parsed.tool_calls}) == 2

@@ -1,0 +1,83 @@
+"""Lab lifecycle: idempotent per port, context manager, close frees everything."""
+
+import socket
+import threading
+import warnings
+
+import pytest
+
+from polar_lab import Lab
+from polar_lab.engine import ScriptedEngine
+from polar_lab.errors import LabError
+from tests.conftest import free_port
+
+
+def _threads(name):
+    return [t for t in threading.enumerate() if t.name == name and t.is_alive()]
+
+
+def _port_is_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_constructing_the_same_lab_again_returns_the_running_one(lab, runs_dir):
+    # What re-running `lab = Lab(...)` in a notebook cell does: no second server, no second engine.
+    again = Lab(lab.config.engine.model, port=lab.port, runs_dir=str(runs_dir), run_name="shared")
+    assert again is lab
+    assert len(_threads("polar-lab-engine")) == 1
+    assert len(_threads("polar-lab-loop")) == 1
+
+
+def _scripted(tokenizer, model_path):
+    return ScriptedEngine(tokenizer, ["ok"], model_path=model_path)
+
+
+def test_with_block_twice_leaves_nothing_behind(tokenizer, model_path, tmp_path):
+    port = free_port()
+    loops_before = len(_threads("polar-lab-loop"))
+    for _ in range(2):  # the same cell run twice
+        with Lab(port=port, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path)) as lab:
+            assert len(_threads("polar-lab-loop")) == loops_before + 1
+        assert lab.closed and _port_is_free(port)
+        assert len(_threads("polar-lab-loop")) == loops_before
+
+
+def test_a_different_config_on_the_same_port_replaces_the_old_lab(tokenizer, model_path, tmp_path):
+    port = free_port()
+    first = Lab(port=port, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), run_name="a")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = Lab(port=port, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), run_name="b")
+    try:
+        assert first.closed and not second.closed
+        assert any("different config" in str(w.message) for w in caught)
+    finally:
+        second.close()
+
+
+def test_close_is_idempotent_and_a_closed_lab_refuses_work(tokenizer, model_path, tmp_path):
+    lab = Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path))
+    lab.close()
+    lab.close()
+    with pytest.raises(LabError, match="closed"):
+        lab.session()
+
+
+def test_a_taken_port_is_a_clear_error(tokenizer, model_path, tmp_path):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        with pytest.raises(LabError, match=str(port)):
+            Lab(port=port, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path))
+
+
+def test_binding_beyond_loopback_warns(tokenizer, model_path, tmp_path):
+    with pytest.warns(UserWarning, match="not loopback"):
+        lab = Lab(host="0.0.0.0", port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path))
+    lab.close()
