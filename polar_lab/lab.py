@@ -106,7 +106,10 @@ class Lab:
 
     def _start_server(self) -> None:
         cfg = self.config.proxy
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+        # each keep-alive response waits ~40 ms for a delayed ACK (Nagle).
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((cfg.host, cfg.port))

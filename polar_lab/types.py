@@ -33,6 +33,7 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     banned_strings: tuple[str, ...] = ()  # never sampled, e.g. "<tool_call>" under tool_choice="none"
     num_logprobs: int = 0  # alternatives per position beyond the sampled token
+    ignore_eos: bool = False  # keep sampling past end-of-turn (benchmarks: fixed output length)
 
 
 @dataclass

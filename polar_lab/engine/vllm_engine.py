@@ -258,5 +258,5 @@ def _sampling_params(spec: SamplingSpec):
     return SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
         seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
-        logprobs=spec.num_logprobs, output_kind=RequestOutputKind.FINAL_ONLY,
+        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
     )

@@ -30,6 +30,7 @@ class CanonicalRequest:
     top_logprobs: int = 0
     stream: bool = False
     model: str = ""
+    ignore_eos: bool = False  # vLLM extension
 
 
 @dataclass

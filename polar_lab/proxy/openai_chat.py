@@ -35,7 +35,7 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         top_k=-1 if body.top_k in (None, 0) else body.top_k,
         seed=body.seed, stop=tuple(s for s in stop if s), n=body.n,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
-        stream=bool(body.stream), model=body.model,
+        stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
     )
 
 

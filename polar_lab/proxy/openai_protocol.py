@@ -91,3 +91,4 @@ class ChatCompletionRequest(_Lenient):
     user: str | None = None
     # --- extensions (vLLM's names) ---
     top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool | None = None

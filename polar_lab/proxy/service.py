@@ -101,7 +101,7 @@ class CallService:
             else ()
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
-                            num_logprobs=req.top_logprobs if req.logprobs else 0)
+                            num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
 
 
 def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:

