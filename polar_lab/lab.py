@@ -36,7 +36,9 @@ from polar_lab.proxy.service import CallService
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore, calls_frame, load_calls, load_sessions
 from polar_lab.store.runstore import check_run_name, new_run_name
-from polar_lab.types import ModelCall, Session
+from polar_lab.trajectory.builders import BUILDERS
+from polar_lab.trajectory.report import chain_breaks, drift_summary
+from polar_lab.types import ModelCall, Session, Trajectory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,10 +184,14 @@ class Lab:
 
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
-                **info: Any) -> Session:
-        """A new session (one harness run) with its own secret key."""
+                chat_template: str | None = None, **info: Any) -> Session:
+        """A new session (one harness run) with its own secret key.
+
+        chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
+        info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
+        """
         self._check_open()
-        return self.registry.create(task, group_id=group_id, info=info)
+        return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""
@@ -207,6 +213,31 @@ class Lab:
 
     def sessions(self) -> pd.DataFrame:
         return load_sessions(self.run_dir)
+
+    def trajectories(self, builder: str = "prefix_merging", *, session_ids: list[str] | None = None,
+                     ) -> list[Trajectory]:
+        """Training samples rebuilt from the recorded calls; each carries its session's reward."""
+        if builder not in BUILDERS:
+            raise ValueError(f"unknown builder {builder!r}; choose from {sorted(BUILDERS)}")
+        calls = self.call_records()
+        if session_ids is not None:
+            wanted = set(session_ids)
+            calls = [c for c in calls if c.session_id in wanted]
+        trajectories = BUILDERS[builder](calls)
+        sessions = {s.id: s for s in self.registry.all()}
+        for traj in trajectories:
+            session = sessions.get(traj.session_id)
+            traj.reward = session.reward if session is not None else None
+        return trajectories
+
+    def chain_breaks(self) -> pd.DataFrame:
+        """Every prefix-merging chain break of this run, classified (see polar_lab.trajectory.drift)."""
+        harness_of = {s.id: str(s.info.get("harness", "unknown")) for s in self.registry.all()}
+        return chain_breaks(self.call_records(), self.tokenizer, harness_of)
+
+    def drift_report(self) -> pd.DataFrame:
+        """Chain breaks counted by harness and class, with an example of each."""
+        return drift_summary(self.chain_breaks())
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load new weights into the live engine; returns the new policy version."""

@@ -1,13 +1,18 @@
-"""Chat template → prompt token ids. Stateless; called from worker threads so the proxy loop never tokenises.
+"""Chat template → prompt token ids, with exact-id continuity. Called from worker threads, never the loop.
 
-Exact-id continuity across the turns of a session (reusing earlier ids, tokenising only the new
-suffix) is layered on top of this in the trajectory issue; here every prompt is tokenised in full
-and `info["mode"] == "full"` says so.
+Continuity: the model's own output must never be re-tokenised. For each session we keep the last few
+"tips" — an earlier call's prompt text + generated text, and its prompt ids + sampled ids. When a new
+prompt's text starts with a tip's text, the tip's ids are reused verbatim and only the new suffix (tool
+results, the next user turn, template glue) is tokenised. Per-turn cost then grows with the new text,
+not the history. When no tip is a prefix (a template dropped `<think>`, a harness re-serialised a tool
+call, compacted its context...), the prompt is tokenised in full and the divergence from the closest tip
+is recorded in `info["divergence"]`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +20,17 @@ import jinja2
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.parse import TOOL_OPEN
+
+_CONTEXT = 40  # characters of context on each side of a divergence
+
+
+@dataclass
+class Tip:
+    """What the model has seen and said after one call: text and the exact ids behind it."""
+
+    call_id: str
+    text: str
+    ids: list[int]
 
 
 @dataclass
@@ -24,27 +40,87 @@ class Rendered:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class TipCache:
+    """Per-session tips, bounded: the newest `per_session` tips of the newest `sessions` sessions."""
+
+    def __init__(self, per_session: int = 8, sessions: int = 4096):
+        self.per_session = per_session
+        self.sessions = sessions
+        self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+
+    def get(self, session_id: str) -> list[Tip]:
+        return list(self._tips.get(session_id, ()))
+
+    def add(self, session_id: str, tip: Tip) -> None:
+        tips = self._tips.setdefault(session_id, [])
+        self._tips.move_to_end(session_id)
+        tips.append(tip)
+        del tips[:-self.per_session]
+        while len(self._tips) > self.sessions:
+            self._tips.popitem(last=False)
+
+    def drop(self, session_id: str) -> None:
+        self._tips.pop(session_id, None)
+
+
 class Renderer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         template = tokenizer.chat_template or ""
         self.supports_tool_calls = TOOL_OPEN in template  # Hermes-style calls we can parse and force
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-               prefill: str = "") -> Rendered:
-        """Render messages (+ tools) with the generation prompt, append `prefill`, tokenise."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
+               tips: list[Tip] | None = None, chat_template: str | None = None) -> Rendered:
+        """Render messages (+ tools) with the generation prompt, append `prefill`, tokenise (reusing a tip)."""
         t0 = time.perf_counter()
+        text = self._template(messages, tools, chat_template) + prefill
+        tip = _longest_prefix_tip(text, tips or [])
+        if tip is not None:
+            ids = tip.ids + self.encode(text[len(tip.text):])
+            info = {"mode": "continued", "from_call": tip.call_id, "reused_tokens": len(tip.ids)}
+        else:
+            ids = self.encode(text)
+            info = {"mode": "full"}
+            if tips:
+                info["mode"] = "diverged"
+                info["divergence"] = self._divergence(text, tips)
+        info.update(prompt_chars=len(text), prefill=prefill, render_s=time.perf_counter() - t0)
+        return Rendered(prompt_ids=ids, text=text, info=info)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def decode(self, ids: list[int]) -> str:
+        """Exact text of ids, special tokens included (what the template would have rendered)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                  chat_template: str | None) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                chat_template=chat_template)
         except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:
             raise RequestError(f"the chat template cannot render these messages: {exc}",
                                param="messages") from exc
-        text += prefill
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        info = {"mode": "full", "prompt_chars": len(text), "prefill": prefill,
-                "render_s": time.perf_counter() - t0}
-        return Rendered(prompt_ids=ids, text=text, info=info)
+
+    def _divergence(self, text: str, tips: list[Tip]) -> dict[str, Any]:
+        """Where the new prompt leaves the closest earlier tip: call, character, token, both sides' context."""
+        best, at = max(((tip, common_prefix_len(text, tip.text)) for tip in tips), key=lambda p: p[1])
+        return {"from_call": best.call_id, "char": at, "token": self._token_at(best.ids, at),
+                "tip_chars": len(best.text), "tip_context": best.text[max(0, at - _CONTEXT):at + _CONTEXT],
+                "prompt_context": text[max(0, at - _CONTEXT):at + _CONTEXT]}
+
+    def _token_at(self, ids: list[int], char: int) -> int:
+        """Index of the first token whose decoded span reaches past `char` (binary search on prefixes)."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.decode(ids[:mid + 1])) <= char:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def forced_prefill(self, tool_choice: str | dict[str, Any]) -> str:
         """Text that makes the model call a tool: the start of a tool-call block, in the template's shape.
@@ -58,3 +134,24 @@ class Renderer:
         if tool_choice == "required":
             return f'{TOOL_OPEN}\n{{"name": "'
         return ""
+
+
+def _longest_prefix_tip(text: str, tips: list[Tip]) -> Tip | None:
+    matches = [tip for tip in tips if text.startswith(tip.text)]
+    return max(matches, key=lambda tip: len(tip.text)) if matches else None
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix, by binary search over `startswith` (memcmp speed on long texts).
+
+    >>> common_prefix_len("abcdef", "abcxyz")
+    3
+    """
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -17,7 +17,7 @@ from polar_lab.engine.base import Engine, generate
 from polar_lab.errors import ContextLengthError, RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
-from polar_lab.proxy.render import Renderer
+from polar_lab.proxy.render import Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
 from polar_lab.types import ModelCall, SamplingSpec, Session
@@ -31,13 +31,15 @@ class CallService:
         self.registry = registry
         self.store = store
         self.config = config
+        self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
         self.in_flight = 0
 
     async def complete(self, session: Session, req: CanonicalRequest, *, api: str) -> CompletedCall:
         received = time.time()
         self._check_tool_choice(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
-        rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill)
+        rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill,
+                                           self.tips.get(session.id), session.chat_template)
         spec = self._sampling(req, len(rendered.prompt_ids))
         call_index = self.registry.next_call_index(session)
         self.in_flight += 1
@@ -54,6 +56,9 @@ class CallService:
             parsed = parse_output(prefill + gen.text, parse_tools=parse_tools)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish))
+            self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i),
+                                          text=rendered.text + self.renderer.decode(gen.output_ids),
+                                          ids=rendered.prompt_ids + gen.output_ids))
         return CompletedCall(
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
@@ -69,7 +74,7 @@ class CallService:
         for choice in call.choices:
             gen = choice.generation
             self.store.append_call(ModelCall(
-                call_id=f"{call.session.id}-{call.call_index:04d}-{choice.index}",
+                call_id=call_id(call.session.id, call.call_index, choice.index),
                 session_id=call.session.id, call_index=call.call_index, request_id=call.request_id,
                 choice_index=choice.index, api=call.api, model=call.model, prompt_ids=call.prompt_ids,
                 output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
@@ -102,6 +107,10 @@ class CallService:
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
+
+
+def call_id(session_id: str, call_index: int, choice_index: int) -> str:
+    return f"{session_id}-{call_index:04d}-{choice_index}"
 
 
 def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:

@@ -33,10 +33,11 @@ class SessionRegistry:
         self._lock = threading.Lock()  # notebook thread creates, loop thread resolves
 
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
-               key: str | None = None, info: dict[str, Any] | None = None) -> Session:
+               key: str | None = None, info: dict[str, Any] | None = None,
+               chat_template: str | None = None) -> Session:
         session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
-                          _closer=self.close)
+                          chat_template=chat_template, _closer=self.close)
         with self._lock:
             self._by_digest[_digest(session.key)] = session
             self._by_id[session.id] = session

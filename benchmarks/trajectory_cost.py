@@ -1,0 +1,105 @@
+"""Trajectory costs: render+tokenise time per turn, and per_request vs prefix_merging sizes.
+
+Part 1 (renderer only, the proxy's exact code path, no engine): a 100-turn session whose history grows
+to ~64k tokens. Each turn adds a ~600-token user message; the "model output" is a fixed reply encoded
+once, as the proxy would have received it from the engine. Reports the per-call render+tokenise time at
+turn 1 and turn 100 with exact-id continuity, and what a full re-tokenisation costs at turn 100.
+
+Part 2 (real Lab, real vLLM, the tiny model): one 10-turn tool-using session (`multi_turn_agent`),
+rebuilt with both builders after 2, 4, ..., 10 turns: samples, tokens, trained tokens.
+
+    python benchmarks/trajectory_cost.py [--model data/models/tiny-calc] [--turns 100] [--skip-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
+from polar_lab.proxy.render import Renderer, Tip
+
+FILLER = ("The log shows the build step ran, the tests were collected, and three of them failed with "
+          "an assertion about the parser's handling of nested brackets in the input file. ")
+
+
+def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
+    renderer = Renderer(tokenizer)
+    reply_ids = renderer.encode("I will look at the failing parser tests next.") + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    tips: list[Tip] = []
+    per_turn, tokens = [], 0
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": f"Step {turn}. " + FILLER * 16})
+        timings = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rendered = renderer.render(messages, [CALC_TOOL], tips=tips)
+            timings.append(time.perf_counter() - t0)
+        per_turn.append(statistics.median(timings))
+        tokens = len(rendered.prompt_ids)
+        tips = [Tip(f"c{turn}", rendered.text + renderer.decode(reply_ids), rendered.prompt_ids + reply_ids)]
+        messages.append({"role": "assistant", "content": "I will look at the failing parser tests next."})
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        renderer.render(messages[:-1], [CALC_TOOL])
+    full = (time.perf_counter() - t0) / repeats
+    return {"turns": turns, "history_tokens": tokens, "turn1_ms": per_turn[0] * 1000,
+            "last_turn_ms": per_turn[-1] * 1000, "ratio": per_turn[-1] / per_turn[0],
+            "last_turn_full_retokenise_ms": full * 1000}
+
+
+def builder_sizes(model: str, turns: int) -> list[dict]:
+    from polar_lab import Lab
+    from polar_lab.harness.drift import multi_turn_agent
+    from polar_lab.trajectory.report import builder_counts
+
+    questions = ["What is 12*(3+4)?", "What is 81-17?", "Compute 5*6*7.", "What is 100+23?", "What is 9*9?"]
+    with Lab(model, port=0, run_name=f"bench-traj-{int(time.time())}") as lab:
+        session = lab.session()
+        lab.run(multi_turn_agent(session, questions, turns=turns), timeout=600)
+        calls = sorted(lab.call_records(), key=lambda c: c.call_index)
+    rows = []
+    for k in range(2, turns + 1, 2):
+        counts = builder_counts(calls[:k])
+        rows.append({"turns": k, **{f"{b}_{m}": v for b, d in counts.items() for m, v in d.items()}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--turns", type=int, default=100)
+    parser.add_argument("--builder-turns", type=int, default=10)
+    parser.add_argument("--skip-engine", action="store_true", help="only part 1 (no vLLM)")
+    parser.add_argument("--out", default="benchmarks/results/trajectory_cost.json")
+    args = parser.parse_args()
+
+    render = render_costs(AutoTokenizer.from_pretrained(args.model), args.turns)
+    print(f"render+tokenise: turn 1 {render['turn1_ms']:.2f} ms, turn {args.turns} {render['last_turn_ms']:.2f} ms "
+          f"(ratio {render['ratio']:.2f}, history {render['history_tokens']} tokens); full re-tokenisation at "
+          f"turn {args.turns}: {render['last_turn_full_retokenise_ms']:.1f} ms")
+    result = {"render": render}
+    if not args.skip_engine:
+        rows = builder_sizes(args.model, args.builder_turns)
+        result["builders"] = rows
+        cols = list(rows[0])
+        print(" ".join(f"{c:>28}" for c in cols))
+        for row in rows:
+            print(" ".join(f"{row[c]:>28}" for c in cols))
+        last = rows[-1]
+        print(f"samples per_request/prefix_merging at {last['turns']} turns: "
+              f"{last['per_request_samples'] / last['prefix_merging_samples']:.1f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Trajectory builders: the recorded calls of one session → `Trajectory` samples. Pure functions, no state.
+
+per_request     one sample per call: prompt (loss 0) + sampled tokens (loss 1).
+prefix_merging  calls are chained: a call whose prompt ids start with a chain's ids (its last prompt +
+                sampled ids) extends that chain (longest chain wins). The prompt tokens between two
+                model turns — tool results, user turns, template glue — get loss_mask 0 and no
+                behaviour logprob. A call that extends no chain starts a new one; the break is
+                recorded as a `ChainBreak` and classified (drift.py). Sub-agents (own system prompt)
+                and compaction therefore become separate chains with no configuration.
+
+Only token ids decide merging: the proxy's exact-id continuity makes every prompt start with the ids
+the model actually sampled, so re-tokenisation can never fake a break or hide one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_lab.types import ModelCall, Trajectory
+
+
+@dataclass
+class ChainBreak:
+    """A call that could not extend any chain of its session."""
+
+    session_id: str
+    call_id: str
+    new_chain: int
+    closest_chain: int | None  # the chain sharing the longest token prefix with the call's prompt
+    common_tokens: int  # tokens shared with that chain
+    chain_tokens: int  # length of that chain
+    kind: str = "unclassified"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def per_request(calls: Iterable[ModelCall]) -> list[Trajectory]:
+    out = []
+    for call in _ordered(calls):
+        traj = _new_chain(call.session_id, len(out), call)
+        _extend(traj, call)
+        out.append(traj)
+    return out
+
+
+def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak], None] | None = None,
+                   ) -> list[Trajectory]:
+    """Merge each session's calls into chains. `on_break` receives every chain break (for diagnostics)."""
+    out: list[Trajectory] = []
+    by_session: dict[str, list[Trajectory]] = {}
+    for call in _ordered(calls):
+        chains = by_session.setdefault(call.session_id, [])
+        chain = _longest_extended(chains, call.prompt_ids)
+        if chain is None:
+            chain = _new_chain(call.session_id, len(chains), call)
+            if chains and on_break is not None:
+                on_break(_break(call, chains, chain.chain_index))
+            chains.append(chain)
+            out.append(chain)
+        _extend(chain, call)
+    return out
+
+
+BUILDERS = {"per_request": per_request, "prefix_merging": prefix_merging}
+
+
+def _ordered(calls: Iterable[ModelCall]) -> list[ModelCall]:
+    return sorted(calls, key=lambda c: (c.session_id, c.call_index, c.choice_index))
+
+
+def _new_chain(session_id: str, index: int, first: ModelCall) -> Trajectory:
+    return Trajectory(session_id=session_id, chain_index=index, token_ids=[], loss_mask=[],
+                      behavior_logprobs=[], policy_versions=[],
+                      info={"temperature": first.sampling.get("temperature", 1.0)})
+
+
+def _extend(chain: Trajectory, call: ModelCall) -> None:
+    """Append the call's new prompt tokens (loss 0) and its sampled tokens (loss 1, with logprobs)."""
+    new_prompt = list(call.prompt_ids[len(chain.token_ids):])
+    chain.token_ids += new_prompt + list(call.output_ids)
+    chain.loss_mask += [0] * len(new_prompt) + [1] * len(call.output_ids)
+    chain.behavior_logprobs += [0.0] * len(new_prompt) + list(call.output_logprobs)
+    chain.policy_versions += [-1] * len(new_prompt) + list(call.output_versions)
+    chain.call_ids.append(call.call_id)
+    if call.sampling.get("temperature", 1.0) != chain.info["temperature"]:
+        chain.info["mixed_temperatures"] = True  # fidelity() then recomputes at the first call's only
+
+
+def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
+    return len(prefix) <= len(ids) and ids[:len(prefix)] == prefix
+
+
+def _longest_extended(chains: list[Trajectory], prompt_ids: list[int]) -> Trajectory | None:
+    fits = [c for c in chains if _is_prefix(c.token_ids, prompt_ids)]
+    return max(fits, key=lambda c: len(c.token_ids)) if fits else None
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _break(call: ModelCall, chains: list[Trajectory], new_index: int) -> ChainBreak:
+    shared = [(_common_len(c.token_ids, call.prompt_ids), c) for c in chains]
+    common, closest = max(shared, key=lambda p: p[0])
+    return ChainBreak(session_id=call.session_id, call_id=call.call_id, new_chain=new_index,
+                      closest_chain=closest.chain_index, common_tokens=common,
+                      chain_tokens=len(closest.token_ids))

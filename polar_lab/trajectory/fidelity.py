@@ -1,0 +1,36 @@
+"""Fidelity check: recompute with transformers the logprob of every trained token and compare.
+
+A trajectory is only as good as its behaviour logprobs: if the engine's numbers differ from what the
+trainer computes for the same tokens, every importance ratio is off. This reports, per chain, the
+mean and max |Δ| between the recorded (sampler) logprob and a transformers recomputation at the
+call's temperature.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from polar_lab.types import Trajectory
+
+
+@torch.no_grad()
+def recompute_logprobs(model, traj: Trajectory, temperature: float = 1.0) -> list[float]:
+    """log p(token_t | tokens_<t) under `model` for every position (0.0 at position 0)."""
+    ids = torch.tensor([traj.token_ids], device=model.device)  # (1, T)
+    logits = model(ids).logits[0, :-1].float() / temperature  # (T-1, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]  # (T-1,)
+    return [0.0] + logp.tolist()
+
+
+def fidelity(trajectories: list[Trajectory], model, *, temperature: float = 1.0) -> pd.DataFrame:
+    """One row per chain: trained tokens, mean and max |engine logprob − transformers logprob|."""
+    rows = []
+    for traj in trajectories:
+        ref = recompute_logprobs(model, traj, traj.info.get("temperature", temperature))
+        diffs = [abs(b - r) for b, r, m in zip(traj.behavior_logprobs, ref, traj.loss_mask) if m]
+        rows.append({"session_id": traj.session_id, "chain_index": traj.chain_index,
+                     "trained_tokens": len(diffs),
+                     "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
+                     "max_abs_diff": max(diffs, default=0.0)})
+    return pd.DataFrame(rows)

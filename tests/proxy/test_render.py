@@ -1,0 +1,73 @@
+"""Exact-id continuity in the renderer, with the model's real tokenizer and chat template."""
+
+from polar_lab.proxy.render import Renderer, Tip, TipCache
+from polar_lab.templates import with_empty_think
+
+SYSTEM = {"role": "system", "content": "You are careful."}
+USER = {"role": "user", "content": "What is 2+3?"}
+
+
+def _tip(renderer, messages, output_text, call_id="c0"):
+    """What the proxy remembers after a call: prompt + output text, and the ids behind them."""
+    first = renderer.render(messages, [])
+    out_ids = renderer.encode(output_text) + [renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return Tip(call_id, first.text + renderer.decode(out_ids), first.prompt_ids + out_ids)
+
+
+def test_a_continued_prompt_reuses_the_sampled_ids_verbatim(tokenizer):
+    r = Renderer(tokenizer)
+    tip = _tip(r, [SYSTEM, USER], "The answer is 5.")
+    # make the "sampled" ids deliberately non-canonical: re-tokenising the text would not give them back
+    odd = tip.ids[:-1]
+    odd_ids = odd[:len(odd) - 3] + r.encode(r.decode(odd[len(odd) - 3:])[0]) \
+        + r.encode(r.decode(odd[len(odd) - 3:])[1:]) + tip.ids[-1:]
+    tip = Tip("c0", r.decode(odd_ids[: len(odd_ids)]), odd_ids)
+    follow = [SYSTEM, USER, {"role": "assistant", "content": "The answer is 5."}, {"role": "user", "content": "And 2*3?"}]
+    rendered = r.render(follow, [], tips=[tip])
+    assert rendered.info["mode"] == "continued" and rendered.info["from_call"] == "c0"
+    assert rendered.prompt_ids[:len(tip.ids)] == tip.ids
+    assert r.decode(rendered.prompt_ids) == rendered.text
+
+
+def test_without_tips_the_prompt_is_tokenised_in_full(tokenizer):
+    rendered = Renderer(tokenizer).render([SYSTEM, USER], [])
+    assert rendered.info["mode"] == "full"
+    assert rendered.prompt_ids == tokenizer.encode(rendered.text, add_special_tokens=False)
+
+
+def test_a_divergence_is_recorded_with_call_position_and_context(tokenizer):
+    r = Renderer(tokenizer)
+    tip = _tip(r, [SYSTEM, USER], "The answer is 5.")
+    edited = [SYSTEM, USER, {"role": "assistant", "content": "The answer is 6."}, {"role": "user", "content": "ok"}]
+    rendered = r.render(edited, [], tips=[tip])
+    div = rendered.info["divergence"]
+    assert rendered.info["mode"] == "diverged" and div["from_call"] == "c0"
+    assert rendered.text[:div["char"]] == tip.text[:div["char"]] and rendered.text[div["char"]] == "6"
+    assert r.decode(tip.ids[:div["token"]]) == tip.text[:len(r.decode(tip.ids[:div["token"]]))]
+    assert "5" in div["tip_context"] and "6" in div["prompt_context"]
+
+
+def test_the_longest_matching_tip_is_used(tokenizer):
+    r = Renderer(tokenizer)
+    short = _tip(r, [SYSTEM, USER], "5", call_id="short")
+    long_msgs = [SYSTEM, USER, {"role": "assistant", "content": "5"}, {"role": "user", "content": "again"}]
+    long_tip = _tip(r, long_msgs, "5", call_id="long")
+    rendered = r.render(long_msgs + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "x"}], [],
+                        tips=[short, long_tip])
+    assert rendered.info["from_call"] == "long"
+
+
+def test_a_session_template_overrides_the_model_template(tokenizer):
+    variant = with_empty_think(tokenizer.chat_template)
+    rendered = Renderer(tokenizer).render([SYSTEM, USER], [], chat_template=variant)
+    assert rendered.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_tip_cache_is_bounded_per_session_and_in_sessions():
+    cache = TipCache(per_session=2, sessions=2)
+    for i in range(3):
+        cache.add("a", Tip(str(i), "", []))
+    assert [t.call_id for t in cache.get("a")] == ["1", "2"]
+    cache.add("b", Tip("b", "", []))
+    cache.add("c", Tip("c", "", []))
+    assert cache.get("a") == [] and cache.get("c")[0].call_id == "c"
