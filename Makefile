@@ -27,6 +27,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/proxy_latency.py
+	$(BIN)/python benchmarks/trajectory_cost.py
 
 model: setup
 	$(BIN)/python scripts/build_tiny_model.py
