@@ -112,3 +112,16 @@ def test_64_concurrent_sessions_no_errors_every_call_recorded_once(lab):
     for s, r in zip(sessions, results):  # each session's calls are numbered 0..k-1
         assert sorted(c.call_index for c in calls if c.session_id == s.id) == list(range(len(
             [m for m in r["messages"] if m["role"] == "assistant"])))
+
+
+def test_seed_reproduces_a_sample_and_stop_cuts_it_where_asked(lab):
+    s = lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key)
+    ask = dict(model="tiny-calc", messages=QUESTION, max_tokens=40, seed=123, temperature=1.0)
+    first = client.chat.completions.create(**ask).choices[0].message.content
+    assert client.chat.completions.create(**ask).choices[0].message.content == first
+    assert len(first) > 4
+    stop = first[2:4]
+    cut = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+    assert cut.message.content == first[:first.index(stop)]
+    assert cut.finish_reason == "stop"

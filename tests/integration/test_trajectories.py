@@ -59,29 +59,29 @@ def _made_tool_call(lab, session):
     return any(c.parse.get("num_tool_calls") for c in _calls(lab, session))
 
 
-def _until_tool_call(lab, harness, *args, tries=6, **info):
-    """Run the harness in fresh sessions until the model's forced tool call parsed (the tiny model can botch JSON)."""
+def _until_tool_call(lab, agent, *args, name, tries=6):
+    """Run the agent in fresh sessions until the model's forced tool call parsed (the tiny model can botch JSON)."""
     for _ in range(tries):
-        s = lab.session(**info)
-        lab.run(harness(s, *args), timeout=300)
+        s = lab.session(harness=name)
+        lab.run(agent(s, *args), timeout=300)
         if _made_tool_call(lab, s):
             return s
     pytest.fail(f"no parseable tool call in {tries} sessions")
 
 
 def test_reserialised_tool_call_json_breaks_the_chain_as_tool_call_rerendered(lab):
-    s = _until_tool_call(lab, reserializing_agent, "What is 37*12+5?", harness="reserializing")
+    s = _until_tool_call(lab, reserializing_agent, "What is 37*12+5?", name="reserializing")
     assert _break_kinds(lab, s) == ["tool_call_rerendered"]
     assert len(prefix_merging(_calls(lab, s))) == 2
 
 
 def test_compaction_starts_a_new_chain_classified_as_compaction(lab):
-    s = _until_tool_call(lab, compacting_agent, "What is 37*12+5?", "What is 2*21?", harness="compacting")
+    s = _until_tool_call(lab, compacting_agent, "What is 37*12+5?", "What is 2*21?", name="compacting")
     assert _break_kinds(lab, s) == ["truncation_compaction"]
 
 
 def test_a_subagent_with_its_own_system_prompt_is_a_separate_chain(lab):
-    s = _until_tool_call(lab, subagent_harness, "What is 37*12+5?", harness="subagent")
+    s = _until_tool_call(lab, subagent_harness, "What is 37*12+5?", name="subagent")
     assert _break_kinds(lab, s) == ["new_context"]
     main, sub = prefix_merging(_calls(lab, s))
     assert len(main.call_ids) == 2 and len(sub.call_ids) == 1  # the main agent's chain continued after
