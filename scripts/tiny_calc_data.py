@@ -12,26 +12,12 @@ Everything here is pure Python and seeded through an explicit ``random.Random``:
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 import random
 import re
 
-SYSTEM_PROMPT = "You are a careful assistant. Use the calculator tool for arithmetic."
-
-CALC_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 12*(3+4)"}},
-            "required": ["expression"],
-        },
-    },
-}
+# The prompt, tool and evaluator are the harness's own: the model is trained on exactly what it will see.
+from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, safe_eval  # noqa: E402,F401
 
 QUESTION_TEMPLATES = (
     "What is {e}?",
@@ -51,33 +37,6 @@ ANSWER_TEMPLATES = (
     "{e} = {a}",
     "It equals {a}.",
 )
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def safe_eval(expression: str) -> int:
-    """Evaluate an integer expression with + - * and parentheses; raise ValueError otherwise."""
-    if len(expression) > 200:
-        raise ValueError("expression too long")
-
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            value = walk(node.operand)
-            return -value if isinstance(node.op, ast.USub) else value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
-        raise ValueError(f"unsupported syntax: {ast.dump(node)[:60]}")
-
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"not an expression: {exc}") from exc
-    return walk(tree)
-
 
 def _operand(rng: random.Random) -> int:
     digits = rng.choice((1, 2, 3))

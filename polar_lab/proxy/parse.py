@@ -33,12 +33,18 @@ def parse_output(text: str, *, parse_tools: bool = True) -> ParsedOutput:
     content = head[:-1] if head.endswith("\n") else head  # the template puts one "\n" before a call
     parsed = ParsedOutput(content=content or None, reasoning=reasoning)
     for block in (TOOL_OPEN + rest).split(TOOL_OPEN)[1:]:
-        body, closed, _trailing = block.partition(TOOL_CLOSE)
+        body, closed, trailing = block.partition(TOOL_CLOSE)
         call, error = _parse_block(body.strip(), closed=bool(closed))
         if call is not None:
             parsed.tool_calls.append(call)
         else:
             parsed.errors.append(error)
+        if trailing.strip():
+            parsed.errors.append(f"text after a tool call was dropped: {trailing.strip()[:80]!r}")
+    if parsed.errors and not parsed.tool_calls:
+        # Nothing usable: hand back exactly what the model wrote, so a harness that echoes it re-renders
+        # the same text (and the same token ids) instead of an empty turn.
+        return ParsedOutput(content=text, reasoning=reasoning, errors=parsed.errors)
     return parsed
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from polar_lab.proxy.render import common_prefix_len
 
 TURN_END = "<|im_end|>"
-_THINK = re.compile(r"<think>.*?</think>\n*", re.DOTALL)  # newlines only: content may start with a space
+_THINK = re.compile(r"<think>.*?</think>\n?\n?", re.DOTALL)  # the template glue only: content may start with whitespace
 _TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SPACE = re.compile(r"\s+")
 _CONTEXT = 40

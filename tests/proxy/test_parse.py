@@ -14,10 +14,12 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*7"}}\
     (CALL, None, ["calculator"], 0),                                            # call, no content
     ("Let me compute.\n" + CALL, "Let me compute.", ["calculator"], 0),         # content before call
     (CALL + "\n" + CALL.replace("3*7", "1+1"), None, ["calculator"] * 2, 0),    # two calls
-    ('<tool_call>\n{"name": "calculator", "argu', None, [], 1),                  # cut off by max_tokens
-    ("<tool_call>\nnot json\n</tool_call>", None, [], 1),                        # garbage inside
-    ('<tool_call>\n{"arguments": {}}\n</tool_call>', None, [], 1),               # no name
-    ('<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', None, [], 1),  # args not an object
+    # a botched call: the raw text comes back as content, so the harness echoes exactly what was sampled
+    ('<tool_call>\n{"name": "calculator", "argu', '<tool_call>\n{"name": "calculator", "argu', [], 1),
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", [], 1),
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>', [], 1),
+    ("<tool_call>\nIt equals 5.", "<tool_call>\nIt equals 5.", [], 1),
+    (CALL + " trailing", None, ["calculator"], 1),                              # call kept, tail reported
     ('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>', None, ["f"], 0),  # compact JSON
     ('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', None, ["f"], 0),  # string args
 ])
