@@ -277,6 +277,4 @@ def _warn_if_exposed(host: str) -> None:
                       f"can use the model and write into that session", stacklevel=3)
 
 
-
-
 __all__ = ["DEFAULT_MODEL", "Lab"]
