@@ -1,7 +1,7 @@
 """Trajectory costs: render+tokenise time per turn, and per_request vs prefix_merging sizes.
 
 Part 1 (renderer only, the proxy's exact code path, no engine): a 100-turn session whose history grows
-to ~64k tokens. Each turn adds a ~600-token user message; the "model output" is a fixed reply encoded
+to ~64k tokens. Each turn adds a ~640-token user message; the "model output" is a fixed reply encoded
 once, as the proxy would have received it from the engine. Reports the per-call render+tokenise time at
 turn 1 and turn 100 with exact-id continuity, and what a full re-tokenisation costs at turn 100.
 
@@ -36,7 +36,7 @@ def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
     tips: list[Tip] = []
     per_turn, tokens = [], 0
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": f"Step {turn}. " + FILLER * 16})
+        messages.append({"role": "user", "content": f"Step {turn}. " + FILLER * 11})  # ~640 tokens a turn: ~64k by turn 100
         timings = []
         for _ in range(repeats):
             t0 = time.perf_counter()

@@ -22,30 +22,35 @@ _TEMPLATE_SHAPE = re.compile(r'^\{"name": "(?P<name>[^"\\]*)", "arguments": (?P<
 def parse_output(text: str, *, parse_tools: bool = True) -> ParsedOutput:
     """Split generated text into reasoning, content and tool calls.
 
-    >>> p = parse_output('<tool_call>\\n{"name": "calc", "arguments": {"x": 1}}\\n</tool_call>')
+    Content is everything before the first tool call that parses (less the one "\n" the template puts
+    there), so botched blocks before it stay in the content and the message re-renders to the same text.
+
+    >>> p = parse_output('<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>')
     >>> p.content, p.tool_calls[0]["name"], p.tool_calls[0]["arguments"]
     (None, 'calc', '{"x": 1}')
     """
     reasoning, text = _split_reasoning(text)
     if not parse_tools or TOOL_OPEN not in text:
         return ParsedOutput(content=text or None, reasoning=reasoning)
-    head, _, rest = text.partition(TOOL_OPEN)
-    content = head[:-1] if head.endswith("\n") else head  # the template puts one "\n" before a call
-    parsed = ParsedOutput(content=content or None, reasoning=reasoning)
-    for block in (TOOL_OPEN + rest).split(TOOL_OPEN)[1:]:
-        body, closed, trailing = block.partition(TOOL_CLOSE)
+    calls, errors, first_start = [], [], None
+    starts = [m.start() for m in re.finditer(re.escape(TOOL_OPEN), text)]
+    for start, end in zip(starts, starts[1:] + [len(text)]):
+        body, closed, trailing = text[start + len(TOOL_OPEN):end].partition(TOOL_CLOSE)
         call, error = _parse_block(body.strip(), closed=bool(closed))
-        if call is not None:
-            parsed.tool_calls.append(call)
-        else:
-            parsed.errors.append(error)
-        if trailing.strip():
-            parsed.errors.append(f"text after a tool call was dropped: {trailing.strip()[:80]!r}")
-    if parsed.errors and not parsed.tool_calls:
+        if call is None:
+            errors.append(error)
+            continue
+        calls.append(call)
+        first_start = start if first_start is None else first_start
+        if trailing.strip() and end == len(text):
+            errors.append(f"text after a tool call was dropped: {trailing.strip()[:80]!r}")
+    if not calls:
         # Nothing usable: hand back exactly what the model wrote, so a harness that echoes it re-renders
         # the same text (and the same token ids) instead of an empty turn.
-        return ParsedOutput(content=text, reasoning=reasoning, errors=parsed.errors)
-    return parsed
+        return ParsedOutput(content=text, reasoning=reasoning, errors=errors)
+    head = text[:first_start]
+    content = head[:-1] if head.endswith("\n") else head  # the template puts one "\n" before a call
+    return ParsedOutput(content=content or None, reasoning=reasoning, tool_calls=calls, errors=errors)
 
 
 def _split_reasoning(text: str) -> tuple[str | None, str]:

@@ -20,6 +20,7 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*7"}}\
     ('<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>', [], 1),
     ("<tool_call>\nIt equals 5.", "<tool_call>\nIt equals 5.", [], 1),
     (CALL + " trailing", None, ["calculator"], 1),                              # call kept, tail reported
+    ("<tool_call>\n" + CALL, "<tool_call>", ["calculator"], 1),                  # a stray open tag stays content
     ('<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>', None, ["f"], 0),  # compact JSON
     ('<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>', None, ["f"], 0),  # string args
 ])
@@ -51,3 +52,19 @@ def test_reasoning_is_split_from_content():
 def test_every_call_gets_a_distinct_id():
     parsed = parse_output(CALL + "\n" + CALL)
     assert len({c["id"] for c in parsed.tool_calls}) == 2
+
+
+def test_content_and_calls_re_render_to_the_generated_text(tokenizer):
+    # The template renders content, then "\n", then each call: the parse must invert exactly that.
+    from polar_lab.proxy.render import Renderer
+
+    renderer = Renderer(tokenizer)
+    for text in ["<tool_call>\n" + CALL, "Let me see.\n" + CALL, CALL, "<tool_call>\nIt equals 5."]:
+        parsed = parse_output(text)
+        message = {"role": "assistant", "content": parsed.content,
+                   "tool_calls": [{"id": c["id"], "type": "function",
+                                   "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                  for c in parsed.tool_calls]}
+        prompt = renderer.render([{"role": "user", "content": "q"}], []).text
+        full = renderer.render([{"role": "user", "content": "q"}, message, {"role": "user", "content": "n"}], []).text
+        assert full.startswith(prompt + text + "<|im_end|>"), text
