@@ -2,10 +2,12 @@
 
 `create_app(service)` builds it; the Lab serves it with uvicorn on its background loop. Session keys
 come from the URL path (`/s/{key}/v1/...`), `Authorization: Bearer`, or `x-api-key`.
+Routes: OpenAI `/v1/chat/completions`, `/v1/models`; Anthropic `/v1/messages`, `/v1/messages/count_tokens`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -16,7 +18,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from polar_lab.errors import EngineError, RequestError
-from polar_lab.proxy import openai_chat
+from polar_lab.proxy import anthropic_messages, openai_chat
+from polar_lab.proxy.anthropic_protocol import CountTokensRequest, MessagesRequest
 from polar_lab.proxy.openai_protocol import ChatCompletionRequest
 from polar_lab.proxy.service import CallService
 
@@ -24,12 +27,26 @@ log = logging.getLogger(__name__)
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
 
 
 def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def anthropic_error(status: int, message: str, **_: Any) -> JSONResponse:
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_response(request: Request, status: int, message: str, *, code: str | None = None,
+                   param: str | None = None) -> JSONResponse:
+    """An error in the shape of the API the caller was speaking (decided by the path)."""
+    shape = anthropic_error if "/v1/messages" in request.url.path else openai_error
+    return shape(status, message, code=code, param=param)
 
 
 def create_app(service: CallService) -> FastAPI:
@@ -56,10 +73,7 @@ def create_app(service: CallService) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         session = service.registry.resolve(_key(request))
         raw = await _json_body(request, service.config.max_body_bytes)
-        try:
-            body = ChatCompletionRequest.model_validate(raw)
-        except ValidationError as exc:
-            raise _validation_error(exc) from None
+        body = _validate(ChatCompletionRequest, raw)
         req = openai_chat.to_canonical(body)
         call = await service.complete(session, req, api=openai_chat.API)
         response = openai_chat.build_response(call, req, service.renderer.tokenizer)
@@ -70,26 +84,57 @@ def create_app(service: CallService) -> FastAPI:
                                      media_type="text/event-stream")
         return Response(orjson.dumps(response), media_type="application/json")
 
+    @app.post("/v1/messages")
+    @app.post("/s/{key}/v1/messages")
+    async def messages(request: Request) -> Response:
+        session = service.registry.resolve(_key(request))
+        raw = await _json_body(request, service.config.max_body_bytes)
+        body = _validate(MessagesRequest, raw)
+        req = anthropic_messages.to_canonical(body, service.tool_args)
+        call = await service.complete(session, req, api=anthropic_messages.API)
+        response = anthropic_messages.build_response(call, req, service.tool_args)
+        service.record(call, raw, response)
+        if req.stream:
+            return StreamingResponse(anthropic_messages.stream_events(response), media_type="text/event-stream")
+        return Response(orjson.dumps(response), media_type="application/json")
+
+    @app.post("/v1/messages/count_tokens")
+    @app.post("/s/{key}/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        service.registry.resolve(_key(request))
+        body = _validate(CountTokensRequest, await _json_body(request, service.config.max_body_bytes))
+        req = anthropic_messages.to_canonical(MessagesRequest(max_tokens=1, **body.model_dump()), service.tool_args)
+        rendered = await asyncio.to_thread(service.renderer.render, req.messages, req.tools)
+        return {"input_tokens": len(rendered.prompt_ids)}
+
     return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
-    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return openai_error(exc.status, exc.message, code=exc.code, param=exc.param)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(request, exc.status, exc.message, code=exc.code, param=exc.param)
 
     @app.exception_handler(EngineError)
-    async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return openai_error(503, f"the inference engine is unavailable: {exc}", code="engine_unavailable")
+    async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return error_response(request, 503, f"the inference engine is unavailable: {exc}",
+                              code="engine_unavailable")
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return openai_error(exc.status_code, str(exc.detail))
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(request, exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected proxy error")
-        return openai_error(500, f"internal proxy error: {type(exc).__name__}: {exc}")
+        return error_response(request, 500, f"internal proxy error: {type(exc).__name__}: {exc}")
+
+
+def _validate(model, raw: dict[str, Any]):
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
 
 
 def _key(request: Request) -> str | None:

@@ -15,6 +15,7 @@ from typing import Any
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine, generate
 from polar_lab.errors import ContextLengthError, RequestError
+from polar_lab.proxy.anthropic_messages import ToolArgs
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
 from polar_lab.proxy.render import Renderer, Tip, TipCache
@@ -32,6 +33,7 @@ class CallService:
         self.store = store
         self.config = config
         self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
+        self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
         self.in_flight = 0
 
     async def complete(self, session: Session, req: CanonicalRequest, *, api: str) -> CompletedCall:
