@@ -2,7 +2,7 @@
 
 `create_app(service)` builds it; the Lab serves it with uvicorn on its background loop. Session keys
 come from the URL path (`/s/{key}/v1/...`), `Authorization: Bearer`, or `x-api-key`.
-Routes: OpenAI `/v1/chat/completions`, `/v1/models`; Anthropic `/v1/messages`, `/v1/messages/count_tokens`.
+Routes: OpenAI `/v1/chat/completions`, `/v1/responses`, `/v1/models`; Anthropic `/v1/messages`, `/v1/messages/count_tokens`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from polar_lab.errors import EngineError, RequestError
-from polar_lab.proxy import anthropic_messages, openai_chat
+from polar_lab.proxy import anthropic_messages, openai_chat, openai_responses
 from polar_lab.proxy.anthropic_protocol import CountTokensRequest, MessagesRequest
 from polar_lab.proxy.openai_protocol import ChatCompletionRequest
+from polar_lab.proxy.responses_protocol import ResponsesRequest
 from polar_lab.proxy.service import CallService
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,20 @@ def create_app(service: CallService) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(openai_chat.stream_chunks(response, include_usage),
                                      media_type="text/event-stream")
+        return Response(orjson.dumps(response), media_type="application/json")
+
+    @app.post("/v1/responses")
+    @app.post("/s/{key}/v1/responses")
+    async def responses(request: Request) -> Response:
+        session = service.registry.resolve(_key(request))
+        raw = await _json_body(request, service.config.max_body_bytes)
+        body = _validate(ResponsesRequest, raw)
+        req = openai_responses.to_canonical(body)
+        call = await service.complete(session, req, api=openai_responses.API)
+        response = openai_responses.build_response(call, req, body)
+        service.record(call, raw, response)
+        if req.stream:
+            return StreamingResponse(openai_responses.stream_events(response), media_type="text/event-stream")
         return Response(orjson.dumps(response), media_type="application/json")
 
     @app.post("/v1/messages")
