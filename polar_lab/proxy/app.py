@@ -1,8 +1,9 @@
 """The proxy's HTTP app: thin routes over `CallService`; every error leaves in the caller's API shape.
 
 `create_app(service)` builds it; the Lab serves it with uvicorn on its background loop. Session keys
-come from the URL path (`/s/{key}/v1/...`), `Authorization: Bearer`, or `x-api-key`.
-Routes: OpenAI `/v1/chat/completions`, `/v1/responses`, `/v1/models`; Anthropic `/v1/messages`, `/v1/messages/count_tokens`.
+come from the URL path (`/s/{key}/v1/...`), `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`.
+Routes: OpenAI `/v1/chat/completions`, `/v1/responses`, `/v1/models`; Google
+`/v1beta/models/{model}:generateContent` and `:streamGenerateContent` (also under `/v1/`); Anthropic `/v1/messages`, `/v1/messages/count_tokens`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from polar_lab.errors import EngineError, RequestError
-from polar_lab.proxy import anthropic_messages, openai_chat, openai_responses
+from polar_lab.proxy import anthropic_messages, google_genai, openai_chat, openai_responses
 from polar_lab.proxy.anthropic_protocol import CountTokensRequest, MessagesRequest
 from polar_lab.proxy.openai_protocol import ChatCompletionRequest
 from polar_lab.proxy.responses_protocol import ResponsesRequest
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+_GOOGLE_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "INVALID_ARGUMENT",
+                  413: "INVALID_ARGUMENT", 503: "UNAVAILABLE"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
 
@@ -43,10 +46,17 @@ def anthropic_error(status: int, message: str, **_: Any) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+def google_error(status: int, message: str, **_: Any) -> JSONResponse:
+    body = {"error": {"code": status, "message": message, "status": _GOOGLE_STATUS.get(status, "INTERNAL")}}
+    return JSONResponse(body, status_code=status)
+
+
 def error_response(request: Request, status: int, message: str, *, code: str | None = None,
                    param: str | None = None) -> JSONResponse:
     """An error in the shape of the API the caller was speaking (decided by the path)."""
-    shape = anthropic_error if "/v1/messages" in request.url.path else openai_error
+    path = request.url.path
+    google = "/v1beta/" in path or path.endswith((":generateContent", ":streamGenerateContent"))
+    shape = anthropic_error if "/v1/messages" in path else google_error if google else openai_error
     return shape(status, message, code=code, param=param)
 
 
@@ -97,6 +107,27 @@ def create_app(service: CallService) -> FastAPI:
         service.record(call, raw, response)
         if req.stream:
             return StreamingResponse(openai_responses.stream_events(response), media_type="text/event-stream")
+        return Response(orjson.dumps(response), media_type="application/json")
+
+    @app.post("/v1beta/models/{model_action}")
+    @app.post("/s/{key}/v1beta/models/{model_action}")
+    @app.post("/v1/models/{model_action}")  # google-genai 3 uses v1 with a custom base_url
+    @app.post("/s/{key}/v1/models/{model_action}")
+    async def generate_content(request: Request, model_action: str) -> Response:
+        model, _, action = model_action.partition(":")
+        if action not in ("generateContent", "streamGenerateContent"):
+            raise RequestError(f"unknown method '{action}': use generateContent or streamGenerateContent",
+                               status=404)
+        session = service.registry.resolve(_key(request))
+        raw = await _json_body(request, service.config.max_body_bytes)
+        body = _validate(google_genai.GenerateContentRequest, raw)
+        stream = action == "streamGenerateContent"
+        req = google_genai.to_canonical(body, model, stream=stream, tool_args=service.tool_args)
+        call = await service.complete(session, req, api=google_genai.API)
+        response = google_genai.build_response(call, req, service.tool_args)
+        service.record(call, raw, response)
+        if stream:
+            return StreamingResponse(google_genai.stream_chunks(response), media_type="text/event-stream")
         return Response(orjson.dumps(response), media_type="application/json")
 
     @app.post("/v1/messages")
@@ -159,7 +190,8 @@ def _key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("x-api-key")
+    headers = request.headers
+    return headers.get("x-api-key") or headers.get("x-goog-api-key") or request.query_params.get("key")
 
 
 async def _json_body(request: Request, limit: int) -> dict[str, Any]:
