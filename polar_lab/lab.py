@@ -38,7 +38,8 @@ from polar_lab.store import RunStore, calls_frame, load_calls, load_sessions
 from polar_lab.store.runstore import check_run_name, new_run_name
 from polar_lab.trajectory.builders import BUILDERS
 from polar_lab.trajectory.report import chain_breaks, drift_summary
-from polar_lab.types import ModelCall, Session, Trajectory
+from polar_lab.harness.runtime import Evaluator, Harness, rollout_async
+from polar_lab.types import Group, ModelCall, Session, Trajectory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,6 +203,17 @@ class Lab:
         """Start a coroutine on the Lab's loop and return at once."""
         self._check_open()
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
+                evaluator: Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
+                builder: str = "prefix_merging", progress: bool = True) -> list[Group]:
+        """Run each task `num_generations` times through `harness` (async callable), one Group per task.
+
+        Crashed or timed-out runs keep their calls, are marked in `session.status`, and get reward None.
+        """
+        return self.run(rollout_async(self, tasks, harness, num_generations=num_generations, evaluator=evaluator,
+                                      concurrency=concurrency, deadline_s=deadline_s, builder=builder,
+                                      progress=progress))
 
     def call_records(self) -> list[ModelCall]:
         """Every recorded call of this run, read back from the run folder."""

@@ -58,7 +58,7 @@ class Session:
     key: str
     task: dict[str, Any] | None = None
     group_id: str | None = None
-    status: str = "open"  # "open" | "closed"
+    status: str = "open"  # "open" | "closed" | "error" | "timeout"
     reward: float | None = None
     created_at: float = field(default_factory=time.time)
     closed_at: float | None = None
@@ -67,11 +67,11 @@ class Session:
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
-    def close(self, reward: float | None = None, **info: Any) -> Session:
-        """Mark the run finished, with its reward and any facts about it (stored with the session)."""
+    def close(self, reward: float | None = None, *, status: str = "closed", **info: Any) -> Session:
+        """Mark the run finished ("closed", or "error"/"timeout"), with its reward and any facts about it."""
         if self._closer is None:
             raise RuntimeError(f"session {self.id} is not registered with a Lab")
-        return self._closer(self, reward=reward, info=info)
+        return self._closer(self, reward=reward, info=info, status=status)
 
     @property
     def api_key(self) -> str:

@@ -27,3 +27,13 @@ def numeric_match(task: dict[str, Any], final_text: str | None) -> dict[str, flo
     value = last_integer(final_text)
     correct = float(value is not None and value == task["answer"])
     return {"total": correct, "has_number": float(value is not None), "correct": correct}
+
+
+def final_answer(task: dict[str, Any], result: Any) -> dict[str, float]:
+    """Evaluator for harnesses that return {"final": text}: numeric match of the final text.
+
+    >>> final_answer({"answer": 5}, {"final": "It equals 5."})["total"]
+    1.0
+    """
+    final = result.get("final") if isinstance(result, dict) else result
+    return numeric_match(task, final)

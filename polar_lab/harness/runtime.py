@@ -1,0 +1,72 @@
+"""Running harnesses as rollouts: N generations per task, each in its own session, concurrently, on the Lab's loop.
+
+A harness here is an async callable `harness(session, task) -> result` (any program that talks to the
+session's endpoints). Each run gets a deadline; a run that raises or times out keeps every call it made
+(they are already in the store), is marked, and gets reward None — fail-closed: it is masked out of
+training rather than scored 0. The rest of its group still completes.
+(Subprocess harnesses with their own workdir and rlimits are the next step of the harness issue.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from polar_lab.types import Group, Session
+
+if TYPE_CHECKING:
+    from polar_lab.lab import Lab
+
+Harness = Callable[[Session, dict[str, Any]], Awaitable[Any]]
+Evaluator = Callable[[dict[str, Any], Any], dict[str, float]]  # (task, harness result) -> {"total": ..., ...}
+
+
+async def run_one(lab: Lab, task: dict[str, Any], harness: Harness, *, group_id: str, evaluator: Evaluator | None,
+                  deadline_s: float, name: str) -> Session:
+    """One harness run in a fresh session; the session is closed with its status, reward and reward parts."""
+    session = lab.session(task, group_id=group_id, harness=name)
+    t0 = time.perf_counter()
+    try:
+        result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
+    except asyncio.TimeoutError:
+        return session.close(reward=None, status="timeout", duration_s=time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
+        return session.close(reward=None, status="error", error=repr(exc), duration_s=time.perf_counter() - t0,
+                             traceback=traceback.format_exc(limit=5))
+    parts = evaluator(task, result) if evaluator is not None else {}
+    return session.close(reward=parts.get("total"), reward_parts=parts,
+                         duration_s=time.perf_counter() - t0)
+
+
+async def rollout_async(lab: Lab, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
+                        evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
+                        progress: bool = True) -> list[Group]:
+    """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task."""
+    gate = asyncio.Semaphore(concurrency)
+    name = getattr(harness, "__name__", type(harness).__name__)
+    bar = tqdm(total=len(tasks) * num_generations, desc=f"rollout {name}", disable=not progress)
+
+    async def gated(task: dict[str, Any], group_id: str) -> Session:
+        async with gate:
+            session = await run_one(lab, task, harness, group_id=group_id, evaluator=evaluator,
+                                    deadline_s=deadline_s, name=name)
+        bar.update(1)
+        return session
+
+    group_ids = [uuid.uuid4().hex[:8] for _ in tasks]
+    sessions = await asyncio.gather(*(gated(task, gid) for task, gid in zip(tasks, group_ids)
+                                      for _ in range(num_generations)))
+    bar.close()
+    trajectories = await asyncio.to_thread(lab.trajectories, builder, session_ids=[s.id for s in sessions])
+    groups = []
+    for task, gid in zip(tasks, group_ids):
+        members = [s for s in sessions if s.group_id == gid]
+        ids = {s.id for s in members}
+        groups.append(Group(task=task, sessions=members, trajectories=[t for t in trajectories if t.session_id in ids]))
+    return groups

@@ -1,0 +1,40 @@
+"""lab.rollout: groups of concurrent harness runs on real vLLM; crashes and timeouts are kept and masked."""
+
+import asyncio
+
+from polar_lab.demo import load_tasks
+from polar_lab.harness.calculator import calculator_agent
+from polar_lab.rewards import final_answer
+
+
+def test_rollout_returns_one_group_per_task_with_rewarded_trajectories(lab):
+    tasks = load_tasks("data/tasks/calc_test.jsonl", 3)
+    groups = lab.rollout(tasks, calculator_agent, num_generations=4, evaluator=final_answer, progress=False)
+    assert [g.task["id"] for g in groups] == [t["id"] for t in tasks]
+    for g in groups:
+        assert len(g.sessions) == 4 and len({s.group_id for s in g.sessions}) == 1
+        assert all(s.status == "closed" and s.reward in (0.0, 1.0) for s in g.sessions)
+        assert {t.session_id for t in g.trajectories} == {s.id for s in g.sessions}
+        rewards = {s.id: s.reward for s in g.sessions}
+        assert all(t.reward == rewards[t.session_id] for t in g.trajectories)
+
+
+async def flaky_agent(session, task):
+    """Makes one real call, then crashes (odd tasks) or hangs past the deadline (even tasks)."""
+    await calculator_agent(session, task, max_turns=1)
+    if task["n"] % 2:
+        raise RuntimeError("harness crashed")
+    await asyncio.sleep(3600)
+
+
+def test_crashed_and_timed_out_runs_keep_their_calls_and_are_masked(lab):
+    tasks = [dict(t, n=i) for i, t in enumerate(load_tasks("data/tasks/calc_test.jsonl", 2))]
+    groups = lab.rollout(tasks, flaky_agent, num_generations=2, evaluator=final_answer, deadline_s=10, progress=False)
+    statuses = [[s.status for s in g.sessions] for g in groups]
+    assert statuses == [["timeout", "timeout"], ["error", "error"]]
+    for g in groups:
+        assert all(s.reward is None for s in g.sessions)  # fail-closed: masked, not scored 0
+        assert len(g.trajectories) == 2 and all(sum(t.loss_mask) > 0 for t in g.trajectories)  # partial kept
+    sessions = lab.sessions()
+    crashed = sessions[sessions.status == "error"]
+    assert crashed["info"].map(lambda i: "harness crashed" in i["error"]).all()
