@@ -6,7 +6,6 @@ HTTP, and every call lands in the run folder (`data/runs/<run>/`), with `summary
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -18,29 +17,12 @@ import pandas as pd
 from polar_lab.config import DEFAULT_MODEL
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.lab import Lab
-from polar_lab.rewards import numeric_match
+from polar_lab.rewards import final_answer
 
 
 def load_tasks(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
     lines = Path(path).read_text().splitlines()
     return [json.loads(line) for line in lines[:limit] if line.strip()]
-
-
-async def run_sessions(lab: Lab, tasks: list[dict[str, Any]], **agent_kwargs: Any) -> list[dict[str, Any]]:
-    """One session per task, all concurrent; each is closed with its reward. Returns one row per session."""
-
-    async def one(task: dict[str, Any]) -> dict[str, Any]:
-        session = lab.session(task)
-        try:
-            result = await calculator_agent(session, task, **agent_kwargs)
-        except Exception as exc:  # noqa: BLE001 - a failed run is a data point, not a crash
-            session.close(reward=None, error=repr(exc))
-            return {"session_id": session.id, "error": repr(exc), "reward": None, "turns": 0}
-        reward = numeric_match(task, result["final"])
-        session.close(reward=reward["total"], final=result["final"], turns=result["turns"])
-        return {"session_id": session.id, "error": None, "reward": reward["total"], "turns": result["turns"]}
-
-    return list(await asyncio.gather(*(one(t) for t in tasks)))
 
 
 def summarize(calls: pd.DataFrame, runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -73,7 +55,13 @@ def run_demo(model: str = DEFAULT_MODEL, *, sessions: int = 32, tasks_path: str 
         startup_s = time.perf_counter() - t0
         print(f"Lab up in {startup_s:.1f} s: {lab.url}  run folder: {lab.run_dir}", flush=True)
         t1 = time.perf_counter()
-        runs = lab.run(run_sessions(lab, tasks, temperature=temperature))
+
+        async def calculator(session, task):
+            return await calculator_agent(session, task, temperature=temperature)
+
+        groups = lab.rollout(tasks, calculator, num_generations=1, evaluator=final_answer, concurrency=sessions)
+        runs = [{"error": s.info.get("error", s.status) if s.status != "closed" else None, "reward": s.reward}
+                for g in groups for s in g.sessions]
         summary = {"model": model, "startup_s": startup_s,
                    **summarize(lab.calls(), runs, time.perf_counter() - t1)}
         lab.store.write_json("summary.json", summary)
