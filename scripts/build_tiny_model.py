@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from transformers.utils.chat_template_utils import render_jinja_template  # noqa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_calc_data as calc  # noqa: E402
+from vllm_child import run_vllm_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template.jinja"
@@ -316,26 +316,12 @@ def vllm_check_main(out: Path, test_path: Path, seed: int) -> None:
     summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate)
     summary.update(ok=True, init_seconds=round(init_s, 1), eval_seconds=round(time.time() - t0 - init_s, 1),
                    max_logprob_gap_vs_hf=_logprob_gap(out, raw[:16]), example_first_turn=records[0]["first"])
-    del llm
     print("VLLM_RESULT " + json.dumps(summary), flush=True)
 
 
 def run_vllm_check(out: Path, tasks_dir: Path, seed: int) -> dict:
     """Run this script with --vllm-check in a fresh process (vLLM env vars set); return its summary."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [sys.executable, __file__, "--vllm-check", "--out", str(out), "--tasks-dir", str(tasks_dir),
-           "--seed", str(seed)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # only the child this function started
-        proc.communicate()
-        return {"ok": False, "error": "vLLM check timed out"}
-    for line in stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line[len("VLLM_RESULT "):])
-    return {"ok": False, "error": f"vLLM check exited {proc.returncode} without a result"}
+    return run_vllm_child(__file__, ["--out", str(out), "--tasks-dir", str(tasks_dir), "--seed", str(seed)])
 
 
 def folder_size(out: Path) -> int:

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import site
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_child import run_vllm_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,19 +158,7 @@ def vllm_check_main(out: Path) -> None:
 
 
 def run_vllm_check(out: Path) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen([sys.executable, __file__, "--vllm-check", "--out", str(out)], env=env,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # only the child this function started
-        proc.communicate()
-        return {"ok": False, "error": "vLLM check timed out"}
-    for line in stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line[len("VLLM_RESULT "):])
-    return {"ok": False, "error": f"vLLM check exited {proc.returncode} without a result"}
+    return run_vllm_child(__file__, ["--out", str(out)])
 
 
 def main() -> None:

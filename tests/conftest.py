@@ -62,3 +62,8 @@ def scripted_lab(model_path, tokenizer, tmp_path):
     engine = ScriptedEngine(tokenizer, ["Hello there."], model_path=model_path, model_name="scripted")
     with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="scripted") as lab:
         yield lab
+
+
+def session_calls(lab, session):
+    """The recorded calls of one session, in the order they were recorded."""
+    return [c for c in lab.call_records() if c.session_id == session.id]

@@ -82,32 +82,19 @@ def create_app(service: CallService) -> FastAPI:
     @app.post("/v1/chat/completions")
     @app.post("/s/{key}/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        session = service.registry.resolve(_key(request))
-        raw = await _json_body(request, service.config.max_body_bytes)
-        body = _validate(ChatCompletionRequest, raw)
-        req = openai_chat.to_canonical(body)
-        call = await service.complete(session, req, api=openai_chat.API)
-        response = openai_chat.build_response(call, req, service.renderer.tokenizer)
-        service.record(call, raw, response)
-        if req.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(openai_chat.stream_chunks(response, include_usage),
-                                     media_type="text/event-stream")
-        return Response(orjson.dumps(response), media_type="application/json")
+        tokenizer = service.renderer.tokenizer
+        return await _serve(
+            request, service, ChatCompletionRequest, openai_chat.API, openai_chat.to_canonical,
+            build=lambda call, req, body: openai_chat.build_response(call, req, tokenizer),
+            stream=lambda response, body: openai_chat.stream_chunks(
+                response, bool(body.stream_options and body.stream_options.include_usage)))
 
     @app.post("/v1/responses")
     @app.post("/s/{key}/v1/responses")
     async def responses(request: Request) -> Response:
-        session = service.registry.resolve(_key(request))
-        raw = await _json_body(request, service.config.max_body_bytes)
-        body = _validate(ResponsesRequest, raw)
-        req = openai_responses.to_canonical(body)
-        call = await service.complete(session, req, api=openai_responses.API)
-        response = openai_responses.build_response(call, req, body)
-        service.record(call, raw, response)
-        if req.stream:
-            return StreamingResponse(openai_responses.stream_events(response), media_type="text/event-stream")
-        return Response(orjson.dumps(response), media_type="application/json")
+        return await _serve(request, service, ResponsesRequest, openai_responses.API, openai_responses.to_canonical,
+                            build=openai_responses.build_response,
+                            stream=lambda response, body: openai_responses.stream_events(response))
 
     @app.post("/v1beta/models/{model_action}")
     @app.post("/s/{key}/v1beta/models/{model_action}")
@@ -118,31 +105,21 @@ def create_app(service: CallService) -> FastAPI:
         if action not in ("generateContent", "streamGenerateContent"):
             raise RequestError(f"unknown method '{action}': use generateContent or streamGenerateContent",
                                status=404)
-        session = service.registry.resolve(_key(request))
-        raw = await _json_body(request, service.config.max_body_bytes)
-        body = _validate(google_genai.GenerateContentRequest, raw)
-        stream = action == "streamGenerateContent"
-        req = google_genai.to_canonical(body, model, stream=stream, tool_args=service.tool_args)
-        call = await service.complete(session, req, api=google_genai.API)
-        response = google_genai.build_response(call, req, service.tool_args)
-        service.record(call, raw, response)
-        if stream:
-            return StreamingResponse(google_genai.stream_chunks(response), media_type="text/event-stream")
-        return Response(orjson.dumps(response), media_type="application/json")
+        return await _serve(
+            request, service, google_genai.GenerateContentRequest, google_genai.API,
+            lambda body: google_genai.to_canonical(body, model, stream=action == "streamGenerateContent",
+                                                   tool_args=service.tool_args),
+            build=lambda call, req, body: google_genai.build_response(call, req, service.tool_args),
+            stream=lambda response, body: google_genai.stream_chunks(response))
 
     @app.post("/v1/messages")
     @app.post("/s/{key}/v1/messages")
     async def messages(request: Request) -> Response:
-        session = service.registry.resolve(_key(request))
-        raw = await _json_body(request, service.config.max_body_bytes)
-        body = _validate(MessagesRequest, raw)
-        req = anthropic_messages.to_canonical(body, service.tool_args)
-        call = await service.complete(session, req, api=anthropic_messages.API)
-        response = anthropic_messages.build_response(call, req, service.tool_args)
-        service.record(call, raw, response)
-        if req.stream:
-            return StreamingResponse(anthropic_messages.stream_events(response), media_type="text/event-stream")
-        return Response(orjson.dumps(response), media_type="application/json")
+        return await _serve(
+            request, service, MessagesRequest, anthropic_messages.API,
+            lambda body: anthropic_messages.to_canonical(body, service.tool_args),
+            build=lambda call, req, body: anthropic_messages.build_response(call, req, service.tool_args),
+            stream=lambda response, body: anthropic_messages.stream_events(response))
 
     @app.post("/v1/messages/count_tokens")
     @app.post("/s/{key}/v1/messages/count_tokens")
@@ -154,6 +131,21 @@ def create_app(service: CallService) -> FastAPI:
         return {"input_tokens": len(rendered.prompt_ids)}
 
     return app
+
+
+async def _serve(request: Request, service: CallService, schema, api: str, to_canonical, *, build,
+                 stream) -> Response:
+    """The one request path every API shares: auth → parse → canonical → engine → record → respond."""
+    session = service.registry.resolve(_key(request))
+    raw = await _json_body(request, service.config.max_body_bytes)
+    body = _validate(schema, raw)
+    req = to_canonical(body)
+    call = await service.complete(session, req, api=api)
+    response = build(call, req, body)
+    service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
+    if req.stream:
+        return StreamingResponse(stream(response, body), media_type="text/event-stream")
+    return Response(orjson.dumps(response), media_type="application/json")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
 from polar_lab.trajectory import prefix_merging
+from tests.conftest import session_calls
 
 TOOL = {"name": "calculator", "description": CALC_TOOL["function"]["description"],
         "input_schema": CALC_TOOL["function"]["parameters"]}
@@ -18,14 +19,10 @@ def _client(session):
     return anthropic.Anthropic(base_url=session.anthropic_base_url, api_key=session.api_key, max_retries=0)
 
 
-def _records(lab, session):
-    return [c for c in lab.call_records() if c.session_id == session.id]
-
-
 def test_plain_message_records_ids_that_decode_to_the_text(lab, tokenizer):
     s = lab.session()
     reply = _client(s).messages.create(model="tiny-calc", system=SYSTEM_PROMPT, messages=QUESTION, max_tokens=40)
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     text = "".join(b.text for b in reply.content if b.type == "text")
     assert reply.usage.input_tokens == len(call.prompt_ids) and reply.usage.output_tokens == len(call.output_ids)
     if reply.stop_reason == "end_turn":
@@ -39,7 +36,7 @@ def test_streaming_events_rebuild_the_same_message(lab):
     with client.messages.stream(model="tiny-calc", system=SYSTEM_PROMPT, messages=QUESTION, max_tokens=60,
                                 tools=[TOOL], tool_choice={"type": "tool", "name": "calculator"}) as stream:
         final = stream.get_final_message()
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     assert final.model_dump(exclude={"container"}, exclude_none=True)["content"] == call.response["content"]
     assert final.stop_reason == call.response["stop_reason"]
 
@@ -63,7 +60,7 @@ def test_tool_use_then_tool_result_continues_one_exact_chain(lab):
                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                         "content": run_calculator(json.dumps(use.input))}]}]
     client.messages.create(model="tiny-calc", system=SYSTEM_PROMPT, messages=history, max_tokens=40, tools=[TOOL])
-    calls = [c for c in _records(lab, s) if c.call_index >= _records(lab, s)[-2].call_index]
+    calls = [c for c in session_calls(lab, s) if c.call_index >= session_calls(lab, s)[-2].call_index]
     assert calls[-1].render["mode"] == "continued"  # the echoed tool input re-rendered to the sampled text
     assert len(prefix_merging(calls)) == 1
 
@@ -73,7 +70,7 @@ def test_count_tokens_matches_the_recorded_prompt(lab):
     client = _client(s)
     counted = client.messages.count_tokens(model="tiny-calc", system=SYSTEM_PROMPT, messages=QUESTION, tools=[TOOL])
     client.messages.create(model="tiny-calc", system=SYSTEM_PROMPT, messages=QUESTION, max_tokens=5, tools=[TOOL])
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     assert counted.input_tokens == len(call.prompt_ids)
 
 
@@ -84,7 +81,7 @@ def test_claude_code_billing_header_line_is_stripped_so_chains_survive(lab):
         system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=1; nonce={nonce}"},
                   {"type": "text", "text": SYSTEM_PROMPT}]
         client.messages.create(model="tiny-calc", system=system, messages=QUESTION, max_tokens=5)
-    first, second = _records(lab, s)
+    first, second = session_calls(lab, s)
     assert first.prompt_ids == second.prompt_ids
 
 

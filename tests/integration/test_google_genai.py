@@ -9,6 +9,7 @@ from google.genai import errors, types
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
 from polar_lab.trajectory import prefix_merging
+from tests.conftest import session_calls
 
 TOOL = types.Tool(function_declarations=[types.FunctionDeclaration(
     name="calculator", description=CALC_TOOL["function"]["description"],
@@ -24,15 +25,11 @@ def _config(**kw):
     return types.GenerateContentConfig(system_instruction=SYSTEM_PROMPT, max_output_tokens=60, **kw)
 
 
-def _records(lab, session):
-    return [c for c in lab.call_records() if c.session_id == session.id]
-
-
 def test_plain_generate_content_records_ids_that_decode_to_the_text(lab, tokenizer):
     s = lab.session()
     client = _client(s)  # keep a reference: a collected genai.Client closes its HTTP client
     reply = client.models.generate_content(model="tiny-calc", contents="What is 37*12+5?", config=_config())
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     assert call.api == "google.generate_content"
     assert reply.usage_metadata.prompt_token_count == len(call.prompt_ids)
     assert reply.usage_metadata.candidates_token_count == len(call.output_ids)
@@ -44,7 +41,7 @@ def test_streaming_yields_the_recorded_answer(lab):
     s = lab.session()
     client = _client(s)
     chunks = list(client.models.generate_content_stream(model="tiny-calc", contents="What is 2+3?", config=_config()))
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     streamed = [p.text for c in chunks for p in c.candidates[0].content.parts]
     assert streamed == [p.get("text") for p in call.response["candidates"][0]["content"]["parts"]]
 
@@ -67,7 +64,7 @@ def test_function_call_then_response_continues_one_exact_chain(lab):
                types.Content(role="user", parts=[types.Part(function_response=types.FunctionResponse(
                    id=fc.id, name=fc.name, response={"result": result}))])]
     client.models.generate_content(model="tiny-calc", contents=history, config=_config(tools=[TOOL]))
-    last_two = _records(lab, s)[-2:]
+    last_two = session_calls(lab, s)[-2:]
     assert last_two[-1].render["mode"] == "continued"
     assert len(prefix_merging(last_two)) == 1
 

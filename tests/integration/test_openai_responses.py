@@ -7,6 +7,7 @@ import pytest
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
 from polar_lab.trajectory import prefix_merging
+from tests.conftest import session_calls
 
 TOOL = {"type": "function", **CALC_TOOL["function"]}
 FORCE = {"type": "function", "name": "calculator"}
@@ -16,15 +17,11 @@ def _client(session):
     return openai.OpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0)
 
 
-def _records(lab, session):
-    return [c for c in lab.call_records() if c.session_id == session.id]
-
-
 def test_plain_response_records_ids_that_decode_to_the_text(lab, tokenizer):
     s = lab.session()
     reply = _client(s).responses.create(model="tiny-calc", instructions=SYSTEM_PROMPT, input="What is 37*12+5?",
                                         max_output_tokens=40)
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     assert call.api == "openai.responses"
     assert reply.usage.input_tokens == len(call.prompt_ids) and reply.usage.output_tokens == len(call.output_ids)
     if reply.status == "completed" and not any(o.type == "function_call" for o in reply.output):
@@ -35,7 +32,7 @@ def test_streaming_events_end_in_the_recorded_response(lab):
     s = lab.session()
     events = list(_client(s).responses.create(model="tiny-calc", instructions=SYSTEM_PROMPT, input="What is 2+3?",
                                               tools=[TOOL], tool_choice=FORCE, max_output_tokens=60, stream=True))
-    (call,) = _records(lab, s)
+    (call,) = session_calls(lab, s)
     assert events[0].type == "response.created"
     final = events[-1].response
     assert final.model_dump(exclude_none=True)["output"] == call.response["output"]
@@ -59,7 +56,7 @@ def test_function_call_then_output_continues_one_exact_chain(lab):
     items.append({"type": "function_call_output", "call_id": fc.call_id, "output": run_calculator(fc.arguments)})
     client.responses.create(model="tiny-calc", instructions=SYSTEM_PROMPT, input=items, tools=[TOOL],
                             max_output_tokens=40)
-    last_two = _records(lab, s)[-2:]
+    last_two = session_calls(lab, s)[-2:]
     assert last_two[-1].render["mode"] == "continued"
     assert len(prefix_merging(last_two)) == 1
 
