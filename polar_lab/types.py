@@ -134,7 +134,9 @@ class ModelCall:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def record(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A shallow dict for serialisation. Not `dataclasses.asdict`: that copies every list element by
+        element, 47 ms for a 64k-token prompt, on the proxy's event loop, before every response."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass
