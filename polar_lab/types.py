@@ -84,6 +84,12 @@ class Session:
 
     @property
     def anthropic_base_url(self) -> str:
+        """For the anthropic SDK (it appends /v1/messages)."""
+        return f"{self.base_url}/s/{self.key}"
+
+    @property
+    def google_base_url(self) -> str:
+        """For google-genai (`HttpOptions(base_url=...)`; it appends /v1beta/models/... or /v1/models/...)."""
         return f"{self.base_url}/s/{self.key}"
 
     def env(self) -> dict[str, str]:
@@ -93,7 +99,7 @@ class Session:
             "OPENAI_API_KEY": self.key,
             "ANTHROPIC_BASE_URL": self.anthropic_base_url,
             "ANTHROPIC_API_KEY": self.key,
-            "GOOGLE_GEMINI_BASE_URL": self.anthropic_base_url,
+            "GOOGLE_GEMINI_BASE_URL": self.google_base_url,
             "GEMINI_API_KEY": self.key,
         }
 

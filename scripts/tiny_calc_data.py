@@ -18,6 +18,7 @@ import re
 
 # The prompt, tool and evaluator are the harness's own: the model is trained on exactly what it will see.
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, safe_eval  # noqa: E402,F401
+from polar_lab.rewards import last_integer  # noqa: E402,F401 - the evaluator the RL reward uses
 
 QUESTION_TEMPLATES = (
     "What is {e}?",
@@ -128,7 +129,6 @@ def sft_conversation(rng: random.Random, expression: str, p_direct: float,
 
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-INT_RE = re.compile(r"-?\d+")
 
 
 def parse_tool_call(text: str) -> dict | None:
@@ -146,11 +146,6 @@ def parse_tool_call(text: str) -> dict | None:
     if not isinstance(args, dict) or not isinstance(args.get("expression"), str):
         return None
     return call
-
-
-def last_integer(text: str) -> int | None:
-    found = INT_RE.findall(text)
-    return int(found[-1]) if found else None
 
 
 def run_tool(call: dict) -> str:

@@ -18,7 +18,7 @@ TOOL = types.Tool(function_declarations=[types.FunctionDeclaration(
 
 def _client(session, *, key=None, base_url=None):
     return genai.Client(api_key=key or session.api_key, http_options=types.HttpOptions(
-        base_url=base_url or session.anthropic_base_url, retry_options=None))
+        base_url=base_url or session.google_base_url, retry_options=None))
 
 
 def _config(**kw):
