@@ -1,0 +1,100 @@
+"""Program harnesses: any command line (a CLI agent, a script) run unmodified against a session.
+
+Each run gets a fresh temporary workdir (also its HOME and TMPDIR), an environment built from scratch —
+PATH and locale, the session's base URLs and keys (`session.env()`), and what the harness asks for;
+nothing else of the kernel's environment leaks in — resource limits (address space, CPU seconds, file
+size, processes) applied with util-linux `prlimit`, and its own process group, which is killed
+whole when the deadline passes or the rollout is cancelled. stdout/stderr are captured.
+A non-zero exit raises `HarnessError`, so the rollout marks the run "error" and masks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_lab.errors import PolarLabError
+from polar_lab.types import Session
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")  # only {name} of known fields; other braces (code) stay as they are
+_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ")
+
+
+class HarnessError(PolarLabError, RuntimeError):
+    """A harness program exited non-zero; carries the tail of its stderr."""
+
+
+@dataclass
+class Command:
+    """In `argv`, `{field}` is replaced by the task's field and `{python}` by this interpreter, e.g.
+    `Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"])`."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    memory_mb: int = 4096  # RLIMIT_AS
+    cpu_seconds: int = 600  # RLIMIT_CPU
+    file_mb: int = 512  # RLIMIT_FSIZE
+    processes: int = 512  # RLIMIT_NPROC (not enforced for root)
+    keep_workdir: bool = False
+    name: str = "command"
+
+    @property
+    def __name__(self) -> str:  # rollouts name sessions after their harness
+        return self.name
+
+    async def __call__(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
+        workdir = tempfile.mkdtemp(prefix=f"polar-{self.name}-")
+        try:
+            return await self._run(session, task, workdir)
+        finally:
+            if not self.keep_workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
+        values = {"python": sys.executable, **task}
+        argv = [_PLACEHOLDER.sub(lambda m: str(values.get(m[1], m[0])), a) for a in self.argv]
+        proc = await asyncio.create_subprocess_exec(
+            *self._limits(), *argv, cwd=workdir, env=self._environment(session, workdir),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)  # its own process group: the deadline kills children too
+        try:
+            out, err = await proc.communicate()
+        except BaseException:  # the deadline (CancelledError) or anything else: leave nothing running
+            _kill_group(proc.pid)
+            await proc.wait()
+            raise
+        _kill_group(proc.pid)  # stragglers the program left behind
+        result = {"returncode": proc.returncode, "stdout": out.decode(errors="replace"),
+                  "stderr": err.decode(errors="replace"), "workdir": workdir}
+        if proc.returncode != 0:
+            raise HarnessError(f"{argv[0]} exited {proc.returncode}: {result['stderr'][-500:]}")
+        lines = result["stdout"].strip().splitlines()
+        result["final"] = lines[-1] if lines else ""
+        return result
+
+    def _environment(self, session: Session, workdir: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+        env.update(HOME=workdir, TMPDIR=workdir, **session.env(), **self.env)
+        return env
+
+    def _limits(self) -> list[str]:
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            raise HarnessError("prlimit (util-linux) is needed to run program harnesses under resource limits")
+        mb = 1024 * 1024
+        return [prlimit, f"--as={self.memory_mb * mb}", f"--cpu={self.cpu_seconds}",
+                f"--fsize={self.file_mb * mb}", f"--nproc={self.processes}", "--"]
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the group we created with start_new_session; no one else's
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,62 @@
+"""Program harnesses: real subprocesses against a session, with their own workdir, env, limits and deadline."""
+
+import os
+import time
+
+from polar_lab.demo import load_tasks
+from polar_lab.harness.command import Command
+from polar_lab.rewards import final_answer
+from tests.conftest import session_calls
+
+CALC_CLI = Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"], name="calc_cli")
+
+
+def test_a_cli_agent_runs_unmodified_and_every_call_is_recorded(lab):
+    tasks = load_tasks("data/tasks/calc_test.jsonl", 2)
+    groups = lab.rollout(tasks, CALC_CLI, num_generations=2, evaluator=final_answer, progress=False)
+    for g in groups:
+        for s in g.sessions:
+            assert s.status == "closed" and s.reward in (0.0, 1.0), s.info.get("error")
+            assert len(session_calls(lab, s)) >= 1
+        assert len(g.trajectories) >= 2
+
+
+def test_the_environment_is_built_from_scratch_in_a_private_workdir(lab, monkeypatch):
+    monkeypatch.setenv("POLAR_TEST_SECRET", "kernel-only")
+    probe = Command(["{python}", "-c", "import os; print(os.environ.get('POLAR_TEST_SECRET', 'absent'));"
+                     "print(os.getcwd() == os.environ['HOME']); print(os.environ['OPENAI_BASE_URL'])"],
+                    name="probe")
+    s = lab.session()
+    out = lab.run(probe(s, {}), timeout=60)["stdout"].split()
+    assert out == ["absent", "True", s.openai_base_url]
+
+
+def test_a_memory_hog_is_contained_and_the_lab_keeps_serving(lab):
+    hog = Command(["{python}", "-c", "b = bytearray(8 * 1024**3)"], memory_mb=1024, name="hog")
+    (g,) = lab.rollout([{"id": "hog"}], hog, num_generations=1, progress=False)
+    (s,) = g.sessions
+    assert s.status == "error" and "MemoryError" in s.info["error"] and s.reward is None
+    (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), CALC_CLI, num_generations=1, progress=False)
+    assert g.sessions[0].status == "closed"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_deadline_kills_the_whole_process_group(lab, tmp_path):
+    pids = tmp_path / "pids"
+    sleeper = Command(["{python}", "-c", "import os, subprocess, time, sys;"
+                       "child = subprocess.Popen(['sleep', '600']);"
+                       f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}');"
+                       "time.sleep(600)"], name="sleeper")
+    (g,) = lab.rollout([{"id": "sleep"}], sleeper, num_generations=1, deadline_s=5, progress=False)
+    assert g.sessions[0].status == "timeout"
+    deadline = time.monotonic() + 10
+    while any(_alive(int(p)) for p in pids.read_text().split()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(int(p)) for p in pids.read_text().split())
