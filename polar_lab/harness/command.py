@@ -33,7 +33,8 @@ class HarnessError(PolarLabError, RuntimeError):
 
 @dataclass
 class Command:
-    """In `argv`, `{field}` is replaced by the task's field and `{python}` by this interpreter, e.g.
+    """In `argv`, `{field}` is replaced by the task's field, `{python}` by this interpreter and `{bin}` by its
+    folder (console scripts of the same environment), e.g.
     `Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"])`."""
 
     argv: list[str]
@@ -58,7 +59,7 @@ class Command:
                 shutil.rmtree(workdir, ignore_errors=True)
 
     async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
-        values = {"python": sys.executable, **task}
+        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), **task}
         argv = [_PLACEHOLDER.sub(lambda m: str(values.get(m[1], m[0])), a) for a in self.argv]
         proc = await asyncio.create_subprocess_exec(
             *self._limits(), *argv, cwd=workdir, env=self._environment(session, workdir),
