@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test bench model smollm2 clean-runs
+.PHONY: setup agents demo test bench model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -19,10 +19,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# Real CLI agents for the preset tests, pinned to the versions probed in shared/reference/cli-agents.md.
+# Installed into .cache/agents (git-ignored); without npm the preset tests skip with a reason.
+AGENTS_STAMP := .cache/agents/.polar_lab-agents
+agents: $(AGENTS_STAMP)
+$(AGENTS_STAMP):
+	@if command -v npm >/dev/null; then \
+		npm install --silent --prefix .cache/agents @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 \
+		&& touch $(AGENTS_STAMP); \
+	else echo "npm not found: Claude Code / Codex preset tests will be skipped"; fi
+
 demo: setup
 	$(BIN)/polar-lab demo
 
-test: setup
+test: setup agents
 	$(BIN)/python -m pytest
 
 bench: setup

@@ -33,12 +33,13 @@ class HarnessError(PolarLabError, RuntimeError):
 
 @dataclass
 class Command:
-    """In `argv`, `{field}` is replaced by the task's field, `{python}` by this interpreter and `{bin}` by its
-    folder (console scripts of the same environment), e.g.
+    """In `argv`, `env` values and `files`, `{field}` is replaced by the task's field, `{python}` by this interpreter, `{bin}` by
+    its folder, `{workdir}`, `{openai_base_url}` and `{anthropic_base_url}` by the run's own, e.g.
     `Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"])`."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # workdir-relative path → content, written first
     memory_mb: int = 4096  # RLIMIT_AS
     cpu_seconds: int = 600  # RLIMIT_CPU
     file_mb: int = 512  # RLIMIT_FSIZE
@@ -59,10 +60,22 @@ class Command:
                 shutil.rmtree(workdir, ignore_errors=True)
 
     async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
-        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), **task}
-        argv = [_PLACEHOLDER.sub(lambda m: str(values.get(m[1], m[0])), a) for a in self.argv]
+        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), "workdir": workdir,
+                  "openai_base_url": session.openai_base_url, "anthropic_base_url": session.anthropic_base_url,
+                  **task}
+
+        def fill(text: str) -> str:
+            return _PLACEHOLDER.sub(lambda m: str(values.get(m[1], m[0])), text)
+
+        for relative, content in self.files.items():  # config files the program reads (e.g. Codex's)
+            path = os.path.join(workdir, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(fill(content))
+        argv = [fill(a) for a in self.argv]
+        env = {k: fill(v) for k, v in self._environment(session, workdir).items()}
         proc = await asyncio.create_subprocess_exec(
-            *self._limits(), *argv, cwd=workdir, env=self._environment(session, workdir),
+            *self._limits(), *argv, cwd=workdir, env=env,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)  # its own process group: the deadline kills children too
         try:

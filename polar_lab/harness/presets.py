@@ -6,6 +6,10 @@ environment variables); the program itself is the published one.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 from polar_lab.harness.command import Command
 
 
@@ -23,3 +27,66 @@ def mini_swe_agent(*, step_limit: int = 3, model: str = "tiny-calc", task_field:
         env={"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
              "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
         name="mini-swe-agent")
+
+
+def agents_bin(name: str) -> str:
+    """Where an npm agent's executable is: $POLAR_LAB_AGENTS_DIR, this checkout's .cache/agents (`make agents`),
+    or PATH."""
+    folders = [os.environ.get("POLAR_LAB_AGENTS_DIR", ""), str(Path(__file__).resolve().parents[2] / ".cache" / "agents")]
+    for folder in folders:
+        candidate = Path(folder) / "node_modules" / ".bin" / name
+        if folder and candidate.exists():
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed: run `make agents` (npm) or put it on PATH")
+    return found
+
+
+# Node reserves large virtual ranges at start-up; RLIMIT_AS has to leave room for them.
+_NODE_MEMORY_MB = 16384
+
+
+def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question") -> Command:
+    """Claude Code (npm `@anthropic-ai/claude-code`) in print mode, against the session's Anthropic URL.
+
+    `--bare` keeps the request at ~4 KB (3 tools) so it fits a small model's context; without it the
+    request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
+    """
+    argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
+    return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
+                   env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+                        "IS_SANDBOX": "1"})
+
+
+CODEX_CONFIG = """model = "{model}"
+model_provider = "polar"
+check_for_update_on_startup = false
+web_search = "disabled"
+[model_providers.polar]
+name = "polar"
+base_url = "{openai_base_url}"
+env_key = "OPENAI_API_KEY"
+wire_api = "responses"
+[analytics]
+enabled = false
+[feedback]
+enabled = false
+[features]
+plugins = false
+remote_plugin = false
+apps = false
+goals = false
+image_generation = false
+[agents]
+enabled = false
+"""
+
+
+def codex(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+    """Codex CLI (npm `@openai/codex`) `exec` mode. It ignores OPENAI_BASE_URL, so a provider config pointing at
+    the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
+    plugins, analytics or web search)."""
+    return Command([agents_bin("codex"), "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
+                   files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
+                   env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex")

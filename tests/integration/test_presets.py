@@ -1,8 +1,17 @@
 """Real agent programs, unmodified, against a Lab session."""
 
+import pytest
+
 from polar_lab.demo import load_tasks
-from polar_lab.harness.presets import mini_swe_agent
+from polar_lab.harness.presets import agents_bin, claude_code, codex, mini_swe_agent
 from tests.conftest import session_calls
+
+
+def _installed(name):
+    try:
+        return bool(agents_bin(name))
+    except FileNotFoundError:
+        return False
 
 
 def test_mini_swe_agent_runs_and_every_call_is_recorded_with_exact_ids(lab, tokenizer):
@@ -16,3 +25,28 @@ def test_mini_swe_agent_runs_and_every_call_is_recorded_with_exact_ids(lab, toke
         assert c.api == "openai.chat" and c.request["tools"][0]["function"]["name"] == "bash"
         assert len(c.output_logprobs) == len(c.output_ids) > 0
     assert sum(len(t.call_ids) for t in g.trajectories) == len(calls)  # every call is in some chain
+
+
+def _run_agent(lab, harness):
+    (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), harness, num_generations=1, deadline_s=300,
+                       progress=False)
+    (s,) = g.sessions
+    assert s.status == "closed", s.info.get("error")
+    calls = session_calls(lab, s)
+    assert calls and all(len(c.output_logprobs) == len(c.output_ids) > 0 for c in calls)
+    assert sum(len(t.call_ids) for t in g.trajectories) == len(calls)
+    return calls
+
+
+@pytest.mark.skipif(not _installed("claude"), reason="run `make agents` (npm) to install Claude Code")
+def test_claude_code_runs_unmodified_over_the_anthropic_surface(lab):
+    calls = _run_agent(lab, claude_code())
+    assert all(c.api == "anthropic.messages" and c.request["stream"] is True for c in calls)
+    assert {t["name"] for t in calls[0].request["tools"]} >= {"Bash", "Read"}
+
+
+@pytest.mark.skipif(not _installed("codex"), reason="run `make agents` (npm) to install Codex CLI")
+def test_codex_runs_unmodified_over_the_responses_surface(lab):
+    calls = _run_agent(lab, codex())
+    assert all(c.api == "openai.responses" and c.request["stream"] is True for c in calls)
+    assert any(m.get("role") == "developer" for m in calls[0].request["input"])
