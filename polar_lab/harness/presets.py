@@ -6,11 +6,17 @@ environment variables); the program itself is the published one.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import openai
+
+from polar_lab.harness.calculator import SYSTEM_PROMPT, run_calculator
 from polar_lab.harness.command import Command
+from polar_lab.types import Session
 
 
 def mini_swe_agent(*, step_limit: int = 3, model: str = "tiny-calc", task_field: str = "question") -> Command:
@@ -90,3 +96,22 @@ def codex(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
     return Command([agents_bin("codex"), "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex")
+
+
+async def openai_agents_calculator(session: Session, task: dict[str, Any], *, max_turns: int = 4) -> dict[str, Any]:
+    """An OpenAI Agents SDK agent (PyPI `openai-agents`) with a calculator function tool, over the Responses
+    surface. The SDK is used as published; only its client points at the session (tracing off: no uploads)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return run_calculator(json.dumps({"expression": expression}))
+
+    client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0)
+    agent = Agent(name="calculator", instructions=SYSTEM_PROMPT, tools=[calculator],
+                  model=OpenAIResponsesModel("tiny-calc", client), model_settings=ModelSettings(max_tokens=128))
+    result = await Runner.run(agent, task["question"], max_turns=max_turns)
+    return {"final": str(result.final_output)}

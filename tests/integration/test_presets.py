@@ -3,7 +3,7 @@
 import pytest
 
 from polar_lab.demo import load_tasks
-from polar_lab.harness.presets import agents_bin, claude_code, codex, mini_swe_agent
+from polar_lab.harness.presets import agents_bin, claude_code, codex, mini_swe_agent, openai_agents_calculator
 from tests.conftest import session_calls
 
 
@@ -50,3 +50,16 @@ def test_codex_runs_unmodified_over_the_responses_surface(lab):
     calls = _run_agent(lab, codex())
     assert all(c.api == "openai.responses" and c.request["stream"] is True for c in calls)
     assert any(m.get("role") == "developer" for m in calls[0].request["input"])
+
+
+def test_openai_agents_sdk_runs_unmodified_over_the_responses_surface(lab):
+    tasks = load_tasks("data/tasks/calc_test.jsonl", 2)
+    groups = lab.rollout(tasks, openai_agents_calculator, num_generations=2, deadline_s=300, progress=False)
+    sessions = [s for g in groups for s in g.sessions]
+    calls = [c for s in sessions for c in session_calls(lab, s)]
+    assert calls and all(c.api == "openai.responses" for c in calls)
+    # the SDK either finishes or stops at its turn limit; either way every call is recorded with exact ids
+    assert all(s.status in ("closed", "error") for s in sessions)
+    assert all(len(c.output_logprobs) == len(c.output_ids) > 0 for c in calls)
+    tool_results = [i for c in calls for i in c.request["input"] if i.get("type") == "function_call_output"]
+    assert tool_results, "the SDK never executed a calculator call"
