@@ -34,6 +34,7 @@ from polar_lab.proxy.app import create_app
 from polar_lab.proxy.render import Renderer
 from polar_lab.proxy.service import CallService
 from polar_lab.proxy.sessions import SessionRegistry
+from polar_lab.rewards.registry import get_evaluator
 from polar_lab.store import RunStore, calls_frame, load_calls, load_sessions
 from polar_lab.store.runstore import check_run_name, new_run_name
 from polar_lab.trajectory.builders import BUILDERS
@@ -205,15 +206,19 @@ class Lab:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
-                evaluator: Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
-                builder: str = "prefix_merging", progress: bool = True) -> list[Group]:
-        """Run each task `num_generations` times through `harness` (async callable), one Group per task.
+                evaluator: str | Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
+                builder: str = "prefix_merging", progress: bool = True,
+                failed_reward: float | None = None) -> list[Group]:
+        """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
-        Crashed or timed-out runs keep their calls, are marked in `session.status`, and get reward None.
+        evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
+        Crashed or timed-out runs keep their calls, are marked in `session.status`, and get `failed_reward`:
+        None by default, i.e. masked out of training (fail-closed); pass 0.0 to score them 0 instead.
         """
-        return self.run(rollout_async(self, tasks, harness, num_generations=num_generations, evaluator=evaluator,
-                                      concurrency=concurrency, deadline_s=deadline_s, builder=builder,
-                                      progress=progress))
+        return self.run(rollout_async(self, tasks, harness, num_generations=num_generations,
+                                      evaluator=get_evaluator(evaluator), concurrency=concurrency,
+                                      deadline_s=deadline_s, builder=builder, progress=progress,
+                                      failed_reward=failed_reward))
 
     def call_records(self) -> list[ModelCall]:
         """Every recorded call of this run, read back from the run folder."""

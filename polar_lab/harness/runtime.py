@@ -28,25 +28,29 @@ Evaluator = Callable[[dict[str, Any], Any], dict[str, float]]  # (task, harness 
 
 
 async def run_one(lab: Lab, task: dict[str, Any], harness: Harness, *, group_id: str, evaluator: Evaluator | None,
-                  deadline_s: float, name: str) -> Session:
-    """One harness run in a fresh session; the session is closed with its status, reward and reward parts."""
+                  deadline_s: float, name: str, failed_reward: float | None = None) -> Session:
+    """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
+
+    failed_reward: reward of crashed/timed-out runs; None (default) masks them out of training.
+    """
     session = lab.session(task, group_id=group_id, harness=name)
     t0 = time.perf_counter()
     try:
         result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
     except asyncio.TimeoutError:
-        return session.close(reward=None, status="timeout", duration_s=time.perf_counter() - t0)
+        return session.close(reward=failed_reward, status="timeout", duration_s=time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
-        return session.close(reward=None, status="error", error=repr(exc), duration_s=time.perf_counter() - t0,
-                             traceback=traceback.format_exc(limit=5))
-    parts = evaluator(task, result) if evaluator is not None else {}
+        return session.close(reward=failed_reward, status="error", error=repr(exc),
+                             duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
+    # the evaluator may run tests in subprocesses: keep it off the loop
+    parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
     return session.close(reward=parts.get("total"), reward_parts=parts,
                          duration_s=time.perf_counter() - t0)
 
 
 async def rollout_async(lab: Lab, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
                         evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
-                        progress: bool = True) -> list[Group]:
+                        progress: bool = True, failed_reward: float | None = None) -> list[Group]:
     """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task."""
     gate = asyncio.Semaphore(concurrency)
     name = getattr(harness, "__name__", type(harness).__name__)
@@ -55,7 +59,7 @@ async def rollout_async(lab: Lab, tasks: list[dict[str, Any]], harness: Harness,
     async def gated(task: dict[str, Any], group_id: str) -> Session:
         async with gate:
             session = await run_one(lab, task, harness, group_id=group_id, evaluator=evaluator,
-                                    deadline_s=deadline_s, name=name)
+                                    deadline_s=deadline_s, name=name, failed_reward=failed_reward)
         bar.update(1)
         return session
 

@@ -1,0 +1,36 @@
+"""Evaluators: plain functions, a registry by name, sandboxed unit tests."""
+
+import pytest
+
+from polar_lab.rewards import EVALUATORS, final_answer, get_evaluator, unit_tests
+from polar_lab.rewards.code import run_tests
+
+TASK = {"tests": "assert add(2, 3) == 5\n"}
+
+
+@pytest.mark.parametrize("code, total", [
+    ("def add(a, b):\n    return a + b\n", 1.0),   # correct
+    ("def add(a, b):\n    return a - b\n", 0.0),   # wrong
+    ("def add(a, b)\n    return a + b\n", 0.0),    # syntax error
+    ("", 0.0),                                     # no code at all
+])
+def test_unit_tests_table(code, total):
+    assert unit_tests(TASK, {"code": code})["total"] == total
+
+
+def test_a_hanging_solution_times_out_instead_of_hanging_the_evaluator():
+    passed, output = run_tests("import time\ntime.sleep(60)\n", "assert True\n", timeout_s=2)
+    assert not passed and "did not finish" in output
+
+
+def test_the_tests_cannot_see_the_kernel_environment(monkeypatch):
+    monkeypatch.setenv("POLAR_TEST_SECRET", "kernel-only")
+    passed, _ = run_tests("import os\nSECRET = os.environ.get('POLAR_TEST_SECRET')\n", "assert SECRET is None\n")
+    assert passed
+
+
+def test_registry_by_name():
+    assert set(EVALUATORS) >= {"final_answer", "unit_tests", "session_completed"}
+    assert get_evaluator("final_answer") is final_answer and get_evaluator(None) is None
+    with pytest.raises(KeyError, match="final_answr"):
+        get_evaluator("final_answr")
