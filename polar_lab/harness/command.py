@@ -28,7 +28,11 @@ _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ")
 
 
 class HarnessError(PolarLabError, RuntimeError):
-    """A harness program exited non-zero; carries the tail of its stderr."""
+    """A harness program exited non-zero; `output` holds what it printed (stdout, then stderr)."""
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass
@@ -88,7 +92,9 @@ class Command:
         result = {"returncode": proc.returncode, "stdout": out.decode(errors="replace"),
                   "stderr": err.decode(errors="replace"), "workdir": workdir}
         if proc.returncode != 0:
-            raise HarnessError(f"{argv[0]} exited {proc.returncode}: {result['stderr'][-500:]}")
+            said = (result["stderr"].strip() or result["stdout"].strip())[-500:]  # some agents report on stdout
+            raise HarnessError(f"{argv[0]} exited {proc.returncode}: {said}",
+                               output=result["stdout"] + result["stderr"])
         lines = result["stdout"].strip().splitlines()
         result["final"] = lines[-1] if lines else ""
         return result

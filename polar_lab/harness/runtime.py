@@ -41,6 +41,7 @@ async def run_one(lab: Lab, task: dict[str, Any], harness: Harness, *, group_id:
         return session.close(reward=failed_reward, status="timeout", duration_s=time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         return session.close(reward=failed_reward, status="error", error=repr(exc),
+                             output=getattr(exc, "output", "")[-8000:],  # a program harness's own words
                              duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
     # the evaluator may run tests in subprocesses: keep it off the loop
     parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}

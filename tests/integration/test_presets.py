@@ -1,5 +1,7 @@
 """Real agent programs, unmodified, against a Lab session."""
 
+import time
+
 import pytest
 
 from polar_lab.demo import load_tasks
@@ -63,3 +65,14 @@ def test_openai_agents_sdk_runs_unmodified_over_the_responses_surface(lab):
     assert all(len(c.output_logprobs) == len(c.output_ids) > 0 for c in calls)
     tool_results = [i for c in calls for i in c.request["input"] if i.get("type") == "function_call_output"]
     assert tool_results, "the SDK never executed a calculator call"
+
+
+@pytest.mark.skipif(not _installed("claude"), reason="run `make agents` (npm) to install Claude Code")
+def test_an_agent_prompt_over_the_context_gets_the_provider_error_not_a_hang(lab):
+    huge = {"id": "huge", "question": "add these numbers: " + "7 " * 40000}  # > 32k tokens
+    t0 = time.monotonic()
+    (g,) = lab.rollout([huge], claude_code(), num_generations=1, deadline_s=120, progress=False)
+    (s,) = g.sessions
+    assert s.status == "error" and time.monotonic() - t0 < 100  # Claude Code gave up on the 400, no hang
+    assert "maximum context length" in s.info["output"], s.info["output"][-2000:]  # the proxy's 400, as relayed
+    assert session_calls(lab, s) == []  # nothing was generated, nothing recorded

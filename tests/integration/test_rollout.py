@@ -38,3 +38,26 @@ def test_crashed_and_timed_out_runs_keep_their_calls_and_are_masked(lab):
     stored = lab.sessions().set_index("id")  # the store has the same verdicts as the objects
     for s in groups[1].sessions:
         assert stored.loc[s.id, "status"] == "error" and "harness crashed" in stored.loc[s.id, "info"]["error"]
+
+
+def test_8x8_rollout_with_a_crash_and_a_hang_in_the_mix(lab):
+    tasks = load_tasks("data/tasks/calc_test.jsonl", 8)
+    started = []
+
+    async def mixed(session, task):
+        started.append(session.id)
+        if len(started) == 1:
+            raise RuntimeError("deliberate crash")
+        if len(started) == 2:
+            await asyncio.sleep(3600)  # past any deadline
+        return await calculator_agent(session, task)
+
+    groups = lab.rollout(tasks, mixed, num_generations=8, evaluator="final_answer", deadline_s=15, progress=False)
+    sessions = [s for g in groups for s in g.sessions]
+    assert len(groups) == 8 and len(sessions) == 64
+    by_status = {st: [s for s in sessions if s.status == st] for st in ("closed", "error", "timeout")}
+    assert [len(by_status[k]) for k in ("closed", "error", "timeout")] == [62, 1, 1]
+    assert all(s.reward in (0.0, 1.0) for s in by_status["closed"])  # 62 scored runs
+    assert by_status["error"][0].reward is None and by_status["timeout"][0].reward is None  # masked
+    # every scored run's calls became trajectories (the crash and the hang made no call before stopping)
+    assert {t.session_id for g in groups for t in g.trajectories} == {s.id for s in by_status["closed"]}
