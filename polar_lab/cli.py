@@ -1,4 +1,4 @@
-"""The `polar-lab` command line: `polar-lab demo` (the README's first command)."""
+"""The `polar-lab` command line: `polar-lab demo` (the README's first command), `polar-lab train CONFIG.yaml`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tasks", default="data/tasks/calc_test.jsonl", help="task file (JSON lines)")
     demo.add_argument("--run-name", default=None, help="run folder name under data/runs/")
     demo.add_argument("--temperature", type=float, default=1.0)
+    train = sub.add_parser("train", help="GRPO from a YAML config: evaluate, train, evaluate again")
+    train.add_argument("config", help="YAML with engine/proxy/store/grpo sections (e.g. configs/tiny_calc_grpo.yaml)")
+    train.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
+    train.add_argument("--eval-limit", type=int, default=None, help="override grpo.eval_limit")
+    train.add_argument("--output-dir", default=None, help="override grpo.output_dir")
+    train.add_argument("--async", dest="async_mode", action="store_true", default=None,
+                       help="override grpo.async_mode to true")
+    train.add_argument("--world-size", type=int, default=None, help="override grpo.world_size")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -26,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
                            run_name=args.run_name, temperature=args.temperature)
         print(format_summary(summary))
         return 0 if summary["failed_sessions"] == 0 else 1
+    if args.command == "train":
+        from polar_lab.grpo.run import format_train_summary, load_train_config, train_from_config
+
+        lab_config, grpo_config = load_train_config(
+            args.config, max_steps=args.max_steps, eval_limit=args.eval_limit, output_dir=args.output_dir,
+            async_mode=args.async_mode, world_size=args.world_size)
+        print(format_train_summary(train_from_config(lab_config, grpo_config)))
+        return 0
     return 2
 
 

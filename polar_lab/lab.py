@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -186,14 +187,17 @@ class Lab:
 
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
-                chat_template: str | None = None, **info: Any) -> Session:
+                chat_template: str | None = None, sampling: dict[str, Any] | None = None, **info: Any) -> Session:
         """A new session (one harness run) with its own secret key.
 
         chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
+        sampling: forced on every call whatever the harness asks: temperature, top_p, top_k, seed, and
+            max_tokens (a cap). RL rollouts and evaluations use it to fix the sampling distribution.
         info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
         """
         self._check_open()
-        return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template)
+        return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template,
+                                    sampling=sampling)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""
@@ -208,17 +212,20 @@ class Lab:
     def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
                 evaluator: str | Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
                 builder: str = "prefix_merging", progress: bool = True,
-                failed_reward: float | None = None) -> list[Group]:
+                failed_reward: float | None = None, sampling: dict[str, Any] | None = None,
+                seed: int | None = None) -> list[Group]:
         """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
         evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
         Crashed or timed-out runs keep their calls, are marked in `session.status`, and get `failed_reward`:
         None by default, i.e. masked out of training (fail-closed); pass 0.0 to score them 0 instead.
+        sampling: forced on every call of every run (see `session`); seed: run i gets sampling seed seed+i,
+        so a rollout is reproducible whatever seeds the harness sends.
         """
         return self.run(rollout_async(self, tasks, harness, num_generations=num_generations,
                                       evaluator=get_evaluator(evaluator), concurrency=concurrency,
                                       deadline_s=deadline_s, builder=builder, progress=progress,
-                                      failed_reward=failed_reward))
+                                      failed_reward=failed_reward, sampling=sampling, seed=seed))
 
     def call_records(self) -> list[ModelCall]:
         """Every recorded call of this run, read back from the run folder."""
@@ -236,10 +243,7 @@ class Lab:
         """Training samples rebuilt from the recorded calls; each carries its session's reward."""
         if builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; choose from {sorted(BUILDERS)}")
-        calls = self.call_records()
-        if session_ids is not None:
-            wanted = set(session_ids)
-            calls = [c for c in calls if c.session_id in wanted]
+        calls = self.call_records() if session_ids is None else self.store.read_calls(session_ids)
         trajectories = BUILDERS[builder](calls)
         sessions = {s.id: s for s in self.registry.all()}
         for traj in trajectories:
@@ -257,9 +261,42 @@ class Lab:
         return drift_summary(self.chain_breaks())
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Load new weights into the live engine; returns the new policy version."""
+        """Load new weights into the live engine at once (no pause); returns the new policy version.
+
+        Calls in flight continue with the new weights from the next engine step; their tokens record
+        which version sampled them. For a clean cut between versions use `sync_weights`.
+        """
         self._check_open()
         return self.engine.load_weights(state_dict)
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> dict[str, Any]:
+        """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
+        load the weights into the live engine, bump `policy_version`, resume.
+
+        Returns {"policy_version", "undrained" (calls still in flight when loading), "pause_s", "load_s"}.
+        """
+        self._check_open()
+        gate = self.service.gate
+        t0 = time.perf_counter()
+        undrained = self.run(gate.pause(drain_timeout))
+        t1 = time.perf_counter()
+        try:
+            version = self.engine.load_weights(state_dict)
+        finally:
+            self.run(gate.resume())
+        t2 = time.perf_counter()
+        return {"policy_version": version, "undrained": undrained, "drain_s": t1 - t0, "load_s": t2 - t1,
+                "sync_s": t2 - t0}
+
+    @property
+    def proxy_state(self) -> dict[str, Any]:
+        """serving / draining / paused, calls in flight, pauses so far (see polar_lab.proxy.pause)."""
+        return self.service.gate.stats()
+
+    @property
+    def engine_busy_seconds(self) -> float:
+        """Seconds the engine has spent stepping requests since start (for busy fractions)."""
+        return float(getattr(self.engine, "busy_seconds", 0.0))
 
     @property
     def policy_version(self) -> int:

@@ -65,6 +65,7 @@ class Session:
     info: dict[str, Any] = field(default_factory=dict)  # harness result, evaluator components...
     base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:8765
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
+    sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     def close(self, reward: float | None = None, *, status: str = "closed", **info: Any) -> Session:

@@ -7,6 +7,7 @@ per token; it can also be told to fail. No vLLM, no weights.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Mapping
 
 from polar_lab.errors import EngineError
@@ -15,7 +16,8 @@ from polar_lab.types import Generation, SamplingSpec
 
 class ScriptedEngine:
     def __init__(self, tokenizer, replies: list[str] | None = None, *, model_path: str,
-                 model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>"):
+                 model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>",
+                 delay_s: float = 0.0):
         self.tokenizer = tokenizer
         self.replies = list(replies or ["ok"])
         self.model_name = model_name
@@ -23,6 +25,8 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.eos_id = tokenizer.convert_tokens_to_ids(eos_token)
         self.fail_with: Exception | None = None  # set to make the next submits fail
+        self.delay_s = delay_s  # answer after this long (from a timer thread), to keep calls in flight
+        self.busy_seconds = 0.0
         self.prompts: list[list[int]] = []
         self._version = 0
         self._turn = 0
@@ -43,10 +47,14 @@ class ScriptedEngine:
         finish = "length" if len(ids) == spec.max_tokens else "stop"
         if finish == "stop":
             ids = ids + [self.eos_id]
-        fut.set_result(Generation(
+        generation = Generation(
             output_ids=ids, output_logprobs=[-1.0] * len(ids), output_versions=[self._version] * len(ids),
             text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
-        ))
+        )
+        if self.delay_s:
+            threading.Timer(self.delay_s, fut.set_result, args=(generation,)).start()
+        else:
+            fut.set_result(generation)
         return fut
 
     def load_weights(self, state_dict: Mapping) -> int:

@@ -56,6 +56,7 @@ class VLLMEngine:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.startup_seconds = 0.0
+        self.busy_seconds = 0.0  # wall time spent inside vLLM steps (engine busy fraction = Δbusy / Δwall)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 900.0) -> VLLMEngine:
@@ -175,7 +176,10 @@ class VLLMEngine:
                 except queue.Empty:
                     command = None
             if engine.has_unfinished_requests():
-                for output in engine.step():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                self.busy_seconds += time.perf_counter() - t0
+                for output in outputs:
                     if output.finished:
                         self._finish(output)
 

@@ -28,12 +28,14 @@ Evaluator = Callable[[dict[str, Any], Any], dict[str, float]]  # (task, harness 
 
 
 async def run_one(lab: Lab, task: dict[str, Any], harness: Harness, *, group_id: str, evaluator: Evaluator | None,
-                  deadline_s: float, name: str, failed_reward: float | None = None) -> Session:
+                  deadline_s: float, name: str, failed_reward: float | None = None,
+                  sampling: dict[str, Any] | None = None) -> Session:
     """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
 
     failed_reward: reward of crashed/timed-out runs; None (default) masks them out of training.
+    sampling: forced on every call of the run (see Lab.session).
     """
-    session = lab.session(task, group_id=group_id, harness=name)
+    session = lab.session(task, group_id=group_id, sampling=sampling, harness=name)
     t0 = time.perf_counter()
     try:
         result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
@@ -51,27 +53,44 @@ async def run_one(lab: Lab, task: dict[str, Any], harness: Harness, *, group_id:
 
 async def rollout_async(lab: Lab, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
                         evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
-                        progress: bool = True, failed_reward: float | None = None) -> list[Group]:
-    """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task."""
+                        progress: bool = True, failed_reward: float | None = None,
+                        sampling: dict[str, Any] | None = None, seed: int | None = None) -> list[Group]:
+    """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task.
+
+    seed: run i (task-major order) gets the forced sampling seed `seed + i`.
+    """
     gate = asyncio.Semaphore(concurrency)
-    name = getattr(harness, "__name__", type(harness).__name__)
+    name = harness_name(harness)
     bar = tqdm(total=len(tasks) * num_generations, desc=f"rollout {name}", disable=not progress)
 
-    async def gated(task: dict[str, Any], group_id: str) -> Session:
+    async def gated(task: dict[str, Any], group_id: str, i: int) -> Session:
+        forced = dict(sampling or {}) | ({"seed": seed + i} if seed is not None else {})
         async with gate:
             session = await run_one(lab, task, harness, group_id=group_id, evaluator=evaluator,
-                                    deadline_s=deadline_s, name=name, failed_reward=failed_reward)
+                                    deadline_s=deadline_s, name=name, failed_reward=failed_reward,
+                                    sampling=forced)
         bar.update(1)
         return session
 
     group_ids = [uuid.uuid4().hex[:8] for _ in tasks]
-    sessions = await asyncio.gather(*(gated(task, gid) for task, gid in zip(tasks, group_ids)
-                                      for _ in range(num_generations)))
+    runs = [(task, gid) for task, gid in zip(tasks, group_ids) for _ in range(num_generations)]
+    sessions = await asyncio.gather(*(gated(task, gid, i) for i, (task, gid) in enumerate(runs)))
     bar.close()
-    trajectories = await asyncio.to_thread(lab.trajectories, builder, session_ids=[s.id for s in sessions])
+    return await asyncio.to_thread(make_groups, lab, tasks, group_ids, sessions, builder)
+
+
+def make_groups(lab: Lab, tasks: list[dict[str, Any]], group_ids: list[str], sessions: list[Session],
+                builder: str) -> list[Group]:
+    """One Group per task: its sessions and the trajectories rebuilt from their calls."""
+    trajectories = lab.trajectories(builder, session_ids=[s.id for s in sessions])
     groups = []
     for task, gid in zip(tasks, group_ids):
         members = [s for s in sessions if s.group_id == gid]
         ids = {s.id for s in members}
         groups.append(Group(task=task, sessions=members, trajectories=[t for t in trajectories if t.session_id in ids]))
     return groups
+
+
+def harness_name(harness: Harness) -> str:
+    inner = getattr(harness, "func", harness)  # functools.partial
+    return getattr(inner, "__name__", type(inner).__name__)

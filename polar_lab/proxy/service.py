@@ -18,6 +18,7 @@ from polar_lab.errors import ContextLengthError, RequestError
 from polar_lab.proxy.anthropic_messages import ToolArgs
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
+from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.render import Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
@@ -34,7 +35,11 @@ class CallService:
         self.config = config
         self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
         self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
-        self.in_flight = 0
+        self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
+
+    @property
+    def in_flight(self) -> int:
+        return self.gate.in_flight
 
     async def complete(self, session: Session, req: CanonicalRequest, *, api: str) -> CompletedCall:
         received = time.time()
@@ -42,16 +47,14 @@ class CallService:
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
         rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill,
                                            self.tips.get(session.id), session.chat_template)
-        spec = self._sampling(req, len(rendered.prompt_ids))
+        spec = _override(self._sampling(req, len(rendered.prompt_ids)), session.sampling)
         call_index = self.registry.next_call_index(session)
-        self.in_flight += 1
-        try:
+        t_gate = time.perf_counter()
+        async with self.gate.admit():
             t_engine = time.perf_counter()
             generations = await asyncio.gather(*(
                 generate(self.engine, rendered.prompt_ids, _nth_seed(spec, i)) for i in range(req.n)))
             engine_s = time.perf_counter() - t_engine
-        finally:
-            self.in_flight -= 1
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = []
         for i, gen in enumerate(generations):
@@ -65,14 +68,15 @@ class CallService:
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
             sampling=_spec_dict(spec), choices=choices,
-            timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s})
+            timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
+                     "paused_s": t_engine - t_gate})
 
     def record(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
         """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded."""
         responded = time.time()
         total_s = responded - call.timings["received"]
         timings = {**call.timings, "responded": responded, "total_s": total_s,
-                   "proxy_s": total_s - call.timings["engine_s"]}
+                   "proxy_s": total_s - call.timings["engine_s"] - call.timings.get("paused_s", 0.0)}
         for choice in call.choices:
             gen = choice.generation
             self.store.append_call(ModelCall(
@@ -113,6 +117,17 @@ class CallService:
 
 def call_id(session_id: str, call_index: int, choice_index: int) -> str:
     return f"{session_id}-{call_index:04d}-{choice_index}"
+
+
+def _override(spec: SamplingSpec, forced: dict[str, Any]) -> SamplingSpec:
+    """Apply a session's forced sampling (RL rollouts and evaluations fix temperature/seed whatever the
+    harness asks). `max_tokens` there is a cap, never a raise."""
+    if not forced:
+        return spec
+    forced = dict(forced)
+    if "max_tokens" in forced:
+        forced["max_tokens"] = min(spec.max_tokens, forced["max_tokens"])
+    return replace(spec, **forced)
 
 
 def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:

@@ -18,6 +18,16 @@ from polar_lab.store import RunStore
 from polar_lab.types import Session
 
 
+_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens"}
+
+
+def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    unknown = set(sampling or {}) - _FORCEABLE
+    if unknown:
+        raise ValueError(f"session sampling can force {sorted(_FORCEABLE)}, not {sorted(unknown)}")
+    return dict(sampling or {})
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -34,10 +44,10 @@ class SessionRegistry:
 
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                key: str | None = None, info: dict[str, Any] | None = None,
-               chat_template: str | None = None) -> Session:
+               chat_template: str | None = None, sampling: dict[str, Any] | None = None) -> Session:
         session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
-                          chat_template=chat_template, _closer=self.close)
+                          chat_template=chat_template, sampling=_check_sampling(sampling), _closer=self.close)
         with self._lock:
             self._by_digest[_digest(session.key)] = session
             self._by_id[session.id] = session

@@ -52,10 +52,29 @@ class RunStore:
         except OSError as exc:
             raise StoreError(f"cannot open run folder {self.run_dir}: {exc}") from exc
         self.num_calls = 0
+        # session id → (offset, length) of its call lines, so a rollout reads back only its own calls
+        self._call_index: dict[str, list[tuple[int, int]]] = {}
+        self._calls_end = self._calls.seek(0, os.SEEK_END)
 
     def append_call(self, call: ModelCall) -> None:
-        self._append(self._calls, call.record())
-        self.num_calls += 1
+        line = orjson.dumps(call.record(), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        with self._lock:
+            self._write(self._calls, line)
+            self._call_index.setdefault(call.session_id, []).append((self._calls_end, len(line)))
+            self._calls_end += len(line)
+            self.num_calls += 1
+
+    def read_calls(self, session_ids: list[str]) -> list[ModelCall]:
+        """The recorded calls of these sessions (of this process's run), in recording order, without
+        reading the rest of calls.jsonl."""
+        with self._lock:
+            spans = sorted(span for sid in set(session_ids) for span in self._call_index.get(sid, []))
+        calls = []
+        with open(self.run_dir / "calls.jsonl", "rb") as fh:
+            for offset, length in spans:
+                fh.seek(offset)
+                calls.append(ModelCall.from_record(orjson.loads(fh.read(length))))
+        return calls
 
     def append_session(self, session: Session, event: str) -> None:
         self._append(self._sessions, {"event": event, "time": time.time(), **session.record()})
@@ -66,11 +85,14 @@ class RunStore:
     def _append(self, fh, data: dict[str, Any]) -> None:
         line = orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         with self._lock:
-            if fh.closed:
-                raise StoreError(f"run store {self.run_dir} is closed")
-            fh.write(line)  # unbuffered: one write() syscall per record
-            if self.fsync:
-                os.fsync(fh.fileno())
+            self._write(fh, line)
+
+    def _write(self, fh, line: bytes) -> None:
+        if fh.closed:
+            raise StoreError(f"run store {self.run_dir} is closed")
+        fh.write(line)  # unbuffered: one write() syscall per record
+        if self.fsync:
+            os.fsync(fh.fileno())
 
     def close(self) -> None:
         with self._lock:

@@ -83,6 +83,8 @@ def _extend(chain: Trajectory, call: ModelCall) -> None:
     chain.behavior_logprobs += [0.0] * len(new_prompt) + list(call.output_logprobs)
     chain.policy_versions += [-1] * len(new_prompt) + list(call.output_versions)
     chain.call_ids.append(call.call_id)
+    if call.finish_reason == "length":
+        chain.info["truncated"] = True  # a call ran out of max_tokens (mask_truncated_completions)
     if call.sampling.get("temperature", 1.0) != chain.info["temperature"]:
         chain.info["mixed_temperatures"] = True  # fidelity() then recomputes at the first call's only
 

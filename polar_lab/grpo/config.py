@@ -1,0 +1,125 @@
+"""GRPOConfig: every knob of a GRPO run, with TRL's field names where TRL has one; maps 1:1 onto the
+`grpo:` section of a `polar-lab train` YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from polar_lab.config import _f
+from polar_lab.errors import ConfigError
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class GRPOConfig:
+    """One GRPO run: rollouts, loss, optimiser, async/staleness, trainer placement, bookkeeping."""
+
+    # ---- rollouts (what one step collects) -----------------------------------------------------
+    tasks: str = _f("data/tasks/calc_train.jsonl", "training tasks, JSON lines; cycled in a seeded shuffle")
+    harness: str = _f("calculator", "a built-in harness name (polar_lab.harness.HARNESSES) or 'module:function'")
+    evaluator: str = _f("final_answer", "reward function name (polar_lab.rewards.registry)")
+    num_generations: int = _f(8, "runs per task: the GRPO group size")
+    tasks_per_step: int = _f(16, "groups (tasks) per optimiser step")
+    temperature: float = _f(1.0, "sampling temperature forced on every rollout call, whatever the harness sends")
+    max_completion_length: int = _f(128, "cap on each call's max_tokens; also dr_grpo's per-run normaliser")
+    builder: str = _f("prefix_merging", "trajectory builder: prefix_merging or per_request")
+    concurrency: int = _f(64, "harness runs in flight at once")
+    deadline_s: float = _f(120.0, "a run still going after this long is stopped and masked")
+    failed_reward: float | None = _f(None, "reward of crashed/timed-out runs; None masks them out of the loss")
+
+    # ---- loss ------------------------------------------------------------------------------------
+    loss_type: str = _f("dapo", "grpo: mean over each run's tokens, then over runs; dr_grpo: sum / "
+                                "(runs x max_completion_length); dapo: mean over all tokens of the batch")
+    scale_rewards: str = _f("group", "divide advantages by the reward std of the group, the batch, or none "
+                                     "(Dr. GRPO)")
+    epsilon: float = _f(0.2, "lower clip range of the policy ratio")
+    epsilon_high: float | None = _f(0.28, "upper clip range (clip-higher, DAPO); None = epsilon")
+    beta: float = _f(0.0, "KL coefficient to the initial policy (k3 estimator); 0 = no reference model")
+    tis_cap: float | None = _f(2.0, "truncated importance sampling: weight each token by min(pi_old / "
+                                    "pi_behaviour, cap) using the engine's logprobs; None = off")
+    mask_truncated_completions: bool = _f(False, "leave runs with a call cut by max_tokens out of the loss")
+    num_iterations: int = _f(1, "optimiser steps per batch (PPO epochs); >1 makes the clip active")
+
+    # ---- optimiser -------------------------------------------------------------------------------
+    learning_rate: float = _f(1e-4, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.99, "AdamW beta2")
+    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm; None = no clipping")
+    micro_batch_size: int = _f(32, "sequences per forward/backward (gradient accumulation over the batch)")
+
+    # ---- async rollouts --------------------------------------------------------------------------
+    async_mode: bool = _f(False, "keep rollouts running while the trainer steps (else: rollout, train, sync)")
+    max_staleness: int = _f(1, "a group whose oldest trained token is more than this many policy versions "
+                               "behind the trainer never reaches the loss")
+    stale_groups: str = _f("drop", "what happens to a too-stale group: drop, or rerun its task")
+    drain_timeout_s: float = _f(30.0, "weight sync waits this long for in-flight calls before loading anyway")
+
+    # ---- trainer placement -----------------------------------------------------------------------
+    world_size: int = _f(1, "trainer ranks; 1 trains in this process, >1 in worker processes (DDP)")
+    device: str = _f("auto", "auto (cuda if present, else cpu), cpu, or cuda")
+    trainer_devices: list[str] | None = _f(None, "CUDA devices of the trainer ranks, e.g. ['cuda:1', 'cuda:2']; "
+                                                 "None = the GPUs after the engine's first")
+    dtype: str = _f("float32", "trainer weights dtype: float32, or bfloat16 on GPU")
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    max_steps: int = _f(20, "optimiser steps of train()")
+    seed: int = _f(0, "task order and rollout sampling seeds")
+    output_dir: str | None = _f(None, "metrics.jsonl and checkpoints; None = <run folder>/grpo")
+    save_steps: int = _f(0, "save a checkpoint every N steps (0 = only at the end of train())")
+    eval_tasks: str | None = _f("data/tasks/calc_test.jsonl", "held-out tasks for evaluate()")
+    eval_limit: int | None = _f(None, "evaluate on the first N held-out tasks only")
+    eval_seed: int = _f(1234, "sampling seed of evaluations (run i uses eval_seed + i)")
+    eval_steps: int = _f(0, "also evaluate every N steps during train() (0 = never)")
+
+    def __post_init__(self) -> None:
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        _check(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if isinstance(self.scale_rewards, bool):  # older TRL: True/False
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        _check(self.scale_rewards in SCALE_REWARDS,
+               f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        _check(self.stale_groups in ("drop", "rerun"), f"stale_groups must be drop or rerun, got {self.stale_groups!r}")
+        _check(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), "
+                                          f"got {self.num_generations}")
+        for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
+                     "world_size", "concurrency", "max_steps"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        _check(0 < self.epsilon < 1, f"epsilon must be in (0, 1), got {self.epsilon}")
+        _check(self.epsilon_high >= self.epsilon,
+               f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
+        _check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
+        _check(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap must be >= 1 or None, got {self.tis_cap}")
+        _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
+        _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(not (self.async_mode and self.max_staleness < 1),
+               f"async_mode=True needs max_staleness >= 1 (got {self.max_staleness}): rollouts made while "
+               f"the trainer steps are one version old when they are trained on")
+        _check(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        _check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.trainer_devices is None or len(self.trainer_devices) == self.world_size,
+               f"trainer_devices lists {len(self.trainer_devices or [])} devices but world_size is "
+               f"{self.world_size}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GRPOConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown keys in 'grpo': {sorted(unknown)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,210 @@
+"""Trainer ranks as worker processes started from the kernel; the engine stays in the kernel.
+
+Why processes: the kernel already hosts vLLM, which initialises its own torch.distributed group, and
+one process can hold only one default group. So each rank is a fresh `spawn`ed process running
+`Policy` wrapped in DistributedDataParallel (gloo on CPU, nccl on GPU). The kernel talks to each rank
+over a pipe (pickled commands, a timeout on every answer, a dead rank is an error, never a hang).
+
+How a batch is split: samples are dealt round-robin by length, so ranks get similar token counts. Their
+per-token weights were computed for the whole batch (batch.py), so the ranks' losses are exact shards of
+one loss and DDP's gradient average (× world size in Policy.update) is the full-batch gradient:
+2 ranks make the same update as 1 (tested).
+
+GPU placement (one node): the engine uses the first GPU(s) (vLLM's own `tensor_parallel_size`); trainer
+rank r uses `trainer_devices[r]`, by default cuda:1 … cuda:N when there are more GPUs than ranks, else
+every rank shares the GPUs round-robin with the engine (then lower the engine's
+`gpu_memory_utilization`). Weights go back to the engine through the kernel as CPU tensors from rank 0:
+fine up to a few hundred MB; larger models want CUDA IPC or NCCL broadcast (not built yet).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from polar_lab.errors import LabError
+from polar_lab.grpo.batch import Sample
+from polar_lab.grpo.config import GRPOConfig
+from polar_lab.grpo.policy import resolve_device
+
+
+class TrainerError(LabError):
+    """A trainer rank failed, died or did not answer in time."""
+
+
+class DistributedPolicy:
+    """Same interface as Policy (update, logprobs, state_dict, optimizer_state, close), N worker processes."""
+
+    def __init__(self, model_path: str, config: GRPOConfig, *, start_timeout: float = 300.0,
+                 step_timeout: float = 1800.0):
+        self.config = config
+        self.world_size = config.world_size
+        self.step_timeout = step_timeout
+        self.devices = trainer_devices(config)
+        backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
+        ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
+        port = _free_port()
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        self._conns, self._procs = [], []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, name=f"polar-lab-trainer-{rank}", daemon=True,
+                               args=(rank, self.world_size, port, backend, self.devices[rank], threads,
+                                     model_path, config.to_dict(), child))
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            self._gather(start_timeout)  # each rank says it is ready
+        except BaseException:
+            self.close()
+            raise
+
+    def update(self, samples: list[Sample]) -> dict[str, Any]:
+        shards = shard(samples, self.world_size)
+        for conn, part in zip(self._conns, shards):
+            _send(conn, ("update", part))
+        results = self._gather(self.step_timeout)
+        totals: dict[str, Any] = {}
+        for stats in results:
+            for key, value in stats.items():
+                if key == "grad_norm":
+                    totals[key] = value  # identical on every rank after the all-reduce
+                elif isinstance(value, torch.Tensor):
+                    totals[key] = torch.cat([totals[key], value]) if key in totals else value
+                else:
+                    totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        return self._ask_rank0(("logprobs", samples))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._ask_rank0(("state_dict", None))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self._ask_rank0(("optimizer_state", None))
+
+    def close(self) -> None:
+        """Ask every rank to stop; kill any that does not within 30 s. Safe to call twice."""
+        for conn in self._conns:
+            try:
+                _send(conn, ("stop", None))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 30
+        for proc in self._procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _ask_rank0(self, message: tuple) -> Any:
+        _send(self._conns[0], message)
+        return self._receive(0, self.step_timeout)
+
+    def _gather(self, timeout: float) -> list[Any]:
+        return [self._receive(rank, timeout) for rank in range(self.world_size)]
+
+    def _receive(self, rank: int, timeout: float) -> Any:
+        conn, proc = self._conns[rank], self._procs[rank]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TrainerError(f"trainer rank {rank} did not answer within {timeout:.0f} s")
+        status, payload = pickle.loads(conn.recv_bytes())
+        if status == "error":
+            raise TrainerError(f"trainer rank {rank} failed:\n{payload}")
+        return payload
+
+
+def shard(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Deal samples round-robin by length. A rank left empty gets a zero-weight copy (DDP needs every
+    rank to take part in the gradient all-reduce), which changes nothing in the loss."""
+    order = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    parts = [order[r::world_size] for r in range(world_size)]
+    for part in parts:
+        if not part and samples:
+            blank = samples[0]
+            part.append(Sample(input_ids=blank.input_ids, weights=torch.zeros_like(blank.weights), advantage=0.0,
+                               behavior_logprobs=blank.behavior_logprobs, versions=blank.versions,
+                               temperature=blank.temperature, session_id="padding"))
+    return parts
+
+
+def trainer_devices(config: GRPOConfig) -> list[str]:
+    """Device of each rank (see the module docstring for the default GPU split)."""
+    if config.trainer_devices is not None:
+        return list(config.trainer_devices)
+    if resolve_device(config.device) == "cpu":
+        return ["cpu"] * config.world_size
+    gpus = torch.cuda.device_count()
+    if gpus > config.world_size:
+        return [f"cuda:{1 + r}" for r in range(config.world_size)]
+    return [f"cuda:{r % gpus}" for r in range(config.world_size)]
+
+
+def _send(conn, message: tuple) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, device: str, threads: int, model_path: str,
+            config: dict[str, Any], conn) -> None:
+    """One trainer rank: build the Policy, join the group, answer commands until "stop"."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from polar_lab.grpo.policy import Policy
+
+    def reply(status: str, payload: Any) -> None:
+        conn.send_bytes(pickle.dumps((status, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        torch.set_num_threads(threads)
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        policy = Policy(model_path, GRPOConfig.from_dict(config), device=device)
+        policy.world_size = world_size
+        policy.train_model = DistributedDataParallel(
+            policy.model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+        reply("ok", "ready")
+    except BaseException:  # noqa: BLE001 - reported to the kernel, then this rank exits
+        reply("error", traceback.format_exc())
+        return
+    handlers = {"update": policy.update, "logprobs": policy.logprobs,
+                "state_dict": lambda _: policy.state_dict(), "optimizer_state": lambda _: policy.optimizer_state()}
+    try:
+        while True:
+            command, payload = pickle.loads(conn.recv_bytes())
+            if command == "stop":
+                return
+            try:
+                reply("ok", handlers[command](payload))
+            except BaseException:  # noqa: BLE001 - the kernel decides what to do
+                reply("error", traceback.format_exc())
+    except EOFError:
+        return  # the kernel went away
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,150 @@
+"""The trainer's policy: a transformers model and its optimiser, one rank. No threads, no processes.
+
+`Policy.update(samples)` is one GRPO update (num_iterations optimiser steps) on the samples it is given;
+the per-token weights inside the samples already carry the normalisation of the *whole* batch, so ranks
+that each see a shard compute exactly the shards of one loss (see distributed.py). When the model is
+wrapped in DDP, gradients are averaged over ranks; the loss is multiplied by the world size to make that
+average a sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any
+
+import torch
+
+from polar_lab.grpo.batch import Sample
+from polar_lab.grpo.config import GRPOConfig
+from polar_lab.grpo.loss import policy_loss, token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class Policy:
+    def __init__(self, model_path: str, config: GRPOConfig, *, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype]).to(self.device)
+        self.model.train()
+        self.train_model = self.model  # DDP wraps this one (distributed.py)
+        self.world_size = 1
+        self.ref_model = None
+        if config.beta > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
+                                           betas=(config.adam_beta1, config.adam_beta2),
+                                           weight_decay=config.weight_decay)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.steps = 0
+
+    def update(self, samples: list[Sample]) -> dict[str, Any]:
+        """One GRPO update on `samples`; returns summed statistics (merge ranks by adding them)."""
+        micro = self._micro_batches(samples)
+        frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref) per micro-batch
+        totals: dict[str, Any] = {}
+        for iteration in range(self.config.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, (mb, (old, ref)) in enumerate(zip(micro, frozen)):
+                last = i == len(micro) - 1
+                with self._no_sync(not last):
+                    logp = token_logprobs(self.train_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                    loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
+                                              ref, mb["advantage"], mb["weights"], self.config)
+                    (loss * self.world_size).backward()
+                if iteration == 0:
+                    _accumulate(totals, stats)
+            totals["grad_norm"] = self._clip_and_step()
+        self.steps += 1
+        return totals
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """The trainer's logprob of every target of each sample (L-1 each), at the sample's temperature."""
+        out = []
+        for s in samples:
+            mb = self._collate([s])
+            out.append(token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it)."""
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def close(self) -> None:
+        pass  # nothing outside this process
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _micro_batches(self, samples: list[Sample]) -> list[dict[str, torch.Tensor]]:
+        """Sorted by length so padding stays small; `micro_batch_size` sequences each."""
+        order = sorted(samples, key=lambda s: len(s.input_ids))
+        size = self.config.micro_batch_size
+        return [self._collate(order[i:i + size]) for i in range(0, len(order), size)]
+
+    def _collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        width = max(len(s.input_ids) for s in samples)
+
+        def pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, n - len(t)), value=value)
+
+        batch = {
+            "input_ids": torch.stack([pad(s.input_ids, width, self.pad_id) for s in samples]),  # (B, T)
+            "attention_mask": torch.stack([pad(torch.ones(len(s.input_ids), dtype=torch.long), width, 0)
+                                           for s in samples]),
+            "weights": torch.stack([pad(s.weights, width - 1, 0.0) for s in samples]),  # (B, T-1)
+            "behavior": torch.stack([pad(s.behavior_logprobs, width - 1, 0.0) for s in samples]),
+            "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+            "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+        }
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """π_old (only needed when the batch is reused) and π_ref (only with a KL term), before any step."""
+        old = None
+        if self.config.num_iterations > 1:
+            old = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+        ref = None
+        if self.ref_model is not None:
+            ref = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+        return old, ref
+
+    def _no_sync(self, skip: bool):
+        if skip and hasattr(self.train_model, "no_sync"):
+            return self.train_model.no_sync()  # DDP: all-reduce only on the last micro-batch
+        return contextlib.nullcontext()
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.)
+        self.optimizer.step()
+        return float(norm) if math.isfinite(float(norm)) else float("nan")
+
+
+def _accumulate(totals: dict[str, Any], stats: dict[str, torch.Tensor]) -> None:
+    for key, value in stats.items():
+        value = value.detach().float().cpu()
+        if value.dim() == 0:
+            totals[key] = totals.get(key, 0.0) + float(value)
+        else:
+            totals[key] = torch.cat([totals[key], value]) if key in totals else value

@@ -1,0 +1,71 @@
+"""`polar-lab train CONFIG.yaml`: the headless form of a notebook's GRPO cells, from one YAML file.
+
+Starts a Lab from the engine/proxy/store sections, evaluates on the held-out tasks, trains
+`grpo.max_steps` steps, evaluates again with the same seed, and writes `summary.json` next to the
+metrics. The same `GRPOTrainer` a notebook drives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from polar_lab.config import LabConfig
+from polar_lab.errors import ConfigError
+from polar_lab.grpo.config import GRPOConfig
+from polar_lab.grpo.trainer import GRPOTrainer
+
+LAB_SECTIONS = ("engine", "proxy", "store")
+
+
+def load_train_config(path: str | Path, **grpo_overrides: Any) -> tuple[LabConfig, GRPOConfig]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = set(data) - {*LAB_SECTIONS, "grpo"}
+    if unknown:
+        raise ConfigError(f"unknown sections {sorted(unknown)} in {path}; known: {[*LAB_SECTIONS, 'grpo']}")
+    lab_config = LabConfig.from_dict({k: data[k] for k in LAB_SECTIONS if k in data})
+    grpo = {**(data.get("grpo") or {}), **{k: v for k, v in grpo_overrides.items() if v is not None}}
+    return lab_config, GRPOConfig.from_dict(grpo)
+
+
+def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bool = True) -> dict[str, Any]:
+    from polar_lab.lab import Lab
+
+    t0 = time.perf_counter()
+    with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
+        t_ready = time.perf_counter()
+        before = trainer.evaluate() if config.eval_tasks else None
+        t_train = time.perf_counter()
+        metrics = trainer.train(progress=progress)
+        train_s = time.perf_counter() - t_train
+        after = trainer.evaluate() if config.eval_tasks else None
+        summary = {
+            "run_dir": str(lab.run_dir), "output_dir": str(trainer.output_dir),
+            "steps": len(metrics), "policy_version": lab.policy_version, "async_mode": config.async_mode,
+            "world_size": config.world_size, "before": before, "after": after,
+            "eval_gain": after["eval_reward"] - before["eval_reward"] if before and after else None,
+            "train_s": train_s, "startup_s": t_ready - t0, "total_s": time.perf_counter() - t0,
+            "mean_step_s": float(metrics["step_s"].mean()),
+            "mean_engine_busy_frac": float(metrics["engine_busy_frac"].mean()),
+            "reward_first_step": float(metrics["reward_mean"].iloc[0]),
+            "reward_last_step": float(metrics["reward_mean"].iloc[-1]),
+        }
+        (trainer.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def format_train_summary(s: dict[str, Any]) -> str:
+    lines = [f"run folder        {s['run_dir']}", f"metrics, ckpts    {s['output_dir']}",
+             f"steps             {s['steps']} ({'async' if s['async_mode'] else 'sync'}, "
+             f"{s['world_size']} trainer rank{'s' if s['world_size'] > 1 else ''})",
+             f"train wall        {s['train_s']:.1f} s ({s['mean_step_s']:.2f} s/step, engine busy "
+             f"{s['mean_engine_busy_frac']:.2f})",
+             f"train reward      {s['reward_first_step']:.3f} (step 1) -> {s['reward_last_step']:.3f} (last step)"]
+    if s["before"] and s["after"]:
+        lines.append(f"held-out reward   {s['before']['eval_reward']:.3f} -> {s['after']['eval_reward']:.3f} "
+                     f"({s['eval_gain']:+.3f}) on {s['after']['eval_runs']} tasks, same seed")
+    return "\n".join(lines)

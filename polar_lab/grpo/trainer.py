@@ -1,0 +1,225 @@
+"""GRPOTrainer: the RL loop over a live Lab — collect groups, build the batch, update, sync weights.
+
+One step, as in the algorithm:
+    groups  = rollouts.next_groups()              # harness runs through the proxy, scored by the evaluator
+    batch   = build_batch(groups)                 # staleness filter, group-relative advantages, weights
+    metrics = policy.update(batch)                # clipped PG × truncated IS (+ KL), one optimiser step
+    lab.sync_weights(policy.state_dict())         # pause proxy, drain, load into vLLM, version+1, resume
+
+Where this departs from the GRPO paper (Shao et al. 2024):
+- Loss aggregation is configurable (`loss_type`): the paper's per-sequence mean ("grpo"), Dr. GRPO's
+  constant normaliser, or DAPO's token mean (the default, as in TRL). The unit is the harness *run*: a run
+  that yields several chains shares one advantage and, for "grpo", one per-run mean.
+- Clip-higher (DAPO): separate `epsilon` / `epsilon_high`.
+- Off-policy correction: every token is weighted by min(π_old/μ, tis_cap) where μ is the engine's own
+  sampler logprob of that token (truncated importance sampling, as in Polar/slime); this covers both the
+  trainer/engine numerical mismatch and, in async mode, tokens sampled by older policy versions.
+- KL to the reference is off by default (β = 0, as in DAPO/Dr. GRPO/TRL); with β > 0 it is the k3 estimator.
+- Groups whose rewards are all equal are skipped (no signal), not counted in the normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+from polar_lab.grpo.batch import Batch, build_batch
+from polar_lab.grpo.config import GRPOConfig
+from polar_lab.grpo.policy import Policy, resolve_device
+from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling
+from polar_lab.harness.registry import get_harness
+from polar_lab.harness.runtime import Evaluator, Harness
+from polar_lab.rewards.registry import get_evaluator
+from polar_lab.types import Group
+
+if TYPE_CHECKING:
+    from polar_lab.lab import Lab
+
+
+class GRPOTrainer:
+    def __init__(self, lab: Lab, config: GRPOConfig | None = None, *, harness: str | Harness | None = None,
+                 evaluator: str | Evaluator | None = None, tasks: list[dict[str, Any]] | None = None):
+        """Train the Lab's model on `tasks` (default: config.tasks) run through `harness`.
+
+        The trainer starts from the model folder the engine serves. If the engine already holds other
+        weights (policy_version > 0), the trainer's are loaded into it first so both agree.
+        """
+        self.lab = lab
+        self.config = config = config or GRPOConfig()
+        self.harness = get_harness(harness or config.harness)
+        self.evaluator = get_evaluator(evaluator or config.evaluator)
+        self.tasks = TaskStream(tasks if tasks is not None else read_jsonl(config.tasks), seed=config.seed)
+        self.output_dir = Path(config.output_dir or lab.run_dir / "grpo")
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        self.policy = make_policy(lab.engine.model_path, config)
+        if lab.policy_version != 0:
+            lab.sync_weights(self.policy.state_dict(), drain_timeout=config.drain_timeout_s)
+        self.history: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
+        self.last_groups: list[Group] = []  # the latest step's inputs, for inspection in a notebook
+        self.last_batch: Batch | None = None
+        self._rollouts: SyncRollouts | AsyncRollouts | None = None
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """One GRPO iteration (collect → batch → update → sync); returns its metrics."""
+        version = self.lab.policy_version
+        t0, busy0 = time.perf_counter(), self.lab.engine_busy_seconds
+        groups, rollout_stats = self._source().next_groups(version)
+        t1 = time.perf_counter()
+        batch = build_batch(groups, self.config, version)
+        update = self.policy.update(batch.samples) if batch.samples else {}
+        t2 = time.perf_counter()
+        sync = self.lab.sync_weights(self.policy.state_dict(), drain_timeout=self.config.drain_timeout_s) \
+            if batch.samples else {}
+        t3 = time.perf_counter()
+        self.last_groups, self.last_batch = groups, batch
+        metrics = {"step": len(self.history) + 1, "policy_version": self.lab.policy_version,
+                   "trained_version": version, **batch.stats, **rollout_stats, **summarize_update(update),
+                   "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
+                   "drain_s": sync.get("drain_s", 0.0), "load_s": sync.get("load_s", 0.0),
+                   "undrained_calls": sync.get("undrained", 0),
+                   "engine_busy_frac": (self.lab.engine_busy_seconds - busy0) / max(t3 - t0, 1e-9),
+                   "sampled_tokens_per_s": batch.stats["tokens"] / max(t3 - t0, 1e-9),
+                   "time": time.time()}
+        self._log(metrics)
+        return metrics
+
+    def train(self, num_steps: int | None = None, *, progress: bool = True) -> pd.DataFrame:
+        """Run `num_steps` steps (default config.max_steps); evaluates every eval_steps; checkpoints every
+        save_steps and at the end. Returns the metrics DataFrame."""
+        from tqdm.auto import tqdm
+
+        steps = num_steps or self.config.max_steps
+        bar = tqdm(range(steps), desc="grpo", disable=not progress)
+        for _ in bar:
+            m = self.step()
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", v=m["policy_version"])
+            n = m["step"]
+            if self.config.eval_steps and n % self.config.eval_steps == 0:
+                self.evaluate()
+            if self.config.save_steps and n % self.config.save_steps == 0:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        return self.metrics
+
+    def evaluate(self, tasks: list[dict[str, Any]] | None = None, *, limit: int | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
+        """Mean reward on held-out tasks, one seeded run each at the training temperature.
+
+        The same seed on the same weights gives the same runs, so before/after numbers are comparable.
+        """
+        c = self.config
+        if tasks is None:
+            if c.eval_tasks is None:
+                raise ValueError("no eval tasks: pass tasks= or set GRPOConfig.eval_tasks")
+            tasks = read_jsonl(c.eval_tasks)
+        tasks = tasks[:limit or c.eval_limit or len(tasks)]
+        t0 = time.perf_counter()
+        groups = self.lab.rollout(tasks, self.harness, num_generations=1, evaluator=self.evaluator,
+                                  concurrency=c.concurrency, deadline_s=c.deadline_s, builder=c.builder,
+                                  progress=False, sampling=rollout_sampling(c),
+                                  seed=c.eval_seed if seed is None else seed)
+        sessions = [s for g in groups for s in g.sessions]
+        rewards = [s.reward if s.reward is not None else 0.0 for s in sessions]
+        result = {"step": len(self.history), "policy_version": self.lab.policy_version,
+                  "eval_reward": sum(rewards) / len(rewards), "eval_runs": len(rewards),
+                  "eval_failed": sum(s.status != "closed" for s in sessions), "eval_s": time.perf_counter() - t0}
+        for part in sorted({k for s in sessions for k in s.info.get("reward_parts", {})} - {"total"}):
+            result[f"eval_{part}"] = sum(s.info.get("reward_parts", {}).get(part, 0.0) for s in sessions) / len(sessions)
+        self.evaluations.append(result)
+        _append_jsonl(self.output_dir / "evaluations.jsonl", result)
+        return result
+
+    # ---- results --------------------------------------------------------------------------------
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """One row per step (also in <output_dir>/metrics.jsonl)."""
+        return pd.DataFrame(self.history)
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """A model folder vLLM and transformers can load (weights incl. lm_head, config, tokenizer),
+        plus optimizer.pt and trainer_state.json."""
+        from safetensors.torch import save_file
+
+        step = len(self.history)
+        path = Path(path or self.output_dir / f"checkpoint-{step}")
+        path.mkdir(parents=True, exist_ok=True)
+        source = Path(self.lab.engine.model_path)
+        for item in source.iterdir():  # config, tokenizer, chat template: everything but the weights
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
+                shutil.copy2(item, path / item.name)
+        save_file({k: v.contiguous() for k, v in self.policy.state_dict().items()}, str(path / "model.safetensors"))
+        torch.save(self.policy.optimizer_state(), path / "optimizer.pt")
+        state = {"step": step, "policy_version": self.lab.policy_version, "config": self.config.to_dict()}
+        (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        return path
+
+    def close(self) -> None:
+        """Stop async rollouts and trainer worker processes. The Lab stays up."""
+        if self._rollouts is not None:
+            self._rollouts.close()
+            self._rollouts = None
+        self.policy.close()
+
+    def __enter__(self) -> GRPOTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _source(self) -> SyncRollouts | AsyncRollouts:
+        if self._rollouts is None:
+            kind = AsyncRollouts if self.config.async_mode else SyncRollouts
+            self._rollouts = kind(self.lab, self.config, self.harness, self.evaluator, self.tasks)
+        return self._rollouts
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        self.history.append(metrics)
+        _append_jsonl(self.output_dir / "metrics.jsonl", metrics)
+
+
+def make_policy(model_path: str, config: GRPOConfig):
+    """One rank in this process, or `world_size` ranks in worker processes."""
+    if config.world_size == 1 and config.trainer_devices is None:
+        return Policy(model_path, config, device=resolve_device(config.device))
+    from polar_lab.grpo.distributed import DistributedPolicy
+
+    return DistributedPolicy(model_path, config)
+
+
+def summarize_update(update: dict[str, Any]) -> dict[str, float]:
+    """Summed per-rank statistics → the logged metrics (means over trained tokens, ratio quantiles)."""
+    if not update:
+        return {}
+    tokens = max(update["tokens"], 1.0)
+    log_is = update["log_is"]
+    ratio = log_is.exp()
+    q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95])) if len(ratio) else torch.full((3,), float("nan"))
+    return {
+        "loss": update["loss"], "pg_loss": update["pg_loss"], "kl": update["kl_sum"] / tokens,
+        "clip_frac": update["clipped"] / tokens, "grad_norm": update["grad_norm"],
+        "is_ratio_mean": float(ratio.mean()) if len(ratio) else float("nan"),
+        "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
+        "is_ratio_max": float(ratio.max()) if len(ratio) else float("nan"),
+        "is_capped_frac": update["is_capped"] / tokens,
+        "logprob_abs_diff_mean": float(log_is.abs().mean()) if len(log_is) else float("nan"),
+    }
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record, default=float) + "\n")
