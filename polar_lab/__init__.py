@@ -6,11 +6,14 @@ call is recorded at token level (prompt ids, sampled ids, sampler logprobs, poli
 
 from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig
 from polar_lab.errors import PolarLabError
+from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from polar_lab.lab import Lab
 from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory
 
 __all__ = [
     "EngineConfig",
+    "GRPOConfig",
+    "GRPOTrainer",
     "Generation",
     "Group",
     "Lab",

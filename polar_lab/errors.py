@@ -3,6 +3,7 @@
     PolarLabError
     ├── ConfigError            a config value, or two that disagree (message quotes both)
     ├── LabError               Lab lifecycle: start-up failed, used after close, port taken
+    │   └── TrainerError       a trainer rank process failed, died or did not answer in time
     ├── EngineError            the engine failed or is gone (HTTP 503)
     ├── StoreError             a run folder cannot be written or read
     └── RequestError           the caller's request is bad (HTTP 4xx, carries status/code/param)
@@ -23,6 +24,10 @@ class ConfigError(PolarLabError, ValueError):
 
 class LabError(PolarLabError, RuntimeError):
     pass
+
+
+class TrainerError(LabError):
+    """A trainer rank failed, died or did not answer in time (polar_lab.grpo.distributed)."""
 
 
 class EngineError(PolarLabError, RuntimeError):

@@ -6,8 +6,8 @@ import polar_lab
 def test_all_is_sorted_and_pinned():
     assert polar_lab.__all__ == sorted(polar_lab.__all__)
     assert polar_lab.__all__ == [
-        "EngineConfig", "Generation", "Group", "Lab", "LabConfig", "ModelCall", "PolarLabError",
-        "ProxyConfig", "SamplingSpec", "Session", "StoreConfig", "Trajectory",
+        "EngineConfig", "GRPOConfig", "GRPOTrainer", "Generation", "Group", "Lab", "LabConfig", "ModelCall",
+        "PolarLabError", "ProxyConfig", "SamplingSpec", "Session", "StoreConfig", "Trajectory",
     ]
 
 

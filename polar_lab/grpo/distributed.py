@@ -29,14 +29,10 @@ from typing import Any
 
 import torch
 
-from polar_lab.errors import LabError
+from polar_lab.errors import TrainerError
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.policy import resolve_device
-
-
-class TrainerError(LabError):
-    """A trainer rank failed, died or did not answer in time."""
 
 
 class DistributedPolicy:
@@ -126,7 +122,14 @@ class DistributedPolicy:
                 raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
             if time.monotonic() > deadline:
                 raise TrainerError(f"trainer rank {rank} did not answer within {timeout:.0f} s")
-        status, payload = pickle.loads(conn.recv_bytes())
+        try:
+            status, payload = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            proc.join(timeout=5)
+            raise TrainerError(
+                f"trainer rank {rank} exited (code {proc.exitcode}) before answering. Started from a script? "
+                f"Worker processes are spawned and re-import the main module: put the script's work under "
+                f"`if __name__ == '__main__':`") from None
         if status == "error":
             raise TrainerError(f"trainer rank {rank} failed:\n{payload}")
         return payload

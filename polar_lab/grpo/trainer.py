@@ -65,6 +65,7 @@ class GRPOTrainer:
         self.evaluations: list[dict[str, Any]] = []
         self.last_groups: list[Group] = []  # the latest step's inputs, for inspection in a notebook
         self.last_batch: Batch | None = None
+        self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class GRPOTrainer:
                                   concurrency=c.concurrency, deadline_s=c.deadline_s, builder=c.builder,
                                   progress=False, sampling=rollout_sampling(c),
                                   seed=c.eval_seed if seed is None else seed)
+        self.last_eval_groups = groups
         sessions = [s for g in groups for s in g.sessions]
         rewards = [s.reward if s.reward is not None else 0.0 for s in sessions]
         result = {"step": len(self.history), "policy_version": self.lab.policy_version,

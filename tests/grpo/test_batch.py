@@ -1,0 +1,100 @@
+"""From groups to a batch: advantages per run, zero-signal groups skipped, per-token weights by loss_type,
+the staleness bound. Hand-made trajectories: this layer is pure data (real ones are in the integration tests)."""
+
+import itertools
+
+import pytest
+
+from polar_lab.grpo import GRPOConfig, build_batch, run_advantages, split_stale
+from polar_lab.types import Group, Session, Trajectory
+
+
+def _traj(session_id, sampled, version=0, chain=0, truncated=False):
+    """A prompt of 3 tokens then `sampled` generated tokens at `version`."""
+    return Trajectory(session_id=session_id, chain_index=chain, token_ids=list(range(3 + sampled)),
+                      loss_mask=[0] * 3 + [1] * sampled, behavior_logprobs=[0.0] * 3 + [-0.5] * sampled,
+                      policy_versions=[-1] * 3 + [version] * sampled,
+                      info={"temperature": 1.0, **({"truncated": True} if truncated else {})})
+
+
+_ids = itertools.count()
+
+
+def _group(rewards, sampled=4, version=0):
+    sessions = [Session(id=f"s{next(_ids)}", key="", reward=r) for r in rewards]
+    return Group(task={}, sessions=sessions, trajectories=[_traj(s.id, sampled, version) for s in sessions])
+
+
+ADVANTAGES = [  # (rewards, scale, expected advantages)
+    ([1.0, 0.0], "none", [0.5, -0.5]),
+    ([1.0, 1.0, 0.0, 0.0], "group", [0.866, 0.866, -0.866, -0.866]),  # (r - mean) / (sample std 0.577 + eps)
+    ([1.0, None, 0.0], "none", [0.5, None, -0.5]),  # a crashed run (None) is out, not scored 0
+]
+
+
+@pytest.mark.parametrize("rewards,scale,expected", ADVANTAGES)
+def test_group_relative_advantages(rewards, scale, expected):
+    g = _group(rewards)
+    adv = run_advantages([g], scale)
+    got = [adv.get(s.id) for s in g.sessions]
+    assert got == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 1.0, 1.0], [0.0, 0.0], [1.0, None]])
+def test_groups_without_signal_are_skipped(rewards):
+    assert run_advantages([_group(rewards)], "group") == {}
+
+
+def test_batch_scaling_uses_one_std_for_all_groups():
+    a, b = _group([1.0, 0.0]), _group([4.0, 0.0])
+    adv = run_advantages([a, b], "batch")
+    # both groups share one divisor: the advantages keep the 1:4 proportion of the raw gaps
+    assert adv[b.sessions[0].id] / adv[a.sessions[0].id] == pytest.approx(4.0, rel=1e-3)
+
+
+def _two_chain_batch(loss_type):
+    """Run x: 2 chains of 4 and 2 tokens; run y: 1 chain of 4 tokens. Rewards differ (one informative group)."""
+    x, y = Session(id="x", key="", reward=1.0), Session(id="y", key="", reward=0.0)
+    group = Group(task={}, sessions=[x, y],
+                  trajectories=[_traj("x", 4), _traj("x", 2, chain=1), _traj("y", 4)])
+    config = GRPOConfig(loss_type=loss_type, max_completion_length=10, scale_rewards="none")
+    return build_batch([group], config, trainer_version=0)
+
+
+@pytest.mark.parametrize("loss_type,per_token", [
+    ("dapo", [1 / 10, 1 / 10, 1 / 10]),  # every trained token of the batch weighs the same
+    ("grpo", [1 / (2 * 6), 1 / (2 * 6), 1 / (2 * 4)]),  # mean over the run's tokens (both chains), then runs
+    ("dr_grpo", [1 / (2 * 10)] * 3),  # constant: runs x max_completion_length
+])
+def test_loss_normalisation_counts_runs_not_chains(loss_type, per_token):
+    batch = _two_chain_batch(loss_type)
+    weights = [float(s.weights[s.weights > 0][0]) for s in batch.samples]
+    assert weights == pytest.approx(per_token)
+    assert batch.stats["runs"] == 2 and batch.stats["trajectories"] == 3
+    assert [s.advantage for s in batch.samples] == [0.5, 0.5, -0.5]  # both chains of x share its advantage
+
+
+def test_weights_sit_exactly_on_sampled_tokens():
+    batch = _two_chain_batch("dapo")
+    for sample in batch.samples:
+        n = len(sample.input_ids)
+        assert len(sample.weights) == len(sample.behavior_logprobs) == len(sample.versions) == n - 1
+        assert (sample.weights[:2] == 0).all() and (sample.weights[2:] > 0).all()  # targets 3.. were sampled
+
+
+def test_staleness_beyond_the_bound_never_reaches_the_batch():
+    fresh, old = _group([1.0, 0.0], version=5), _group([1.0, 0.0], version=3)
+    kept, stale = split_stale([fresh, old], trainer_version=5, max_staleness=1)
+    assert kept == [fresh] and stale == [old]
+    batch = build_batch([fresh, old], GRPOConfig(max_staleness=1), trainer_version=5)
+    assert {s.session_id for s in batch.samples} == {s.id for s in fresh.sessions}
+    assert batch.stats["groups_stale"] == 1 and batch.stats["staleness_max"] == 0
+
+
+def test_truncated_runs_are_masked_when_asked():
+    g = _group([1.0, 0.0, 1.0])
+    g.trajectories[0].info["truncated"] = True
+    on = build_batch([g], GRPOConfig(mask_truncated_completions=True), 0)
+    off = build_batch([g], GRPOConfig(mask_truncated_completions=False), 0)
+    assert g.sessions[0].id not in {s.session_id for s in on.samples}
+    assert g.sessions[0].id in {s.session_id for s in off.samples}

@@ -1,0 +1,54 @@
+"""GRPOConfig: TRL names, cross-field checks that quote the values, YAML sections that map 1:1."""
+
+import pytest
+
+from polar_lab.errors import ConfigError
+from polar_lab.grpo import GRPOConfig
+from polar_lab.grpo.run import load_train_config
+
+BAD = [  # (fields, words the error must contain)
+    ({"loss_type": "ppo"}, ["loss_type", "ppo"]),
+    ({"scale_rewards": "rank"}, ["scale_rewards", "rank"]),
+    ({"epsilon": 0.3, "epsilon_high": 0.2}, ["0.2", "0.3"]),  # clip-higher must not be lower
+    ({"num_generations": 1}, ["num_generations", "1"]),  # no group baseline
+    ({"async_mode": True, "max_staleness": 0}, ["max_staleness", "0"]),
+    ({"tis_cap": 0.5}, ["tis_cap", "0.5"]),
+    ({"world_size": 2, "trainer_devices": ["cpu"]}, ["1", "2"]),
+    ({"stale_groups": "keep"}, ["keep"]),
+]
+
+
+@pytest.mark.parametrize("fields,words", BAD)
+def test_bad_combinations_are_refused_with_both_values(fields, words):
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(**fields)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_defaults_follow_trl_where_trl_has_the_field():
+    c = GRPOConfig()
+    assert (c.loss_type, c.scale_rewards, c.beta, c.num_iterations, c.epsilon) == ("dapo", "group", 0.0, 1, 0.2)
+    assert GRPOConfig(epsilon_high=None).epsilon_high == c.epsilon
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"  # older TRL spelled it as a bool
+
+
+def test_yaml_sections_map_onto_the_dataclasses(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("engine: {model: some/folder}\nproxy: {port: 0}\ngrpo: {learning_rate: 0.01, max_steps: 3}\n")
+    lab_config, grpo = load_train_config(path, max_steps=5)
+    assert lab_config.engine.model == "some/folder" and lab_config.proxy.port == 0
+    assert grpo.learning_rate == 0.01 and grpo.max_steps == 5  # the CLI flag overrides the file
+
+
+@pytest.mark.parametrize("text,word", [("grpo: {learning_rat: 0.1}\n", "learning_rat"),
+                                       ("trainer: {}\n", "trainer")])
+def test_unknown_keys_are_errors_not_silent_no_ops(tmp_path, text, word):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=word):
+        load_train_config(path)
+
+
+def test_the_shipped_config_loads():
+    _, grpo = load_train_config("configs/tiny_calc_grpo.yaml")
+    assert grpo.harness == "calculator" and grpo.num_generations == 8

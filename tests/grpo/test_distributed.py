@@ -1,0 +1,51 @@
+"""Trainer ranks as worker processes (DDP over gloo on CPU): 2 ranks make the same update as 1."""
+
+import pytest
+
+from polar_lab.grpo import GRPOConfig, build_batch
+from polar_lab.grpo.distributed import DistributedPolicy, TrainerError, shard
+from polar_lab.grpo.policy import Policy
+
+from .conftest import rollout
+
+
+def test_two_ranks_make_the_same_update_as_one(lab, model_path, train_tasks):
+    config = GRPOConfig(learning_rate=1e-3, micro_batch_size=8)  # several micro-batches per rank
+    batch = build_batch(rollout(lab, train_tasks[:4]), config, lab.policy_version)
+    assert len(batch.samples) >= 8, batch.stats
+
+    single = Policy(model_path, config)
+    start = single.state_dict()
+    one = single.update(batch.samples)
+    after_one = single.state_dict()
+
+    ranks = DistributedPolicy(model_path, GRPOConfig(learning_rate=1e-3, micro_batch_size=8, world_size=2))
+    try:
+        two = ranks.update(batch.samples)
+        after_two = ranks.state_dict()
+    finally:
+        ranks.close()
+
+    assert two["tokens"] == one["tokens"] == batch.stats["tokens"]  # every token trained once, on some rank
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for name in after_one:
+        step = (after_one[name] - start[name]).abs().max()
+        gap = (after_one[name] - after_two[name]).abs().max()
+        # Adam's first step moves every weight by ~lr; the ranks' float sums differ only in rounding
+        assert gap <= 0.05 * step + 1e-7, f"{name}: 1 vs 2 ranks differ by {gap:.2e}, the step is {step:.2e}"
+
+
+def test_shards_cover_every_sample_once_and_no_rank_is_empty(lab, train_tasks):
+    batch = build_batch(rollout(lab, train_tasks[:2], n=4), GRPOConfig(), lab.policy_version)
+    parts = shard(batch.samples, 3)
+    real = [s for p in parts for s in p if s.session_id != "padding"]
+    assert sorted(map(id, real)) == sorted(map(id, batch.samples))
+    assert all(parts)
+    lonely = shard(batch.samples[:1], 2)
+    assert lonely[1][0].session_id == "padding" and float(lonely[1][0].weights.sum()) == 0.0
+
+
+def test_a_rank_that_cannot_start_is_an_error_not_a_hang(tmp_path):
+    with pytest.raises(TrainerError, match="trainer rank"):
+        DistributedPolicy(str(tmp_path / "no-model"), GRPOConfig(world_size=2), start_timeout=120)
