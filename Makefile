@@ -38,6 +38,7 @@ test: setup agents
 bench: setup
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/trajectory_cost.py
+	$(BIN)/python benchmarks/grpo_step.py
 
 model: setup
 	$(BIN)/python scripts/build_tiny_model.py

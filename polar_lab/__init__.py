@@ -2,28 +2,40 @@
 
 A harness talks to the Lab's proxy as if it were OpenAI; a vLLM engine in the kernel answers; every
 call is recorded at token level (prompt ids, sampled ids, sampler logprobs, policy version).
+
+Names are imported on first use, so `import polar_lab.grpo.policy` (the trainer alone, e.g. on a GPU
+machine with only torch and transformers) does not pull in the server stack.
 """
 
-from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig
-from polar_lab.errors import PolarLabError
-from polar_lab.grpo import GRPOConfig, GRPOTrainer
-from polar_lab.lab import Lab
-from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "EngineConfig",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "Generation",
-    "Group",
-    "Lab",
-    "LabConfig",
-    "ModelCall",
-    "PolarLabError",
-    "ProxyConfig",
-    "SamplingSpec",
-    "Session",
-    "StoreConfig",
-    "Trajectory",
-]
+_HOME = {
+    "EngineConfig": "polar_lab.config", "LabConfig": "polar_lab.config", "ProxyConfig": "polar_lab.config",
+    "StoreConfig": "polar_lab.config", "PolarLabError": "polar_lab.errors", "GRPOConfig": "polar_lab.grpo.config",
+    "GRPOTrainer": "polar_lab.grpo.trainer", "Lab": "polar_lab.lab", "Generation": "polar_lab.types",
+    "Group": "polar_lab.types", "ModelCall": "polar_lab.types", "SamplingSpec": "polar_lab.types",
+    "Session": "polar_lab.types", "Trajectory": "polar_lab.types",
+}
+
+__all__ = sorted(_HOME)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'polar_lab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig
+    from polar_lab.errors import PolarLabError
+    from polar_lab.grpo.config import GRPOConfig
+    from polar_lab.grpo.trainer import GRPOTrainer
+    from polar_lab.lab import Lab
+    from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory

@@ -2,11 +2,22 @@
 
 Modules: config (GRPOConfig), batch (staleness, advantages, per-token weights), loss (the objective),
 policy (one trainer rank), distributed (ranks as worker processes), rollouts (sync / async sources),
-trainer (GRPOTrainer: the loop, metrics, checkpoints, evaluation).
+trainer (GRPOTrainer: the loop, metrics, checkpoints, evaluation), run (`polar-lab train`).
+Names are imported on first use: the trainer-only modules need just torch and transformers.
 """
 
-from polar_lab.grpo.batch import Batch, Sample, build_batch, run_advantages, split_stale
-from polar_lab.grpo.config import GRPOConfig
-from polar_lab.grpo.trainer import GRPOTrainer
+from importlib import import_module
+from typing import Any
 
-__all__ = ["Batch", "GRPOConfig", "GRPOTrainer", "Sample", "build_batch", "run_advantages", "split_stale"]
+_HOME = {
+    "Batch": "polar_lab.grpo.batch", "Sample": "polar_lab.grpo.batch", "build_batch": "polar_lab.grpo.batch",
+    "run_advantages": "polar_lab.grpo.batch", "split_stale": "polar_lab.grpo.batch",
+    "GRPOConfig": "polar_lab.grpo.config", "GRPOTrainer": "polar_lab.grpo.trainer",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'polar_lab.grpo' has no attribute {name!r}")

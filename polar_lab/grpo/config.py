@@ -65,7 +65,7 @@ class GRPOConfig:
     device: str = _f("auto", "auto (cuda if present, else cpu), cpu, or cuda")
     trainer_devices: list[str] | None = _f(None, "CUDA devices of the trainer ranks, e.g. ['cuda:1', 'cuda:2']; "
                                                  "None = the GPUs after the engine's first")
-    dtype: str = _f("float32", "trainer weights dtype: float32, or bfloat16 on GPU")
+    dtype: str = _f("float32", "trainer compute dtype: float32, or bfloat16 autocast (weights and Adam stay fp32)")
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     max_steps: int = _f(20, "optimiser steps of train()")

@@ -36,7 +36,10 @@ class Policy:
         torch.manual_seed(config.seed)
         self.config = config
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype]).to(self.device)
+        # weights and optimizer state stay fp32 (bf16 weights would round Adam's ~lr-sized steps away);
+        # dtype=bfloat16 runs the forward/backward under autocast
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self._autocast_dtype = _DTYPES[config.dtype]
         self.model.train()
         self.train_model = self.model  # DDP wraps this one (distributed.py)
         self.world_size = 1
@@ -58,7 +61,7 @@ class Policy:
             self.optimizer.zero_grad(set_to_none=True)
             for i, (mb, (old, ref)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
-                with self._no_sync(not last):
+                with self._no_sync(not last), self._autocast():
                     logp = token_logprobs(self.train_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config)
@@ -75,12 +78,13 @@ class Policy:
         out = []
         for s in samples:
             mb = self._collate([s])
-            out.append(token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
+            with self._autocast():
+                out.append(token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it)."""
-        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -118,13 +122,17 @@ class Policy:
     @torch.no_grad()
     def _frozen_logprobs(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """π_old (only needed when the batch is reused) and π_ref (only with a KL term), before any step."""
-        old = None
-        if self.config.num_iterations > 1:
-            old = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
-        ref = None
-        if self.ref_model is not None:
-            ref = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+        old = ref = None
+        with self._autocast():
+            if self.config.num_iterations > 1:
+                old = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+            if self.ref_model is not None:
+                ref = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
         return old, ref
+
+    def _autocast(self):
+        enabled = self._autocast_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype, enabled=enabled)
 
     def _no_sync(self, skip: bool):
         if skip and hasattr(self.train_model, "no_sync"):

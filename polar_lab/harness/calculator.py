@@ -12,8 +12,6 @@ import json
 import operator
 from typing import Any
 
-import openai
-
 from polar_lab.types import Session
 
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator tool for arithmetic."
@@ -75,6 +73,8 @@ async def calculator_agent(session: Session, task: dict[str, Any], *, max_turns:
                            temperature: float = 1.0, max_tokens: int = 128,
                            timeout: float = 120.0) -> dict[str, Any]:
     """Solve `task["question"]` through the session's endpoint; returns the final text and the transcript."""
+    import openai  # here, so the tool definitions above import without the SDK (scripts/check_cuda_trainer.py)
+
     client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key,
                                 max_retries=0, timeout=timeout)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},

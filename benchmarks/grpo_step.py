@@ -1,0 +1,82 @@
+"""GRPO step costs on one Lab: seconds per step and engine busy fraction, sync vs async; weight sync time.
+
+One process, one real vLLM engine, the calculator harness, the shipped tiny model (or --model):
+  1. weight sync: `lab.sync_weights(state_dict)` repeated on an idle proxy (drain + load + resume);
+  2. sync mode: rollout → update → sync, `--steps` steps after one warm-up step;
+  3. async mode: the same number of steps with rollouts running while the trainer steps
+     (max_staleness 1), starting again from the shipped weights.
+Engine busy fraction = time inside vLLM steps / wall time of the step. Results → benchmarks/results/.
+
+    python benchmarks/grpo_step.py [--model data/models/tiny-calc] [--steps 8] [--tasks-per-step 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from polar_lab import GRPOConfig, GRPOTrainer, Lab
+
+COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "engine_busy_frac", "sampled_tokens_per_s", "reward_mean",
+           "staleness_max"]
+
+
+def sync_time(lab: Lab, trainer: GRPOTrainer, repeats: int) -> dict:
+    state = trainer.policy.state_dict()
+    runs = [lab.sync_weights(state) for _ in range(repeats)]
+    return {k: statistics.median(r[k] for r in runs) for k in ("sync_s", "drain_s", "load_s")}
+
+
+def run_mode(lab: Lab, shipped: dict, args, async_mode: bool) -> dict:
+    lab.sync_weights(shipped)
+    config = GRPOConfig(tasks_per_step=args.tasks_per_step, learning_rate=1e-3, async_mode=async_mode,
+                        max_staleness=1, seed=args.seed, output_dir=str(lab.run_dir / ("async" if async_mode else "sync")))
+    with GRPOTrainer(lab, config) as trainer:
+        trainer.step()  # warm-up: first micro-batch shapes, and the async producer filling its queue
+        t0 = time.perf_counter()
+        rows = [trainer.step() for _ in range(args.steps)]
+        wall = time.perf_counter() - t0
+    summary = {c: statistics.mean(r[c] for r in rows) for c in COLUMNS}
+    summary["staleness_max"] = max(r["staleness_max"] for r in rows)
+    summary["wall_s"] = wall
+    summary["steps"] = len(rows)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tasks-per-step", type=int, default=16)
+    parser.add_argument("--sync-repeats", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    with Lab(args.model, port=0, run_name=time.strftime("bench-grpo-%Y%m%d-%H%M%S")) as lab:
+        probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
+        shipped = probe.policy.state_dict()
+        params = sum(v.numel() for k, v in shipped.items() if k != "lm_head.weight")
+        sync = sync_time(lab, probe, args.sync_repeats)
+        probe.close()
+        results = {"model": args.model, "params": params, "tasks_per_step": args.tasks_per_step,
+                   "runs_per_step": args.tasks_per_step * 8, "weight_sync": sync,
+                   "sync": run_mode(lab, shipped, args, async_mode=False),
+                   "async": run_mode(lab, shipped, args, async_mode=True)}
+        lab.sync_weights(shipped)
+
+    print(f"model {args.model} ({params / 1e6:.2f}M params), {results['runs_per_step']} harness runs per step")
+    print(f"weight sync (idle proxy, median of {args.sync_repeats}): total {sync['sync_s'] * 1e3:.1f} ms = "
+          f"drain {sync['drain_s'] * 1e3:.1f} ms + load into vLLM {sync['load_s'] * 1e3:.1f} ms")
+    print(f"{'mode':<6} " + " ".join(f"{c:>20}" for c in COLUMNS))
+    for mode in ("sync", "async"):
+        print(f"{mode:<6} " + " ".join(f"{results[mode][c]:>20.3f}" for c in COLUMNS))
+    out = Path("benchmarks/results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grpo_step.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

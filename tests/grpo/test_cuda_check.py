@@ -1,0 +1,30 @@
+"""The accelerator check script stays runnable: CI runs its CPU form; a GPU machine runs the CUDA form."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "check_cuda_trainer.py"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_check_passes_on_cpu_with_two_gloo_ranks(dtype):
+    done = _run("--device", "cpu", "--dtype", dtype, "--world-size", "2")
+    assert done.returncode == 0 and "ALL PASSED" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert done.stdout.count("PASS ") == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_the_check_passes_on_cuda_in_bf16():
+    ranks = "2" if torch.cuda.device_count() >= 2 else "1"
+    done = _run("--device", "cuda", "--dtype", "bfloat16", "--world-size", ranks)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
