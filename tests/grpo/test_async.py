@@ -12,7 +12,7 @@ from .conftest import rollout
 
 def test_mixed_versions_are_each_corrected_with_their_own_behaviour_logprobs(lab, model_path, train_tasks,
                                                                              restore_weights):
-    config = GRPOConfig(learning_rate=3e-3, max_staleness=1, micro_batch_size=8)  # 1e-2 breaks the model
+    config = GRPOConfig(learning_rate=1e-3, max_staleness=1, micro_batch_size=8)  # larger first Adam steps can collapse the tiny model
     policy = Policy(model_path, config)
     old_groups = rollout(lab, train_tasks[:3])  # sampled by version v
     policy.update(build_batch(old_groups, config, lab.policy_version).samples)
@@ -32,7 +32,7 @@ def test_mixed_versions_are_each_corrected_with_their_own_behaviour_logprobs(lab
     stale = torch.cat(expected[lab.policy_version - 1])
     fresh = torch.cat(expected[lab.policy_version])
     assert fresh.abs().max() < 1e-3  # same weights: ratio 1 up to numerics
-    assert stale.abs().max() > 1e-2  # the older policy's tokens get a real correction
+    assert stale.abs().max() > 5 * fresh.abs().max() and stale.abs().max() > 5e-3  # the older policy's tokens get a real correction
 
     stats = policy.update(batch.samples)
     got = torch.sort(stats["log_is"]).values
