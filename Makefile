@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents demo test bench model smollm2 clean-runs
+.PHONY: setup agents demo test bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -34,6 +34,9 @@ demo: setup
 
 test: setup agents
 	$(BIN)/python -m pytest
+
+train: setup
+	$(BIN)/polar-lab train configs/tiny_calc_grpo.yaml
 
 bench: setup
 	$(BIN)/python benchmarks/proxy_latency.py

@@ -77,6 +77,7 @@ class Lab:
             return
         self.config = _make_config(model, config, overrides)
         self._closed = False
+        self._owned: list[Any] = []  # trainers and producers that use this Lab; closed before it
         self._start(engine)
         self._started = True
 
@@ -149,6 +150,12 @@ class Lab:
         """Stop the server, the loop and the engine; close the store. Safe to call twice."""
         if getattr(self, "_closed", True):
             return
+        for owned in reversed(self._owned):  # trainers first: their producers still need the loop
+            try:
+                owned.close()
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                log.warning("closing %r failed", owned, exc_info=True)
+        self._owned.clear()
         self._closed = True
         atexit.unregister(self.close)
         with self._live_lock:
@@ -184,6 +191,14 @@ class Lab:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def adopt(self, owned: Any) -> None:
+        """Close `owned` (anything with .close()) when this Lab closes: trainers, rollout producers."""
+        self._owned.append(owned)
+
+    def release(self, owned: Any) -> None:
+        if owned in self._owned:
+            self._owned.remove(owned)
 
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,

@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import uuid
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,11 @@ class AsyncRollouts:
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task] = set()
         self._stopped = False
+        for other in [o for o in lab._owned if isinstance(o, AsyncRollouts)]:
+            warnings.warn("stopping the async rollouts of an earlier trainer on this Lab (one producer per Lab)",
+                          stacklevel=3)
+            other.close()
+        lab.adopt(self)
         self._producer = lab.submit(self._produce())
 
     def next_groups(self, trainer_version: int, timeout: float | None = None) -> tuple[list[Group], dict[str, float]]:
@@ -104,6 +110,7 @@ class AsyncRollouts:
         if self._stopped:
             return
         self._stopped = True
+        self.lab.release(self)
         if not self.lab.closed:
             self.lab.run(self._cancel_all(), timeout=60)
 

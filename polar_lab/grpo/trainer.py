@@ -67,6 +67,7 @@ class GRPOTrainer:
         self.last_batch: Batch | None = None
         self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
+        lab.adopt(self)  # closing the Lab stops this trainer's producer and rank processes
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -170,6 +171,7 @@ class GRPOTrainer:
             self._rollouts.close()
             self._rollouts = None
         self.policy.close()
+        self.lab.release(self)
 
     def __enter__(self) -> GRPOTrainer:
         return self

@@ -1,11 +1,12 @@
 """Async GRPO: tokens of different policy versions in one batch, each weighted by its own behaviour logprob;
 nothing staler than the bound reaches the loss; the trainer steps while rollouts keep running."""
 
+import pytest
 import torch
 
 from polar_lab.grpo import GRPOConfig, GRPOTrainer, build_batch
 from polar_lab.grpo.policy import Policy
-from polar_lab.grpo.rollouts import TaskStream
+from polar_lab.grpo.rollouts import AsyncRollouts, TaskStream
 
 from .conftest import rollout
 
@@ -74,3 +75,18 @@ def test_task_stream_cycles_in_a_seeded_order_and_reruns_come_first():
     assert sorted(t["q"] for t in TaskStream(tasks, seed=2).take(5)) == [0, 1, 2, 3, 4]  # each once per epoch
     a.requeue({"q": "again"})
     assert a.take(1) == [{"q": "again"}]
+
+
+def test_a_second_async_trainer_stops_the_first_producer_and_closing_the_lab_stops_all(lab, restore_weights, tmp_path):
+    """Re-running a notebook cell must not leave two producers feeding one engine."""
+    config = GRPOConfig(async_mode=True, tasks_per_step=1, num_generations=2, output_dir=str(tmp_path))
+    first = GRPOTrainer(lab, config)
+    first.step()
+    producer = first._rollouts
+    second = GRPOTrainer(lab, config)
+    with pytest.warns(UserWarning, match="stopping the async rollouts of an earlier trainer"):
+        second.step()
+    assert producer._stopped and not second._rollouts._stopped
+    second.close()
+    first.close()
+    assert not [o for o in lab._owned if isinstance(o, (GRPOTrainer, AsyncRollouts))]

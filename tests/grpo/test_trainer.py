@@ -58,3 +58,13 @@ def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path
 
 def _sampled_ids(groups):
     return [[t.token_ids for t in g.trajectories] for g in groups]
+
+
+def test_closing_the_lab_stops_a_trainers_async_producer(scripted_lab, tmp_path):
+    config = GRPOConfig(async_mode=True, tasks_per_step=1, num_generations=2, output_dir=str(tmp_path))
+    trainer = GRPOTrainer(scripted_lab, config)
+    producer = trainer._source()  # starts producing on the Lab's loop
+    groups, _ = producer.next_groups(scripted_lab.policy_version, timeout=60)
+    assert len(groups) == 1
+    scripted_lab.close()
+    assert producer._stopped and not scripted_lab._owned
