@@ -303,6 +303,15 @@ class Lab:
         return {"policy_version": version, "undrained": undrained, "drain_s": t1 - t0, "load_s": t2 - t1,
                 "sync_s": t2 - t0}
 
+    def dashboard(self, *, interval: float = 1.0, start: bool = True):
+        """A live ipywidgets dashboard of this Lab (sessions, calls/s, tokens/s, version, proxy state).
+        Display it as the last expression of a cell; it refreshes every `interval` s until the Lab closes."""
+        from polar_lab.viz.dashboard import Dashboard
+
+        board = Dashboard(self, interval=interval)
+        self.adopt(board)
+        return board.start() if start else board
+
     @property
     def proxy_state(self) -> dict[str, Any]:
         """serving / draining / paused, calls in flight, pauses so far (see polar_lab.proxy.pause)."""

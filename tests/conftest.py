@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("POLAR_LAB_TEST_MODEL", str(ROOT / "data" / "models" / "tiny-calc"))
@@ -62,6 +63,21 @@ def scripted_lab(model_path, tokenizer, tmp_path):
     engine = ScriptedEngine(tokenizer, ["Hello there."], model_path=model_path, model_name="scripted")
     with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="scripted") as lab:
         yield lab
+
+
+@pytest.fixture(scope="session")
+def shipped_weights(model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return {k: v.clone() for k, v in model.state_dict().items()}  # lm_head.weight included
+
+
+@pytest.fixture
+def restore_weights(lab, shipped_weights):
+    """Yield; then load the shipped weights back into the live engine for the tests that follow."""
+    yield
+    lab.sync_weights(shipped_weights)
 
 
 def session_calls(lab, session):

@@ -62,6 +62,7 @@ class GRPOTrainer:
         if lab.policy_version != 0:
             lab.sync_weights(self.policy.state_dict(), drain_timeout=config.drain_timeout_s)
         self.history: list[dict[str, Any]] = []
+        self.reward_log: list[dict[str, Any]] = []  # one row per run of every step (trainer.rewards)
         self.evaluations: list[dict[str, Any]] = []
         self.last_groups: list[Group] = []  # the latest step's inputs, for inspection in a notebook
         self.last_batch: Batch | None = None
@@ -83,6 +84,7 @@ class GRPOTrainer:
             if batch.samples else {}
         t3 = time.perf_counter()
         self.last_groups, self.last_batch = groups, batch
+        self._log_rewards(len(self.history) + 1, groups)
         metrics = {"step": len(self.history) + 1, "policy_version": self.lab.policy_version,
                    "trained_version": version, **batch.stats, **rollout_stats, **summarize_update(update),
                    "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
@@ -147,6 +149,11 @@ class GRPOTrainer:
         """One row per step (also in <output_dir>/metrics.jsonl)."""
         return pd.DataFrame(self.history)
 
+    @property
+    def rewards(self) -> pd.DataFrame:
+        """One row per harness run of every step: step, group, task id, session, reward, status."""
+        return pd.DataFrame(self.reward_log, columns=["step", "group", "task_id", "session_id", "reward", "status"])
+
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """A model folder vLLM and transformers can load (weights incl. lm_head, config, tokenizer),
         plus optimizer.pt and trainer_state.json."""
@@ -185,6 +192,12 @@ class GRPOTrainer:
             kind = AsyncRollouts if self.config.async_mode else SyncRollouts
             self._rollouts = kind(self.lab, self.config, self.harness, self.evaluator, self.tasks)
         return self._rollouts
+
+    def _log_rewards(self, step: int, groups: list[Group]) -> None:
+        for g, group in enumerate(groups):
+            for s in group.sessions:
+                self.reward_log.append({"step": step, "group": g, "task_id": group.task.get("id", str(g)),
+                                        "session_id": s.id, "reward": s.reward, "status": s.status})
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)

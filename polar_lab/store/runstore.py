@@ -52,6 +52,7 @@ class RunStore:
         except OSError as exc:
             raise StoreError(f"cannot open run folder {self.run_dir}: {exc}") from exc
         self.num_calls = 0
+        self.num_output_tokens = 0  # sampled tokens recorded (dashboards: tokens/s)
         # session id → (offset, length) of its call lines, so a rollout reads back only its own calls
         self._call_index: dict[str, list[tuple[int, int]]] = {}
         self._calls_end = self._calls.seek(0, os.SEEK_END)
@@ -63,6 +64,7 @@ class RunStore:
             self._call_index.setdefault(call.session_id, []).append((self._calls_end, len(line)))
             self._calls_end += len(line)
             self.num_calls += 1
+            self.num_output_tokens += len(call.output_ids)
 
     def read_calls(self, session_ids: list[str]) -> list[ModelCall]:
         """The recorded calls of these sessions (of this process's run), in recording order, without
