@@ -33,9 +33,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig
-    from polar_lab.errors import PolarLabError
-    from polar_lab.grpo.config import GRPOConfig
-    from polar_lab.grpo.trainer import GRPOTrainer
-    from polar_lab.lab import Lab
-    from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory
+    from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig  # noqa: F401
+    from polar_lab.errors import PolarLabError  # noqa: F401
+    from polar_lab.grpo.config import GRPOConfig  # noqa: F401
+    from polar_lab.grpo.trainer import GRPOTrainer  # noqa: F401
+    from polar_lab.lab import Lab  # noqa: F401
+    from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory  # noqa: F401

@@ -6,9 +6,7 @@ HTTP, and every call lands in the run folder (`data/runs/<run>/`), with `summary
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,11 +16,7 @@ from polar_lab.config import DEFAULT_MODEL
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.lab import Lab
 from polar_lab.rewards import final_answer
-
-
-def load_tasks(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    lines = Path(path).read_text().splitlines()
-    return [json.loads(line) for line in lines[:limit] if line.strip()]
+from polar_lab.tasks import load_tasks
 
 
 def summarize(calls: pd.DataFrame, runs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rol
 from polar_lab.harness.registry import get_harness
 from polar_lab.harness.runtime import Evaluator, Harness
 from polar_lab.rewards.registry import get_evaluator
+from polar_lab.tasks import load_tasks
 from polar_lab.types import Group
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class GRPOTrainer:
         self.config = config = config or GRPOConfig()
         self.harness = get_harness(harness or config.harness)
         self.evaluator = get_evaluator(evaluator or config.evaluator)
-        self.tasks = TaskStream(tasks if tasks is not None else read_jsonl(config.tasks), seed=config.seed)
+        self.tasks = TaskStream(tasks if tasks is not None else load_tasks(config.tasks), seed=config.seed)
         self.output_dir = Path(config.output_dir or lab.run_dir / "grpo")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
@@ -124,7 +125,7 @@ class GRPOTrainer:
         if tasks is None:
             if c.eval_tasks is None:
                 raise ValueError("no eval tasks: pass tasks= or set GRPOConfig.eval_tasks")
-            tasks = read_jsonl(c.eval_tasks)
+            tasks = load_tasks(c.eval_tasks)
         tasks = tasks[:limit or c.eval_limit or len(tasks)]
         t0 = time.perf_counter()
         groups = self.lab.rollout(tasks, self.harness, num_generations=1, evaluator=self.evaluator,
@@ -230,11 +231,6 @@ def summarize_update(update: dict[str, Any]) -> dict[str, float]:
         "is_capped_frac": update["is_capped"] / tokens,
         "logprob_abs_diff_mean": float(log_is.abs().mean()) if len(log_is) else float("nan"),
     }
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -2,13 +2,13 @@
 
 import pytest
 
-from polar_lab.grpo.trainer import read_jsonl
+from polar_lab.tasks import load_tasks
 from polar_lab.harness import calculator_agent
 
 
 @pytest.fixture(scope="session")
 def train_tasks():
-    return read_jsonl("data/tasks/calc_train.jsonl")
+    return load_tasks("data/tasks/calc_train.jsonl")
 
 
 def rollout(lab, tasks, n=8):

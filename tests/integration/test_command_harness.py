@@ -3,7 +3,7 @@
 import os
 import time
 
-from polar_lab.demo import load_tasks
+from polar_lab.tasks import load_tasks
 from polar_lab.harness.command import Command
 from polar_lab.rewards import final_answer
 from tests.conftest import session_calls

@@ -1,6 +1,6 @@
 """The example harnesses on real vLLM: a code agent scored by sandboxed unit tests, a planner/solver pair."""
 
-from polar_lab.demo import load_tasks
+from polar_lab.tasks import load_tasks
 from polar_lab.harness.code_agent import code_agent
 from polar_lab.harness.multiagent import planner_solver
 from tests.conftest import session_calls

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from polar_lab.demo import load_tasks
+from polar_lab.tasks import load_tasks
 from polar_lab.harness.presets import agents_bin, claude_code, codex, mini_swe_agent, openai_agents_calculator
 from tests.conftest import session_calls
 

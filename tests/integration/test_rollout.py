@@ -2,7 +2,7 @@
 
 import asyncio
 
-from polar_lab.demo import load_tasks
+from polar_lab.tasks import load_tasks
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.rewards import final_answer
 

@@ -9,14 +9,14 @@ import pytest
 matplotlib.use("Agg")
 
 from polar_lab.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from polar_lab.grpo.trainer import read_jsonl  # noqa: E402
+from polar_lab.tasks import load_tasks  # noqa: E402
 from polar_lab.harness import calculator_agent  # noqa: E402
 from polar_lab.viz import Dashboard, plot_rewards, plot_training, rewards_frame, zero_advantage_fraction  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def groups(lab):
-    tasks = read_jsonl("data/tasks/calc_train.jsonl")[:3]
+    tasks = load_tasks("data/tasks/calc_train.jsonl")[:3]
     return lab.rollout(tasks, calculator_agent, num_generations=6, evaluator="final_answer", progress=False)
 
 
@@ -67,7 +67,7 @@ def test_rewards_frame_matches_the_groups(groups):
 def test_dashboard_follows_a_background_rollout_and_a_sync(lab, shipped_weights):
     board = Dashboard(lab, interval=0.05)
     before = board.snapshot()
-    tasks = read_jsonl("data/tasks/calc_train.jsonl")[10:14]
+    tasks = load_tasks("data/tasks/calc_train.jsonl")[10:14]
     seen_running = []
     board.start()
 
