@@ -63,11 +63,11 @@ class SyncRollouts:
                  tasks: TaskStream):
         self.lab, self.config, self.harness, self.evaluator, self.tasks = lab, config, harness, evaluator, tasks
 
-    def next_groups(self, trainer_version: int) -> tuple[list[Group], dict[str, float]]:
+    def next_groups(self, trainer_version: int, *, progress: bool = False) -> tuple[list[Group], dict[str, float]]:
         c = self.config
         groups = self.lab.rollout(self.tasks.take(c.tasks_per_step), self.harness, num_generations=c.num_generations,
                                   evaluator=self.evaluator, concurrency=c.concurrency, deadline_s=c.deadline_s,
-                                  builder=c.builder, progress=False, failed_reward=c.failed_reward,
+                                  builder=c.builder, progress=progress, failed_reward=c.failed_reward,
                                   sampling=rollout_sampling(c))
         return groups, {"groups_dropped_stale": 0}
 
@@ -91,8 +91,10 @@ class AsyncRollouts:
         lab.adopt(self)
         self._producer = lab.submit(self._produce())
 
-    def next_groups(self, trainer_version: int, timeout: float | None = None) -> tuple[list[Group], dict[str, float]]:
-        """Block until `tasks_per_step` groups within the staleness bound are ready."""
+    def next_groups(self, trainer_version: int, timeout: float | None = None, *,
+                    progress: bool = False) -> tuple[list[Group], dict[str, float]]:
+        """Block until `tasks_per_step` groups within the staleness bound are ready (no bar: runs are
+        already under way when this is called)."""
         fresh: list[Group] = []
         dropped = 0
         while len(fresh) < self.config.tasks_per_step:

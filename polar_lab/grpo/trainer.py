@@ -72,11 +72,12 @@ class GRPOTrainer:
         lab.adopt(self)  # closing the Lab stops this trainer's producer and rank processes
 
     # ---- the loop -------------------------------------------------------------------------------
-    def step(self) -> dict[str, Any]:
-        """One GRPO iteration (collect → batch → update → sync); returns its metrics."""
+    def step(self, *, progress: bool = True) -> dict[str, Any]:
+        """One GRPO iteration (collect → batch → update → sync); returns its metrics.
+        progress: a bar over the step's harness runs (sync mode)."""
         version = self.lab.policy_version
         t0, busy0 = time.perf_counter(), self.lab.engine_busy_seconds
-        groups, rollout_stats = self._source().next_groups(version)
+        groups, rollout_stats = self._source().next_groups(version, progress=progress)
         t1 = time.perf_counter()
         batch = build_batch(groups, self.config, version)
         update = self.policy.update(batch.samples) if batch.samples else {}
@@ -105,7 +106,7 @@ class GRPOTrainer:
         steps = num_steps or self.config.max_steps
         bar = tqdm(range(steps), desc="grpo", disable=not progress)
         for _ in bar:
-            m = self.step()
+            m = self.step(progress=False)  # this bar counts steps
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", v=m["policy_version"])
             n = m["step"]
             if self.config.eval_steps and n % self.config.eval_steps == 0:
@@ -116,7 +117,7 @@ class GRPOTrainer:
         return self.metrics
 
     def evaluate(self, tasks: list[dict[str, Any]] | None = None, *, limit: int | None = None,
-                 seed: int | None = None) -> dict[str, Any]:
+                 seed: int | None = None, progress: bool = True) -> dict[str, Any]:
         """Mean reward on held-out tasks, one seeded run each at the training temperature.
 
         The same seed on the same weights gives the same runs, so before/after numbers are comparable.
@@ -130,7 +131,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         groups = self.lab.rollout(tasks, self.harness, num_generations=1, evaluator=self.evaluator,
                                   concurrency=c.concurrency, deadline_s=c.deadline_s, builder=c.builder,
-                                  progress=False, sampling=rollout_sampling(c),
+                                  progress=progress, sampling=rollout_sampling(c),
                                   seed=c.eval_seed if seed is None else seed)
         self.last_eval_groups = groups
         sessions = [s for g in groups for s in g.sessions]

@@ -78,3 +78,13 @@ def test_a_chain_break_is_marked_with_its_class(lab, tokenizer):
     page = alignment_html(chains[1], tokenizer, breaks=breaks[breaks.session_id == session.id])
     kind = breaks[(breaks.session_id == session.id) & (breaks.new_chain == 1)]["kind"].iloc[0]
     assert f"break: {kind}" in page and kind == "new_context"
+
+
+def test_show_alignment_recomputes_with_the_given_model_and_takes_breaks_from_the_lab(lab, calc_trajectory,
+                                                                                      hf_model):
+    from polar_lab.viz import show_alignment
+
+    shown = show_alignment(calc_trajectory, lab=lab, model=hf_model)
+    spans = _spans(shown.data)
+    assert len(spans) == len(calc_trajectory.token_ids)
+    assert shown.data.count("· trainer ") == sum(calc_trajectory.loss_mask)  # every sampled token has both numbers
