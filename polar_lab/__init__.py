@@ -7,8 +7,9 @@ Names are imported on first use, so `import polar_lab.grpo.policy` (the trainer 
 machine with only torch and transformers) does not pull in the server stack.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from polar_lab._lazy import lazy_exports
 
 _HOME = {
     "EngineConfig": "polar_lab.config", "LabConfig": "polar_lab.config", "ProxyConfig": "polar_lab.config",
@@ -18,14 +19,8 @@ _HOME = {
     "Session": "polar_lab.types", "Trajectory": "polar_lab.types",
 }
 
-__all__ = sorted(_HOME)
+__all__, __getattr__ = lazy_exports("polar_lab", _HOME)
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'polar_lab' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -6,18 +6,11 @@ trainer (GRPOTrainer: the loop, metrics, checkpoints, evaluation), run (`polar-l
 Names are imported on first use: the trainer-only modules need just torch and transformers.
 """
 
-from importlib import import_module
-from typing import Any
+from polar_lab._lazy import lazy_exports
 
 _HOME = {
     "Batch": "polar_lab.grpo.batch", "Sample": "polar_lab.grpo.batch", "build_batch": "polar_lab.grpo.batch",
     "run_advantages": "polar_lab.grpo.batch", "split_stale": "polar_lab.grpo.batch",
     "GRPOConfig": "polar_lab.grpo.config", "GRPOTrainer": "polar_lab.grpo.trainer",
 }
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'polar_lab.grpo' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports("polar_lab.grpo", _HOME)
