@@ -139,7 +139,7 @@ async def _serve(request: Request, service: CallService, schema, api: str, to_ca
     session = service.registry.resolve(_key(request))
     raw = await _json_body(request, service.config.max_body_bytes)
     body = _validate(schema, raw)
-    req = to_canonical(body)
+    req = _canonical(to_canonical, body)
     call = await service.complete(session, req, api=api)
     response = build(call, req, body)
     service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
@@ -166,6 +166,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected proxy error")
         return error_response(request, 500, f"internal proxy error: {type(exc).__name__}: {exc}")
+
+
+def _canonical(to_canonical, body):
+    """The adapter's conversion is a pure function of the body: whatever it trips over is the caller's input.
+    (The protocol models keep provider items loose on purpose; this is their last line of defence.)"""
+    try:
+        return to_canonical(body)
+    except RequestError:
+        raise
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+        raise RequestError(f"malformed request: {type(exc).__name__}: {exc}") from None
 
 
 def _validate(model, raw: dict[str, Any]):

@@ -70,12 +70,16 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _text(content: Any) -> str | None:
     if content is None or isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise RequestError(f"content must be a string or a list of parts, not {type(content).__name__}",
+                           param="input")
     parts = []
     for part in content:
-        if part.get("type") not in _TEXT_PARTS:
-            raise RequestError(f"content parts of type '{part.get('type')}' are not supported by this text model",
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"content parts of type '{kind}' are not supported by this text model",
                                param="input")
-        parts.append(part.get("text", ""))
+        parts.append(str(part.get("text", "")))
     return "".join(parts)
 
 

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import asdict, replace
 from typing import Any
 
+from jinja2 import TemplateError
+
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine, generate
 from polar_lab.errors import ContextLengthError, RequestError
@@ -45,8 +47,13 @@ class CallService:
         received = time.time()
         self._check_tool_choice(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
-        rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill,
-                                           self.tips.get(session.id), session.chat_template)
+        try:
+            rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill,
+                                               self.tips.get(session.id), session.chat_template)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # rendering is a pure function of the request: a template that cannot take it is the caller's input
+            raise RequestError(f"the conversation cannot be rendered with the model's chat template: "
+                               f"{type(exc).__name__}: {exc}", param="messages") from None
         spec = _override(self._sampling(req, len(rendered.prompt_ids)), session.sampling)
         call_index = self.registry.next_call_index(session)
         t_gate = time.perf_counter()

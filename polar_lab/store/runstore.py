@@ -7,8 +7,9 @@ Layout of `data/runs/<run>/`:
 
 Durability contract: each record is one `write()` of a whole line followed by `flush()`, so once a
 response has left the proxy its record is in the kernel's page cache and survives the process being
-SIGKILLed. `fsync=True` also makes it survive a machine crash, at ~1 ms per call. A reader skips a torn
-last line (only possible on machine crash) and stops there.
+SIGKILLed. `fsync=True` also makes it survive a machine crash, at ~1 ms per call. A torn last line (only
+possible on a machine crash) is skipped by readers; reopening the folder first ends it with a newline, so
+records appended after it stay whole.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class RunStore:
         self.num_output_tokens = 0  # sampled tokens recorded (dashboards: tokens/s)
         # session id → (offset, length) of its call lines, so a rollout reads back only its own calls
         self._call_index: dict[str, list[tuple[int, int]]] = {}
+        for fh in (self._calls, self._sessions):
+            _end_torn_line(fh)
         self._calls_end = self._calls.seek(0, os.SEEK_END)
 
     def append_call(self, call: ModelCall) -> None:
@@ -102,6 +105,16 @@ class RunStore:
             self._sessions.close()
 
 
+def _end_torn_line(fh) -> None:
+    """If the file does not end with a newline (a write cut by a machine crash), end the fragment."""
+    size = os.fstat(fh.fileno()).st_size
+    if size:
+        with open(fh.name, "rb") as reader:
+            reader.seek(size - 1)
+            if reader.read(1) != b"\n":
+                fh.write(b"\n")
+
+
 def _read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -112,7 +125,7 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
         try:
             records.append(orjson.loads(line))
         except orjson.JSONDecodeError:
-            break  # a torn last line: everything before it is whole
+            continue  # a torn line (machine crash): skipped, the records around it are whole
     return records
 
 

@@ -12,7 +12,7 @@ from polar_lab.store import load_calls
 CHILD = Path(__file__).with_name("crash_child.py")
 
 
-def test_sigkill_mid_run_loses_no_completed_call(model_path, tmp_path):
+def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(model_path, tokenizer, tmp_path):
     # TMPDIR inside tmp_path: vLLM's rendezvous file cannot be cleaned up by a SIGKILLed process
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TMPDIR": str(tmp_path / "tmp")}
@@ -36,3 +36,19 @@ def test_sigkill_mid_run_loses_no_completed_call(model_path, tmp_path):
     recorded = [c.request_id for c in load_calls(tmp_path / "killed")]
     assert set(answered) <= set(recorded), "an answered call is missing from the store"
     assert len(recorded) == len(set(recorded)), "a call was recorded twice"
+
+    # reopen the killed run's folder: a new Lab appends after the old records, and both load
+    import openai
+
+    from polar_lab import Lab
+    from polar_lab.engine import ScriptedEngine
+
+    engine = ScriptedEngine(tokenizer, ["after the crash"], model_path=model_path)
+    with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="killed") as lab:
+        s = lab.session()
+        openai.OpenAI(base_url=s.openai_base_url, api_key=s.key).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        reopened = load_calls(lab.run_dir)
+        assert [c.request_id for c in reopened[:len(recorded)]] == recorded
+        assert len(reopened) == len(recorded) + 1 and reopened[-1].session_id == s.id
+        assert lab.trajectories(session_ids=[s.id])[0].call_ids == [reopened[-1].call_id]

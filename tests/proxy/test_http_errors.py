@@ -121,3 +121,38 @@ def test_health_and_models(scripted_lab):
     s = scripted_lab.session()
     models = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key).models.list()
     assert [m.id for m in models.data] == ["scripted"]
+
+
+@pytest.mark.parametrize("path,body", [  # found by tests/proxy/test_fuzz.py: these were 500s
+    ("/v1/responses", {"input": [{"role": "system", "content": [None]}]}),
+    ("/v1/responses", {"input": [{"role": "user", "content": 7}]}),
+])
+def test_malformed_items_are_400_and_the_connection_stays_usable(scripted_lab, path, body):
+    s = scripted_lab.session()
+    with httpx.Client(base_url=scripted_lab.url, headers={"Authorization": f"Bearer {s.key}"}) as client:
+        _assert_openai_error(client.post(path, json=body), 400)
+        # a 500 used to make the server drop the keep-alive connection under the next request
+        assert client.post("/v1/chat/completions", json={"messages": MSG}).status_code == 200
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_one_record_and_a_serving_proxy(scripted_lab):
+    s = scripted_lab.session()
+    scripted_lab.engine.replies = ["word " * 200]
+    with httpx.stream("POST", scripted_lab.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": MSG, "stream": True}, headers={"Authorization": f"Bearer {s.key}"}) as r:
+        next(r.iter_bytes())  # one chunk, then hang up
+    assert _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key).status_code == 200
+    calls = scripted_lab.call_records()
+    assert [c.call_index for c in calls] == [0, 1]  # the abandoned stream's call is recorded exactly once
+
+
+def test_one_sessions_key_cannot_write_into_another(scripted_lab):
+    a, b = scripted_lab.session(), scripted_lab.session()
+    # key A in the path wins over key B in the header: the call is A's, and only A's
+    r = httpx.post(f"{a.openai_base_url}/chat/completions", json={"messages": MSG},
+                   headers={"Authorization": f"Bearer {b.key}"}, timeout=30)
+    assert r.status_code == 200
+    assert scripted_lab.calls().session_id.tolist() == [a.id]
+    # a key that is a prefix or a near miss of a real one is just unknown
+    for guess in (a.key[:-1], a.key + "x", a.key.upper(), a.id):
+        _assert_openai_error(_post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=guess), 401)

@@ -34,6 +34,19 @@ def test_a_torn_last_line_is_skipped_and_everything_before_it_loads(tmp_path):
     assert [c.call_id for c in load_calls(tmp_path / "r")] == ["s-0", "s-1", "s-2"]
 
 
+def test_reopening_after_a_torn_line_keeps_new_records_whole(tmp_path):
+    store = RunStore(tmp_path / "r")
+    store.append_call(_call(0))
+    store.close()
+    with open(tmp_path / "r" / "calls.jsonl", "ab") as fh:
+        fh.write(b'{"call_id": "s-1", "sess')  # a machine crash cut this write
+    reopened = RunStore(tmp_path / "r")
+    reopened.append_call(_call(2))
+    assert [c.call_id for c in reopened.read_calls(["s"])] == ["s-2"]  # offsets count the repaired line
+    reopened.close()
+    assert [c.call_id for c in load_calls(tmp_path / "r")] == ["s-0", "s-2"]
+
+
 def test_sessions_keep_their_latest_state_and_never_their_key(tmp_path):
     store = RunStore(tmp_path / "r")
     s = Session(id="a", key="pl-secret")
