@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents demo test bench train model smollm2 clean-runs
+.PHONY: setup agents litellm demo test bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -29,6 +29,15 @@ $(AGENTS_STAMP):
 		&& touch $(AGENTS_STAMP); \
 	else echo "npm not found: Claude Code / Codex preset tests will be skipped"; fi
 
+# LiteLLM, the peer proxy the latency benchmark compares against, in its own venv: its pins (fastapi,
+# pydantic, ...) must not move the Lab's.
+LITELLM_STAMP := .cache/litellm/.polar_lab-litellm
+litellm: $(LITELLM_STAMP)
+$(LITELLM_STAMP):
+	$(PYTHON) -m venv .cache/litellm
+	.cache/litellm/bin/pip install --quiet "litellm[proxy]==1.108.7"
+	touch $(LITELLM_STAMP)
+
 demo: setup
 	$(BIN)/polar-lab demo
 
@@ -38,7 +47,7 @@ test: setup agents
 train: setup
 	$(BIN)/polar-lab train configs/tiny_calc_grpo.yaml
 
-bench: setup
+bench: setup litellm
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/trajectory_cost.py
 	$(BIN)/python benchmarks/grpo_step.py
