@@ -85,6 +85,29 @@ def mean_abs_gap(a: list[torch.Tensor], b: list[torch.Tensor], samples: list[Sam
     return float(gaps.mean()), float(gaps.max())
 
 
+def check_ranks(args, samples: list[Sample], start: dict, after: dict, stats: dict, report) -> None:
+    """N DDP ranks on the same samples make the same update as the single rank did."""
+    from polar_lab.grpo.distributed import DistributedPolicy
+
+    devices = [f"{args.device}:{r}" if args.device == "cuda" else "cpu" for r in range(args.world_size)]
+    ranks = DistributedPolicy(args.model, GRPOConfig(learning_rate=1e-3, dtype=args.dtype, device=args.device,
+                                                     micro_batch_size=4, world_size=args.world_size,
+                                                     trainer_devices=devices))
+    try:
+        multi = ranks.update(samples)
+        other = ranks.state_dict()
+    finally:
+        ranks.close()
+    # Adam's first step is ~lr * sign(grad): rounding flips the sign of near-zero gradients, so compare
+    # the total gap to the total step (bf16 rounds far more than fp32)
+    gap = sum(float((other[k] - after[k]).abs().sum()) for k in after)
+    step = sum(float((after[k] - start[k]).abs().sum()) for k in after)
+    limit = {"float32": 1e-3, "bfloat16": 0.1}[args.dtype]
+    report(f"{args.world_size} DDP ranks vs 1", gap / step <= limit and abs(multi["loss"] - stats["loss"]) < 1e-3,
+           f"sum |weight gap| / sum |step| = {gap / step:.2e} (limit {limit}), loss {multi['loss']:.4f} vs "
+           f"{stats['loss']:.4f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -136,25 +159,7 @@ def main() -> int:
            f"mean |Δ| {mean:.2e}, max {worst:.2e} (trainer {args.dtype} on {args.device} vs fp32 CPU)")
 
     if args.world_size > 1:
-        from polar_lab.grpo.distributed import DistributedPolicy
-
-        ranks = DistributedPolicy(args.model, GRPOConfig(learning_rate=1e-3, dtype=args.dtype, device=args.device,
-                                                         micro_batch_size=4, world_size=args.world_size,
-                                                         trainer_devices=[f"{args.device}:{r}" if args.device == "cuda"
-                                                                          else "cpu" for r in range(args.world_size)]))
-        try:
-            multi = ranks.update(samples)
-            other = ranks.state_dict()
-        finally:
-            ranks.close()
-        # Adam's first step is ~lr * sign(grad): rounding flips the sign of near-zero gradients, so compare
-        # the total gap to the total step (bf16 rounds far more than fp32)
-        gap = sum(float((other[k] - after[k]).abs().sum()) for k in after)
-        step = sum(float((after[k] - start[k]).abs().sum()) for k in after)
-        limit = {"float32": 1e-3, "bfloat16": 0.1}[args.dtype]
-        report(f"{args.world_size} DDP ranks vs 1", gap / step <= limit and abs(multi["loss"] - stats["loss"]) < 1e-3,
-               f"sum |weight gap| / sum |step| = {gap / step:.2e} (limit {limit}), loss {multi['loss']:.4f} vs "
-               f"{stats['loss']:.4f}")
+        check_ranks(args, samples, start, after, stats, report)
     print("ALL PASSED" if failures == 0 else f"{failures} FAILED")
     return 1 if failures else 0
 
