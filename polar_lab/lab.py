@@ -200,6 +200,10 @@ class Lab:
         if owned in self._owned:
             self._owned.remove(owned)
 
+    def owned(self, kind: type) -> list[Any]:
+        """The adopted objects of one kind (e.g. the running async rollout producers)."""
+        return [o for o in self._owned if isinstance(o, kind)]
+
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                 chat_template: str | None = None, sampling: dict[str, Any] | None = None, **info: Any) -> Session:
@@ -258,18 +262,18 @@ class Lab:
         """Training samples rebuilt from the recorded calls; each carries its session's reward."""
         if builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; choose from {sorted(BUILDERS)}")
-        calls = self.call_records() if session_ids is None else self.store.read_calls(session_ids)
-        trajectories = BUILDERS[builder](calls)
+        trajectories = BUILDERS[builder](self._calls_of(session_ids))
         sessions = {s.id: s for s in self.registry.all()}
         for traj in trajectories:
             session = sessions.get(traj.session_id)
             traj.reward = session.reward if session is not None else None
         return trajectories
 
-    def chain_breaks(self) -> pd.DataFrame:
-        """Every prefix-merging chain break of this run, classified (see polar_lab.trajectory.drift)."""
+    def chain_breaks(self, *, session_ids: list[str] | None = None) -> pd.DataFrame:
+        """Every prefix-merging chain break of this run (or of these sessions), classified
+        (see polar_lab.trajectory.drift)."""
         harness_of = {s.id: str(s.info.get("harness", "unknown")) for s in self.registry.all()}
-        return chain_breaks(self.call_records(), self.tokenizer, harness_of)
+        return chain_breaks(self._calls_of(session_ids), self.tokenizer, harness_of)
 
     def drift_report(self) -> pd.DataFrame:
         """Chain breaks counted by harness and class, with an example of each."""
@@ -288,7 +292,8 @@ class Lab:
         """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
         load the weights into the live engine, bump `policy_version`, resume.
 
-        Returns {"policy_version", "undrained" (calls still in flight when loading), "pause_s", "load_s"}.
+        Returns {"policy_version", "undrained" (calls still in flight when loading), "drain_s", "load_s",
+        "sync_s"}.
         """
         self._check_open()
         gate = self.service.gate
@@ -325,6 +330,10 @@ class Lab:
     @property
     def policy_version(self) -> int:
         return self.engine.policy_version
+
+    def _calls_of(self, session_ids: list[str] | None) -> list[ModelCall]:
+        """All recorded calls, or only these sessions' (read by offset, not by scanning the run)."""
+        return self.call_records() if session_ids is None else self.store.read_calls(session_ids)
 
     def _check_open(self) -> None:
         if self._closed:

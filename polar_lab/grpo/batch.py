@@ -48,8 +48,10 @@ def group_staleness(group: Group, trainer_version: int) -> int:
 
 def split_stale(groups: list[Group], trainer_version: int, max_staleness: int) -> tuple[list[Group], list[Group]]:
     """(fresh, stale): a group with any trained token more than `max_staleness` versions old is stale."""
-    fresh = [g for g in groups if group_staleness(g, trainer_version) <= max_staleness]
-    stale = [g for g in groups if group_staleness(g, trainer_version) > max_staleness]
+    fresh: list[Group] = []
+    stale: list[Group] = []
+    for g in groups:
+        (fresh if group_staleness(g, trainer_version) <= max_staleness else stale).append(g)
     return fresh, stale
 
 

@@ -84,7 +84,7 @@ class AsyncRollouts:
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task] = set()
         self._stopped = False
-        for other in [o for o in lab._owned if isinstance(o, AsyncRollouts)]:
+        for other in lab.owned(AsyncRollouts):
             warnings.warn("stopping the async rollouts of an earlier trainer on this Lab (one producer per Lab)",
                           stacklevel=3)
             other.close()

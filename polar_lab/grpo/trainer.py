@@ -36,6 +36,7 @@ from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rol
 from polar_lab.harness.registry import get_harness
 from polar_lab.harness.runtime import Evaluator, Harness
 from polar_lab.rewards.registry import get_evaluator
+from polar_lab.rewards.table import reward_rows, rewards_frame
 from polar_lab.tasks import load_tasks
 from polar_lab.types import Group
 
@@ -86,7 +87,7 @@ class GRPOTrainer:
             if batch.samples else {}
         t3 = time.perf_counter()
         self.last_groups, self.last_batch = groups, batch
-        self._log_rewards(len(self.history) + 1, groups)
+        self.reward_log += reward_rows(groups, step=len(self.history) + 1)
         metrics = {"step": len(self.history) + 1, "policy_version": self.lab.policy_version,
                    "trained_version": version, **batch.stats, **rollout_stats, **summarize_update(update),
                    "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
@@ -154,7 +155,7 @@ class GRPOTrainer:
     @property
     def rewards(self) -> pd.DataFrame:
         """One row per harness run of every step: step, group, task id, session, reward, status."""
-        return pd.DataFrame(self.reward_log, columns=["step", "group", "task_id", "session_id", "reward", "status"])
+        return rewards_frame(self.reward_log)
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """A model folder vLLM and transformers can load (weights incl. lm_head, config, tokenizer),
@@ -194,12 +195,6 @@ class GRPOTrainer:
             kind = AsyncRollouts if self.config.async_mode else SyncRollouts
             self._rollouts = kind(self.lab, self.config, self.harness, self.evaluator, self.tasks)
         return self._rollouts
-
-    def _log_rewards(self, step: int, groups: list[Group]) -> None:
-        for g, group in enumerate(groups):
-            for s in group.sessions:
-                self.reward_log.append({"step": step, "group": g, "task_id": group.task.get("id", str(g)),
-                                        "session_id": s.id, "reward": s.reward, "status": s.status})
 
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)

@@ -60,7 +60,7 @@ def show_alignment(traj: Trajectory, tokenizer=None, *, lab=None, model=None, br
 
     tokenizer = tokenizer if tokenizer is not None else lab.tokenizer
     if breaks is None and lab is not None:
-        breaks = lab.chain_breaks()
+        breaks = lab.chain_breaks(session_ids=[traj.session_id])  # only this run's calls
     trainer = recompute_logprobs(model, traj, traj.info.get("temperature", 1.0)) if model is not None else None
     return HTML(alignment_html(traj, tokenizer, trainer_logprobs=trainer, breaks=breaks, top_k=top_k))
 

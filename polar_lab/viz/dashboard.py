@@ -64,6 +64,7 @@ class Dashboard:
 
     def close(self) -> None:
         self.stop()
+        self.lab.release(self)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval) and not self.lab.closed:

@@ -10,15 +10,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from polar_lab.rewards.table import rewards_frame
 from polar_lab.types import Group
-
-
-def rewards_frame(groups: list[Group], step: int = 0) -> pd.DataFrame:
-    """The runs of a rollout as rows: step, group, task_id, session_id, reward, status."""
-    return pd.DataFrame([{"step": step, "group": g, "task_id": group.task.get("id", str(g)), "session_id": s.id,
-                          "reward": s.reward, "status": s.status}
-                         for g, group in enumerate(groups) for s in group.sessions],
-                        columns=["step", "group", "task_id", "session_id", "reward", "status"])
 
 
 def zero_advantage_fraction(rewards: pd.DataFrame) -> pd.Series:

@@ -89,4 +89,4 @@ def test_a_second_async_trainer_stops_the_first_producer_and_closing_the_lab_sto
     assert producer._stopped and not second._rollouts._stopped
     second.close()
     first.close()
-    assert not [o for o in lab._owned if isinstance(o, (GRPOTrainer, AsyncRollouts))]
+    assert not lab.owned(GRPOTrainer) and not lab.owned(AsyncRollouts)

@@ -74,10 +74,14 @@ def test_a_chain_break_is_marked_with_its_class(lab, tokenizer):
     session = groups[0].sessions[0]
     chains = sorted([t for t in groups[0].trajectories], key=lambda t: t.chain_index)
     assert len(chains) >= 2
-    breaks = lab.chain_breaks()
-    page = alignment_html(chains[1], tokenizer, breaks=breaks[breaks.session_id == session.id])
-    kind = breaks[(breaks.session_id == session.id) & (breaks.new_chain == 1)]["kind"].iloc[0]
-    assert f"break: {kind}" in page and kind == "new_context"
+    breaks = lab.chain_breaks(session_ids=[session.id])
+    assert set(breaks.session_id) == {session.id}
+    kind = breaks[breaks.new_chain == 1]["kind"].iloc[0]
+    assert kind == "new_context"
+    assert f"break: {kind}" in alignment_html(chains[1], tokenizer, breaks=breaks)
+    from polar_lab.viz import show_alignment
+
+    assert f"break: {kind}" in show_alignment(chains[1], lab=lab).data  # the Lab supplies this run's breaks
 
 
 def test_show_alignment_recomputes_with_the_given_model_and_takes_breaks_from_the_lab(lab, calc_trajectory,
