@@ -1,18 +1,24 @@
 """Proxy added latency vs calling the engine directly (and vs LiteLLM), throughput, sustained sessions.
 
 For each concurrency level, the same prompt (the calculator's first turn) with the same sampling
-(fixed output length via ignore_eos, per-request seeds) is sent N times three ways:
+(fixed output length via ignore_eos, per-request seeds) is sent N times:
   direct   engine.submit(prompt_ids) from this process — no HTTP, no render, no parse, no store
-  proxy    HTTP POST /v1/chat/completions from a client process (benchmarks/load_client.py, httpx) —
-           render, engine, parse, record, respond
+  proxy    HTTP POST /s/{key}/v1/chat/completions from a client process (benchmarks/load_client.py,
+           aiohttp), each request the first call of its own session — render, engine, parse, record, respond
   litellm  the same request to a LiteLLM proxy (a separate process, `make litellm`) whose upstream is
-           this Lab's proxy: LiteLLM's added latency is litellm − proxy, measured in the same run, in front
-           of the same engine and prompts
-The proxy also reports its own share per call (`proxy_s` = server time minus engine time), which excludes
-the HTTP client. The HTTP load comes from its own process, as harnesses do. Throughput = sampled tokens per second of wall time over the N requests, proxy vs direct.
-Then the sustained test: `--sessions` sessions (1000) each send one call, started in 10 waves 0.2 s apart
-so that all are in flight together; completed / failed / timed out and the latency distribution are reported.
-Everything shares 2 cores with the engine: this is the in-kernel cost, not an idle-box figure.
+           this Lab's proxy, in the same run, in front of the same engine and prompts
+Added latency is paired per request: the client's latency minus the server-side time of the same request
+(found by its seed in the call records) — for the proxy, minus the engine's time (`engine_s`); for
+LiteLLM, minus this proxy's whole time (`total_s`). direct p50 vs proxy p50 is printed too, but identical
+engine runs differ by ±15% here, which would swamp a millisecond. The proxy also reports its own share
+per call (`in_server` = server time minus engine time: render, parse, record; no HTTP framing).
+Throughput = the same sampled tokens over wall time, proxy vs direct: what the proxy's CPU and its
+batching cost the engine.
+Then the sustained test: `--sessions` sessions (1000) each send one call, all started within 2 s from one
+client process, so that all are in flight together; completed / failed / timed out, the most calls in
+flight at the proxy, and the latency distribution are reported.
+Everything — engine process, Lab, client — shares this machine's cores: on 2 cores the figures include
+the CPU the client and the proxy take from the engine.
 
     python benchmarks/proxy_latency.py [--concurrency 1 64 256] [--requests 64 384 768] [--sessions 1000]
 """
@@ -29,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,24 +64,47 @@ async def _closed_loop(concurrency: int, total: int, one) -> list[float]:
     return latencies
 
 
-def _load(url: str, concurrency: int, total: int, headers: dict[str, str]) -> tuple[list[float], float]:
-    """Run benchmarks/load_client.py in its own process (harnesses are processes of their own)."""
+def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | None = None,
+          keys: list[str] | None = None, warmup: int = 0, ramp_s: float = 0.0, timeout_s: float = 600.0) -> dict:
+    """Run benchmarks/load_client.py in its own process (harnesses are processes of their own).
+    keys: one session key per request (URL holds {key}); otherwise every request uses `url` as given."""
     body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
             "ignore_eos": True}
     argv = [sys.executable, str(Path(__file__).with_name("load_client.py")), url, str(concurrency), str(total),
-            json.dumps(body), "--warmup", str(2 * concurrency)]
-    for name, value in headers.items():
+            json.dumps(body), "--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
+    for name, value in (headers or {}).items():
         argv += ["--header", f"{name}: {value}"]
-    out = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout)
-    return out["latencies_s"], out["wall_s"]
+    with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
+        if keys:
+            fh.write("\n".join(keys))
+            fh.flush()
+            argv += ["--keys", fh.name]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout
+    return json.loads(out)
+
+
+def _pcts(prefix: str, seconds: list[float]) -> dict[str, float]:
+    ms = np.array(seconds) * 1000
+    return {f"{prefix}_p50_ms": float(np.percentile(ms, 50)), f"{prefix}_p99_ms": float(np.percentile(ms, 99))}
+
+
+def _paired(lab: Lab, before: int, result: dict, server_field: str) -> list[float]:
+    """Each request's client-side latency minus the server's `server_field` time for that same request
+    (paired by seed through the call records): what the hop in between added, free of the engine's own
+    run-to-run noise (±15% between identical runs on this machine)."""
+    server = {c.request.get("seed"): c.timings[server_field] for c in lab.call_records()[before:]}
+    return [lat - server[int(seed)] for seed, lat in result["latencies_s"].items() if int(seed) in server]
 
 
 async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, str] | None) -> dict[str, float]:
     """direct (in-process) vs proxy vs LiteLLM-in-front-of-the-proxy (both HTTP paths from a client process).
+
+    proxy: every request is the first call of its own session, as when `total` harness runs start.
+    added = client latency − the engine's time for that request (`engine_s` in its call record);
+    LiteLLM added = client latency through LiteLLM − this proxy's whole server time for that request.
     litellm: (base URL, key) of a LiteLLM proxy in front of this Lab, or None."""
     prompt_ids = lab.tokenizer.apply_chat_template(MESSAGES, tools=[CALC_TOOL], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False)
-    session = lab.session()
 
     async def direct(i: int) -> None:
         spec = SamplingSpec(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True)
@@ -84,74 +114,51 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
     t0 = time.perf_counter()
     direct_lat = await _closed_loop(concurrency, total, direct)
     direct_wall = time.perf_counter() - t0
+    warmup = 2 * concurrency
+    keys = [lab.session(harness="bench").key for _ in range(warmup + total)]
     before = lab.store.num_calls
-    proxy_lat, proxy_wall = await asyncio.to_thread(
-        _load, session.openai_base_url + "/chat/completions", concurrency, total, {})
-    own = [c.timings["proxy_s"] for c in lab.call_records()[before:]]
-    peer = None
+    proxy = await asyncio.to_thread(_load, lab.url + "/s/{key}/v1/chat/completions", concurrency, total,
+                                    keys=keys, warmup=warmup)
+    own = [c.timings["proxy_s"] for c in lab.call_records()[before + warmup:]]
+    row = {"concurrency": concurrency, "requests": total, **_pcts("direct", direct_lat),
+           **_pcts("proxy", list(proxy["latencies_s"].values())),
+           **_pcts("added", _paired(lab, before + warmup, proxy, "engine_s")), **_pcts("in_server", own),
+           "proxy_failed": proxy["failed"] + proxy["timed_out"],
+           "throughput_vs_direct": direct_wall / proxy["wall_s"],  # same tokens: the ratio of wall times
+           "client_cpu_ms_per_request": 1000 * proxy["client_cpu_s"] / total}
     if litellm:
-        peer, _ = await asyncio.to_thread(_load, litellm[0] + "/chat/completions", concurrency, total,
-                                          {"Authorization": f"Bearer {litellm[1]}"})
-    d, p, o = (np.array(x) * 1000 for x in (direct_lat, proxy_lat, own))
-    row = {
-        "concurrency": concurrency, "requests": total,
-        "direct_p50_ms": float(np.percentile(d, 50)), "direct_p99_ms": float(np.percentile(d, 99)),
-        "proxy_p50_ms": float(np.percentile(p, 50)), "proxy_p99_ms": float(np.percentile(p, 99)),
-        "added_p50_ms": float(np.percentile(p, 50) - np.percentile(d, 50)),
-        "added_p99_ms": float(np.percentile(p, 99) - np.percentile(d, 99)),
-        "in_server_p50_ms": float(np.percentile(o, 50)), "in_server_p99_ms": float(np.percentile(o, 99)),
-        "throughput_vs_direct": direct_wall / proxy_wall,  # same tokens: the ratio of wall times
-    }
-    if peer is not None:
-        q = np.array(peer) * 1000
-        row.update({"litellm_p50_ms": float(np.percentile(q, 50)), "litellm_p99_ms": float(np.percentile(q, 99)),
-                    "litellm_added_p50_ms": float(np.percentile(q, 50) - np.percentile(p, 50)),
-                    "litellm_added_p99_ms": float(np.percentile(q, 99) - np.percentile(p, 99))})
+        before = lab.store.num_calls
+        peer = await asyncio.to_thread(_load, litellm[0] + "/chat/completions", concurrency, total, warmup=warmup,
+                                       headers={"Authorization": f"Bearer {litellm[1]}"})
+        row.update(**_pcts("litellm", list(peer["latencies_s"].values())),
+                   **_pcts("litellm_added", _paired(lab, before, peer, "total_s")),
+                   litellm_failed=peer["failed"] + peer["timed_out"])
+        row["litellm_over_proxy_added_p50"] = row["litellm_added_p50_ms"] / row["added_p50_ms"]
     return row
 
 
-async def sustained(lab: Lab, sessions: int, waves: int = 10, gap_s: float = 0.2,
-                    timeout_s: float = 300.0) -> dict[str, float]:
-    """`sessions` sessions, one call each, started in `waves` waves: how many complete, fail, time out."""
+def sustained(lab: Lab, sessions: int, ramp_s: float = 2.0, timeout_s: float = 300.0) -> dict[str, float]:
+    """`sessions` sessions, one call each, all started within `ramp_s` from a client process: how many
+    complete, fail, time out; how many calls the proxy held in flight at once."""
     keys = [lab.session(harness="load").key for _ in range(sessions)]
-    limits = httpx.Limits(max_connections=sessions + 8, max_keepalive_connections=sessions + 8)
-    outcome: dict[str, int] = {"completed": 0, "failed": 0, "timed_out": 0}
-    latencies: list[float] = []
-    peak = 0
+    peak, stop = 0, threading.Event()
 
-    async with httpx.AsyncClient(base_url=lab.url, limits=limits, timeout=timeout_s) as client:
-        async def one(key: str) -> None:
-            t0 = time.perf_counter()
-            try:
-                r = await client.post(f"/s/{key}/v1/chat/completions", json={
-                    "model": "m", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
-                    "ignore_eos": True})
-                outcome["completed" if r.status_code == 200 else "failed"] += 1
-            except httpx.TimeoutException:
-                outcome["timed_out"] += 1
-            except httpx.HTTPError:
-                outcome["failed"] += 1
-            latencies.append(time.perf_counter() - t0)
+    def watch() -> None:
+        nonlocal peak
+        while not stop.wait(0.05):
+            peak = max(peak, lab.proxy_state["in_flight"])
 
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, lab.proxy_state["in_flight"])
-                await asyncio.sleep(0.05)
-
-        watcher = asyncio.create_task(watch())
-        t0 = time.perf_counter()
-        per_wave = -(-sessions // waves)
-        jobs = []
-        for w in range(waves):
-            jobs += [asyncio.create_task(one(k)) for k in keys[w * per_wave:(w + 1) * per_wave]]
-            await asyncio.sleep(gap_s)
-        await asyncio.gather(*jobs)
-        wall = time.perf_counter() - t0
-        watcher.cancel()
-    lat = np.array(latencies) * 1000
-    return {"sessions": sessions, **outcome, "peak_in_flight": peak, "wall_s": wall,
-            "latency_p50_ms": float(np.percentile(lat, 50)), "latency_p99_ms": float(np.percentile(lat, 99))}
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = _load(lab.url + "/s/{key}/v1/chat/completions", sessions, sessions, keys=keys, ramp_s=ramp_s,
+                    timeout_s=timeout_s)
+    finally:
+        stop.set()
+        watcher.join()
+    return {"sessions": sessions, "completed": out["completed"], "failed": out["failed"],
+            "timed_out": out["timed_out"], "peak_in_flight": peak, "wall_s": out["wall_s"],
+            **_pcts("latency", list(out["latencies_s"].values()) or [float("nan")])}
 
 
 class LiteLLM:
@@ -230,7 +237,7 @@ def main() -> None:
         finally:
             if peer is not None:
                 peer.close()
-        load = asyncio.run(sustained(lab, args.sessions)) if args.sessions else None
+        load = sustained(lab, args.sessions) if args.sessions else None
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,

@@ -61,6 +61,8 @@ class ProxyConfig:
     auto_sessions: bool = _f(False, "unknown keys create a session instead of getting 401")
     default_max_tokens: int = _f(1024, "max_tokens when a request sets none (clipped to the context)")
     max_body_bytes: int = _f(32 * 1024 * 1024, "larger request bodies get 413")
+    inline_render_bytes: int = _f(8 * 1024, "bodies up to this size are rendered and tokenised on the proxy's "
+                                            "loop; larger ones in a worker thread so they never stall it")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level")
 
     def __post_init__(self) -> None:

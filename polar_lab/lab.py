@@ -3,7 +3,8 @@
 Threads:
     caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
     polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines
-    polar-lab-engine         the only thread that touches vLLM (see engine/vllm_engine.py)
+    polar-lab-engine         reads finished generations from the engine process (see engine/vllm_engine.py)
+The vLLM engine itself runs in a child process the Lab starts and stops; its log is <run>/engine.log.
 
 One live Lab per (host, port): constructing a Lab with the same config again returns the running one,
 so re-running a notebook cell never starts a second server or engine. A different config on the same
@@ -104,11 +105,13 @@ class Lab:
         if engine is None:
             from polar_lab.engine.vllm_engine import VLLMEngine
 
-            engine = VLLMEngine(self.config.engine).start()
+            engine = VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log").launch()
         self.engine = engine
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
+        if hasattr(engine, "wait_ready"):
+            engine.wait_ready()
 
     def _start_server(self) -> None:
         cfg = self.config.proxy

