@@ -1,4 +1,5 @@
-"""Child process for test_crash_safety: serve real calls forever, print each answered request id.
+"""Child process for test_crash_safety: serve real calls forever, print each answered request id
+(first line: READY and the engine process's pid).
 
 Usage: python crash_child.py MODEL RUNS_DIR RUN_NAME
 """
@@ -27,5 +28,5 @@ async def main(lab: Lab) -> None:
 if __name__ == "__main__":
     model, runs_dir, run_name = sys.argv[1:4]
     lab = Lab(model, port=0, runs_dir=runs_dir, run_name=run_name)
-    print("READY", flush=True)
+    print("READY", lab.engine.pid, flush=True)
     lab.run(main(lab))

@@ -8,21 +8,24 @@ import time
 from pathlib import Path
 
 from polar_lab.store import load_calls
+from tests.integration.test_engine_faults import running
 
 CHILD = Path(__file__).with_name("crash_child.py")
 
 
 def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(model_path, tokenizer, tmp_path):
-    # TMPDIR inside tmp_path: vLLM's rendezvous file cannot be cleaned up by a SIGKILLed process
+    # TMPDIR inside tmp_path: the engine's scratch dir cannot be removed by a SIGKILLed kernel
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TMPDIR": str(tmp_path / "tmp")}
     child = subprocess.Popen([sys.executable, str(CHILD), model_path, str(tmp_path), "killed"],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    answered = []
+    answered, engine_pid = [], None
     try:
         deadline = time.monotonic() + 300
         for line in child.stdout:
-            if line.strip() != "READY":
+            if line.startswith("READY"):
+                engine_pid = int(line.split()[1])
+            else:
                 answered.append(line.strip())
             if len(answered) >= 40 or time.monotonic() > deadline:
                 break
@@ -33,6 +36,11 @@ def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(mode
         child.wait(timeout=60)
     assert child.returncode == -signal.SIGKILL
     assert len(answered) >= 40
+    # the engine process notices its kernel is gone (the socket closes) and exits: no orphaned vLLM
+    deadline = time.monotonic() + 30
+    while running(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(engine_pid), "the engine process outlived its SIGKILLed kernel"
     recorded = [c.request_id for c in load_calls(tmp_path / "killed")]
     assert set(answered) <= set(recorded), "an answered call is missing from the store"
     assert len(recorded) == len(set(recorded)), "a call was recorded twice"

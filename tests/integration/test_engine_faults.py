@@ -1,0 +1,83 @@
+"""The real engine process dies mid-request: callers get a provider-shaped 503, the proxy keeps answering,
+completed calls stay on disk exactly once, and closing the Lab leaves no process or scratch files behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from polar_lab import Lab
+from polar_lab.store import load_calls
+
+
+def running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (a reparented child may never be reaped here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _long_openai_call(s) -> BaseException | None:
+    client = openai.AsyncOpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "count"}],
+                                             max_tokens=1500, extra_body={"ignore_eos": True})
+    except openai.APIStatusError as exc:
+        return exc
+    return None
+
+
+async def _kill_engine_mid_flight(lab: Lab, sessions) -> list:
+    calls = [asyncio.create_task(_long_openai_call(s)) for s in sessions]
+    deadline = time.monotonic() + 60
+    while lab.proxy_state["in_flight"] < len(sessions) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert lab.proxy_state["in_flight"] == len(sessions), "the calls never got to the engine"
+    os.kill(lab.engine.pid, signal.SIGKILL)
+    return await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
+
+
+def test_engine_killed_mid_request(model_path, tmp_path):
+    with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="engine-killed") as lab:
+        done = lab.session()
+        client = openai.OpenAI(base_url=done.openai_base_url, api_key=done.key, max_retries=0)
+        for i in range(3):  # completed before the crash: these must survive it, once each
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{i}+1"}], max_tokens=4)
+        engine_pid, scratch = lab.engine.pid, lab.engine._scratch
+
+        sessions = [lab.session() for _ in range(5)]
+        errors = asyncio.run(_kill_engine_mid_flight(lab, sessions))
+
+        for exc in errors:  # every caller in flight: an OpenAI error object, 503
+            assert isinstance(exc, openai.InternalServerError) and exc.status_code == 503
+            assert exc.body["type"] == "server_error" and exc.body["code"] == "engine_unavailable"
+
+        # the proxy still answers: health says why, new calls fail fast in their API's shape, bad keys get 401
+        health = httpx.get(lab.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "engine_down"
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
+        s = sessions[0]
+        with pytest.raises(anthropic.APIStatusError) as anth:
+            anthropic.Anthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0).messages.create(
+                model="m", max_tokens=8, messages=[{"role": "user", "content": "again"}])
+        assert anth.value.status_code == 503 and anth.value.body["error"]["type"] == "overloaded_error"
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=lab.url + "/v1", api_key="pl-wrong", max_retries=0).models.list()
+
+        recorded = load_calls(lab.run_dir)
+        assert [c.session_id for c in recorded] == [done.id] * 3
+        assert len({c.call_id for c in recorded}) == 3
+        assert not running(engine_pid)
+    assert not os.path.exists(scratch), "the engine's scratch dir outlived the Lab"
