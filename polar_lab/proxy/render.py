@@ -11,6 +11,7 @@ is recorded in `info["divergence"]`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -63,11 +64,59 @@ class TipCache:
         self._tips.pop(session_id, None)
 
 
+class PieceEncoder:
+    """Tokenises text piece by piece between added tokens, caching long pieces (system prompts, tool lists).
+
+    Exact by construction: a fast tokenizer splits its input at added tokens before anything else, so
+    the ids of a text are the ids of its pieces, in order. That holds only when no added token strips
+    the whitespace beside it (lstrip/rstrip/single_word); for such tokenizers `exact` is False and every
+    text is tokenised whole. Every session of one harness starts with the same system prompt and tools:
+    the first call of each run then tokenises only its own user turn.
+    """
+
+    def __init__(self, tokenizer, *, min_cached_chars: int = 256, max_entries: int = 1024):
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = self.backend.get_added_tokens_decoder() if self.backend is not None else {}
+        self.exact = bool(added) and not any(t.lstrip or t.rstrip or t.single_word for t in added.values())
+        self._ids = {t.content: i for i, t in added.items()}
+        longest_first = sorted(self._ids, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split if self.exact else None
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.min_cached_chars = min_cached_chars
+        self.max_entries = max_entries
+
+    def encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for piece in self._split(text):
+            if piece in self._ids:
+                out.append(self._ids[piece])
+            elif piece:
+                out += self._piece(piece)
+        return out
+
+    def _piece(self, piece: str) -> list[int]:
+        ids = self._cache.get(piece)
+        if ids is not None:
+            self._cache.move_to_end(piece)
+            return ids
+        ids = self.backend.encode(piece, add_special_tokens=False).ids
+        if len(piece) >= self.min_cached_chars:
+            self._cache[piece] = ids
+            if len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return ids
+
+
 class Renderer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         template = tokenizer.chat_template or ""
         self.supports_tool_calls = TOOL_OPEN in template  # Hermes-style calls we can parse and force
+        pieces = PieceEncoder(tokenizer)
+        self._encode = pieces.encode if pieces.exact else (
+            lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
                tips: list[Tip] | None = None, chat_template: str | None = None) -> Rendered:
@@ -88,7 +137,7 @@ class Renderer:
         return Rendered(prompt_ids=ids, text=text, info=info)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self._encode(text) if text else []
 
     def decode(self, ids: list[int]) -> str:
         """Exact text of ids, special tokens included (what the template would have rendered)."""

@@ -1,6 +1,11 @@
 """Exact-id continuity in the renderer, with the model's real tokenizer and chat template."""
 
-from polar_lab.proxy.render import Renderer, Tip, TipCache
+import random
+from pathlib import Path
+
+import pytest
+
+from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache
 from polar_lab.templates import with_empty_think
 
 SYSTEM = {"role": "system", "content": "You are careful."}
@@ -71,3 +76,41 @@ def test_tip_cache_is_bounded_per_session_and_in_sessions():
     cache.add("b", Tip("b", "", []))
     cache.add("c", Tip("c", "", []))
     assert cache.get("a") == [] and cache.get("c")[0].call_id == "c"
+
+
+# Piece-wise tokenisation must give exactly the ids of whole-text tokenisation. The texts mix the model's
+# added tokens with the characters BPE merges are most sensitive to around them (spaces, newlines, braces).
+_BITS = ["hello", " world", "\n", "  ", "\t", '{"a": 1}', "é", "中文", "x", " ", "<", ">", "|", "im", "_start",
+         "tool", "\n\n", "123", " 4", "</", "think", "call>"]
+SMOLLM2 = Path(__file__).resolve().parents[2] / "data" / "models" / "smollm2-135m-instruct"
+
+
+def _random_texts(specials: list[str], n: int = 2000) -> list[str]:
+    rng = random.Random(0)
+    return ["".join(rng.choice(_BITS + specials) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["tiny-calc", "smollm2"])
+def test_piece_encoder_equals_whole_text_tokenisation(tokenizer, which):
+    if which == "smollm2":
+        if not (SMOLLM2 / "config.json").exists():
+            pytest.skip("run `make smollm2` to build the model folder")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    pieces = PieceEncoder(tokenizer)
+    assert pieces.exact
+    texts = _random_texts(list(pieces._ids)) + [Renderer(tokenizer).render([SYSTEM, USER], []).text]
+    for text in texts + texts:  # the second pass is served from the cache where pieces are long enough
+        assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False), repr(text)
+
+
+def test_piece_encoder_refuses_tokenizers_whose_added_tokens_strip_whitespace(model_path):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.add_tokens([AddedToken("<mask>", lstrip=True)])
+    assert not PieceEncoder(tokenizer).exact  # the Renderer then tokenises every text whole
+    renderer = Renderer(tokenizer)
+    assert renderer.encode("a <mask> b") == tokenizer.encode("a <mask> b", add_special_tokens=False)
