@@ -3,8 +3,10 @@
 Each run gets a fresh temporary workdir (also its HOME and TMPDIR), an environment built from scratch —
 PATH and locale, the session's base URLs and keys (`session.env()`), and what the harness asks for;
 nothing else of the kernel's environment leaks in — resource limits (address space, CPU seconds, file
-size, processes) applied with util-linux `prlimit`, and its own process group, which is killed
-whole when the deadline passes or the rollout is cancelled. stdout/stderr are captured.
+size, processes) applied with util-linux `prlimit`, a pids cgroup where the machine allows one (the
+process limit then holds for root too; see harness/pids.py), and its own process group. When the
+deadline passes or the rollout is cancelled the group is killed, and every process left in the cgroup.
+stdout/stderr are captured.
 A non-zero exit raises `HarnessError`, so the rollout marks the run "error" and masks it.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polar_lab.errors import PolarLabError
+from polar_lab.harness.pids import PidsCgroup
 from polar_lab.types import Session
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")  # only {name} of known fields; other braces (code) stay as they are
@@ -47,7 +50,7 @@ class Command:
     memory_mb: int = 4096  # RLIMIT_AS
     cpu_seconds: int = 600  # RLIMIT_CPU
     file_mb: int = 512  # RLIMIT_FSIZE
-    processes: int = 512  # RLIMIT_NPROC (not enforced for root)
+    processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     keep_workdir: bool = False
     name: str = "command"
 
@@ -78,26 +81,41 @@ class Command:
                 fh.write(fill(content))
         argv = [fill(a) for a in self.argv]
         env = {k: fill(v) for k, v in self._environment(session, workdir).items()}
-        proc = await asyncio.create_subprocess_exec(
-            *self._limits(), *argv, cwd=workdir, env=env,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)  # its own process group: the deadline kills children too
+        cgroup = PidsCgroup.create(self.processes)
         try:
-            out, err = await proc.communicate()
-        except BaseException:  # the deadline (CancelledError) or anything else: leave nothing running
-            _kill_group(proc.pid)
-            await proc.wait()
-            raise
-        _kill_group(proc.pid)  # stragglers the program left behind
-        result = {"returncode": proc.returncode, "stdout": out.decode(errors="replace"),
-                  "stderr": err.decode(errors="replace"), "workdir": workdir}
-        if proc.returncode != 0:
+            out, err, returncode = await self._execute(argv, env, workdir, cgroup)
+            peak = cgroup.peak() if cgroup else None
+        finally:
+            if cgroup is not None:
+                cgroup.close()  # every process the run left, even one that escaped its process group
+        result = {"returncode": returncode, "stdout": out.decode(errors="replace"),
+                  "stderr": err.decode(errors="replace"), "workdir": workdir, "pids_peak": peak}
+        if returncode != 0:
             said = (result["stderr"].strip() or result["stdout"].strip())[-500:]  # some agents report on stdout
-            raise HarnessError(f"{argv[0]} exited {proc.returncode}: {said}",
-                               output=result["stdout"] + result["stderr"])
+            raise HarnessError(f"{argv[0]} exited {returncode}: {said}", output=result["stdout"] + result["stderr"])
         lines = result["stdout"].strip().splitlines()
         result["final"] = lines[-1] if lines else ""
         return result
+
+    async def _execute(self, argv: list[str], env: dict[str, str], workdir: str,
+                       cgroup: PidsCgroup | None) -> tuple[bytes, bytes, int]:
+        """Run until the program exits, then kill what it left behind. Output goes to unnamed files, not
+        pipes: a background child holding an inherited pipe would keep the run open until its deadline."""
+        join = cgroup.join_argv() if cgroup is not None else []
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = await asyncio.create_subprocess_exec(
+                *join, *self._limits(), *argv, cwd=workdir, env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+                start_new_session=True)  # its own process group: the deadline kills children too
+            try:
+                await proc.wait()
+            finally:  # also on the deadline (CancelledError): leave nothing running
+                _kill_group(proc.pid, cgroup)
+                if proc.returncode is None:
+                    await proc.wait()
+            out.seek(0)
+            err.seek(0)
+            return out.read(), err.read(), proc.returncode
 
     def _environment(self, session: Session, workdir: str) -> dict[str, str]:
         env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
@@ -113,8 +131,11 @@ class Command:
                 f"--fsize={self.file_mb * mb}", f"--nproc={self.processes}", "--"]
 
 
-def _kill_group(pid: int) -> None:
+def _kill_group(pid: int, cgroup: PidsCgroup | None = None) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)  # the group we created with start_new_session; no one else's
     except ProcessLookupError:
         pass
+    if cgroup is not None:
+        cgroup.kill()  # and whatever left the group: everything in the cgroup descends from this run
+

@@ -6,7 +6,7 @@ import time
 from polar_lab.tasks import load_tasks
 from polar_lab.harness.command import Command
 from polar_lab.rewards import final_answer
-from tests.conftest import session_calls
+from tests.conftest import running, session_calls
 
 CALC_CLI = Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"], name="calc_cli")
 
@@ -60,3 +60,29 @@ def test_the_deadline_kills_the_whole_process_group(lab, tmp_path):
     while any(_alive(int(p)) for p in pids.read_text().split()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(int(p)) for p in pids.read_text().split())
+
+
+def test_a_process_flood_is_capped_even_for_root_and_cleaned_up(lab, tmp_path):
+    """A harness that forks without end: the run's process limit holds (for root too, through a pids
+    cgroup), every process it made is gone after the run, and the Lab keeps serving."""
+    pids = tmp_path / "pids"
+    flood = Command(["{python}", "-c", "import subprocess\n"
+                     "made = []\n"
+                     "for _ in range(200):\n"
+                     "    try:\n"
+                     "        made.append(subprocess.Popen(['sleep', '600'], start_new_session=True).pid)\n"
+                     "    except OSError:\n"
+                     "        break\n"
+                     f"open({str(pids)!r}, 'w').write(' '.join(map(str, made)))\n"
+                     "print(len(made))"], processes=32, name="flood")
+    (g,) = lab.rollout([{"id": "flood"}], flood, num_generations=1, deadline_s=60, progress=False)
+    (s,) = g.sessions
+    assert s.status == "closed", s.info
+    made = [int(p) for p in pids.read_text().split()]
+    assert 0 < len(made) < 32, f"{len(made)} processes started under a limit of 32"
+    deadline = time.monotonic() + 10  # they left the process group (setsid); the cgroup still finds them
+    while any(running(p) for p in made) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(p) for p in made)
+    (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), CALC_CLI, num_generations=1, progress=False)
+    assert g.sessions[0].status == "closed"

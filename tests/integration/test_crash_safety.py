@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from polar_lab.store import load_calls
-from tests.integration.test_engine_faults import running
+from tests.conftest import running
 
 CHILD = Path(__file__).with_name("crash_child.py")
 

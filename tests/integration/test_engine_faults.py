@@ -15,15 +15,7 @@ import pytest
 
 from polar_lab import Lab
 from polar_lab.store import load_calls
-
-
-def running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (a reparented child may never be reaped here)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.conftest import running
 
 
 async def _long_openai_call(s) -> BaseException | None:
