@@ -1,7 +1,9 @@
-"""Trainer ranks as worker processes started from the kernel; the engine stays in the kernel.
+"""Trainer ranks as worker processes started from the kernel, each in a fresh interpreter.
 
-Why processes: the kernel already hosts vLLM, which initialises its own torch.distributed group, and
-one process can hold only one default group. So each rank is a fresh `spawn`ed process running
+Why processes: a notebook re-runs cells, and a kernel that joined a torch.distributed group cannot join
+another (one default group per process); the ranks also keep CUDA and OpenMP state out of the kernel.
+(Until the engine moved to its own process, vLLM held the kernel's group, which forced this.) Each rank
+is a `spawn`ed process running
 `Policy` wrapped in DistributedDataParallel (gloo on CPU, nccl on GPU). The kernel talks to each rank
 over a pipe (pickled commands, a timeout on every answer, a dead rank is an error, never a hang).
 
@@ -13,8 +15,9 @@ one loss and DDP's gradient average (× world size in Policy.update) is the full
 GPU placement (one node): the engine uses the first GPU(s) (vLLM's own `tensor_parallel_size`); trainer
 rank r uses `trainer_devices[r]`, by default cuda:1 … cuda:N when there are more GPUs than ranks, else
 every rank shares the GPUs round-robin with the engine (then lower the engine's
-`gpu_memory_utilization`). Weights go back to the engine through the kernel as CPU tensors from rank 0:
-fine up to a few hundred MB; larger models want CUDA IPC or NCCL broadcast (not built yet).
+`gpu_memory_utilization`). Weights go back to the engine through the kernel as CPU tensors from rank 0,
+then as a file in /dev/shm to the engine process: fine up to a few hundred MB; larger models want CUDA IPC
+or NCCL broadcast (not built yet).
 """
 
 from __future__ import annotations
