@@ -47,8 +47,10 @@ def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
         tips = [Tip(f"c{turn}", rendered.text + renderer.decode(reply_ids), rendered.prompt_ids + reply_ids)]
         messages.append({"role": "assistant", "content": "I will look at the failing parser tests next."})
     t0 = time.perf_counter()
-    for _ in range(repeats):
-        renderer.render(messages[:-1], [CALC_TOOL])
+    for _ in range(repeats):  # template + whole-text tokenisation: what continuity avoids (no piece cache)
+        text = renderer.tokenizer.apply_chat_template(messages[:-1], tools=[CALC_TOOL], add_generation_prompt=True,
+                                                      tokenize=False)
+        renderer.tokenizer.encode(text, add_special_tokens=False)
     full = (time.perf_counter() - t0) / repeats
     return {"turns": turns, "history_tokens": tokens, "turn1_ms": per_turn[0] * 1000,
             "last_turn_ms": per_turn[-1] * 1000, "ratio": per_turn[-1] / per_turn[0],

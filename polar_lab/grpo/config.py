@@ -66,6 +66,8 @@ class GRPOConfig:
     trainer_devices: list[str] | None = _f(None, "CUDA devices of the trainer ranks, e.g. ['cuda:1', 'cuda:2']; "
                                                  "None = the GPUs after the engine's first")
     dtype: str = _f("float32", "trainer compute dtype: float32, or bfloat16 autocast (weights and Adam stay fp32)")
+    cpu_threads: int | None = _f(None, "torch threads of a CPU trainer in this process; None = all cores in sync "
+                                       "mode, half of them in async mode (the engine process steps on the rest)")
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     max_steps: int = _f(20, "optimiser steps of train()")
@@ -91,6 +93,7 @@ class GRPOConfig:
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}")
         _check(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         _check(0 < self.epsilon < 1, f"epsilon must be in (0, 1), got {self.epsilon}")
         _check(self.epsilon_high >= self.epsilon,

@@ -1,6 +1,8 @@
 """Async GRPO: tokens of different policy versions in one batch, each weighted by its own behaviour logprob;
 nothing staler than the bound reaches the loss; the trainer steps while rollouts keep running."""
 
+import os
+
 import pytest
 import torch
 
@@ -55,7 +57,10 @@ def test_groups_staler_than_the_bound_never_reach_the_loss(lab, train_tasks, shi
 def test_async_trainer_overlaps_rollouts_within_the_staleness_bound(lab, restore_weights, tmp_path):
     config = GRPOConfig(async_mode=True, max_staleness=1, tasks_per_step=2, num_generations=4,
                         learning_rate=1e-3, output_dir=str(tmp_path))
+    threads = torch.get_num_threads()
     with GRPOTrainer(lab, config) as trainer:
+        # the engine process steps beside the trainer: the trainer leaves it half the cores
+        assert torch.get_num_threads() == max(1, (os.cpu_count() or 2) // 2)
         start = lab.policy_version
         steps = [trainer.step() for _ in range(3)]
         assert all(m["staleness_max"] <= 1 for m in steps), [m["staleness_max"] for m in steps]
@@ -66,6 +71,7 @@ def test_async_trainer_overlaps_rollouts_within_the_staleness_bound(lab, restore
         assert all(int(v) >= steps[-1]["trained_version"] - 1 for s in last.samples for v in s.versions[s.weights > 0])
     assert trainer.metrics.shape[0] == 3
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
+    assert torch.get_num_threads() == threads  # restored on close
 
 
 def test_task_stream_cycles_in_a_seeded_order_and_reruns_come_first():
