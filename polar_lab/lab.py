@@ -18,6 +18,7 @@ import atexit
 import concurrent.futures
 import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -107,6 +108,7 @@ class Lab:
 
             engine = VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log").launch()
         self.engine = engine
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts

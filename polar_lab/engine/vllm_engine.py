@@ -125,7 +125,10 @@ class VLLMEngine:
                 raise EngineError(f"vLLM failed to start: {payload}{self._log_tail()}")
             if self._proc.poll() is not None:
                 break
-        exited = self._proc.poll()
+        try:
+            exited = self._proc.wait(timeout=5)  # it hung up: let it finish exiting, for its code
+        except subprocess.TimeoutExpired:
+            exited = None
         self.close()
         if exited is None:
             raise EngineError(f"vLLM did not start within {timeout:.0f} s{self._log_tail()}")

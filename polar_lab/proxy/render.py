@@ -12,6 +12,7 @@ is recorded in `info["divergence"]`.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class PieceEncoder:
         longest_first = sorted(self._ids, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split if self.exact else None
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()  # the loop and worker threads (large bodies) render concurrently
         self.min_cached_chars = min_cached_chars
         self.max_entries = max_entries
 
@@ -97,15 +99,17 @@ class PieceEncoder:
         return out
 
     def _piece(self, piece: str) -> list[int]:
-        ids = self._cache.get(piece)
-        if ids is not None:
-            self._cache.move_to_end(piece)
-            return ids
+        with self._lock:
+            ids = self._cache.get(piece)
+            if ids is not None:
+                self._cache.move_to_end(piece)
+                return ids
         ids = self.backend.encode(piece, add_special_tokens=False).ids
         if len(piece) >= self.min_cached_chars:
-            self._cache[piece] = ids
-            if len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[piece] = ids
+                if len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
         return ids
 
 
