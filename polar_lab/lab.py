@@ -1,4 +1,4 @@
-"""The Lab: the one object a notebook holds. It owns the engine thread, the proxy's loop thread and the run store.
+"""The Lab: the one object a notebook holds. It owns the engine process, the proxy's loop thread and the run store.
 
 Threads:
     caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
