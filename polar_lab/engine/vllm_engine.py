@@ -173,35 +173,36 @@ class VLLMEngine:
     # ---- public calls (any thread) ---------------------------------------------------------
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
-        if not self.alive:
-            fut.set_exception(EngineError(f"engine is not running ({self._failure})"))
-            return fut
-        rid = f"g{next(self._ids)}"
-        self._pending[rid] = (fut, time.perf_counter())
+        rid = self._add(fut, prompt_ids, spec)
         fut.add_done_callback(lambda f: f.cancelled() and self._abort(rid))
-        try:
-            self._send(("add", rid, list(prompt_ids), spec))
-        except OSError as exc:
-            self._resolve(rid, EngineError(f"engine is not running ({exc!r})"))
         return fut
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
         """`submit` for a caller on an event loop; cancelling the awaiting task aborts the request."""
-        if not self.alive:
-            raise EngineError(f"engine is not running ({self._failure})")
         fut = asyncio.get_running_loop().create_future()
-        rid = f"g{next(self._ids)}"
-        self._pending[rid] = (fut, time.perf_counter())
-        try:
-            self._send(("add", rid, list(prompt_ids), spec))
-        except OSError as exc:
-            self._pending.pop(rid, None)
-            raise EngineError(f"engine is not running ({exc!r})") from None
+        rid = self._add(fut, prompt_ids, spec)
         try:
             return await fut
         except asyncio.CancelledError:
             self._abort(rid)
             raise
+
+    def _add(self, fut, prompt_ids: list[int], spec: SamplingSpec) -> str:
+        """Register `fut` and send the request; a dead engine fails `fut` at once."""
+        rid = f"g{next(self._ids)}"
+        self._pending[rid] = (fut, time.perf_counter())
+        error = None
+        if not self.alive:
+            error = EngineError(f"engine is not running ({self._failure})")
+        else:
+            try:
+                self._send(("add", rid, list(prompt_ids), spec))
+            except OSError as exc:
+                error = EngineError(f"engine is not running ({exc!r})")
+        if error is not None:
+            self._pending.pop(rid, None)
+            _settle(fut, error)
+        return rid
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], timeout: float = 600.0) -> int:
         """Load HF-named tensors into the live engine between two steps; bump the policy version.
@@ -267,9 +268,6 @@ class VLLMEngine:
                 loop.call_soon_threadsafe(_settle_all, items)
             except RuntimeError:
                 pass  # that loop is closed: nobody is waiting any more
-
-    def _resolve(self, rid: str, result: Generation | Exception) -> None:
-        self._resolve_all([(rid, result)])
 
     def _abort(self, rid: str) -> None:
         if self._pending.pop(rid, None) is not None:

@@ -8,7 +8,6 @@ Routes: OpenAI `/v1/chat/completions`, `/v1/responses`, `/v1/models`; Google
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -129,10 +128,10 @@ def create_app(service: CallService) -> FastAPI:
     @app.post("/s/{key}/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         service.registry.resolve(_key(request))
-        raw, _ = await _json_body(request, service.config.max_body_bytes)
+        raw, size = await _json_body(request, service.config.max_body_bytes)
         body = _validate(CountTokensRequest, raw)
         req = anthropic_messages.to_canonical(MessagesRequest(max_tokens=1, **body.model_dump()), service.tool_args)
-        rendered = await asyncio.to_thread(service.renderer.render, req.messages, req.tools)
+        rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
         return {"input_tokens": len(rendered.prompt_ids)}
 
     return app

@@ -76,6 +76,7 @@ class PieceEncoder:
     """
 
     def __init__(self, tokenizer, *, min_cached_chars: int = 256, max_entries: int = 1024):
+        self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         added = self.backend.get_added_tokens_decoder() if self.backend is not None else {}
         self.exact = bool(added) and not any(t.lstrip or t.rstrip or t.single_word for t in added.values())
@@ -89,7 +90,7 @@ class PieceEncoder:
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return self.tokenizer.encode(text, add_special_tokens=False)
         out: list[int] = []
         for piece in self._split(text):
             if piece in self._ids:
@@ -118,9 +119,7 @@ class Renderer:
         self.tokenizer = tokenizer
         template = tokenizer.chat_template or ""
         self.supports_tool_calls = TOOL_OPEN in template  # Hermes-style calls we can parse and force
-        pieces = PieceEncoder(tokenizer)
-        self._encode = pieces.encode if pieces.exact else (
-            lambda text: tokenizer.encode(text, add_special_tokens=False))
+        self.pieces = PieceEncoder(tokenizer)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
                tips: list[Tip] | None = None, chat_template: str | None = None) -> Rendered:
@@ -141,7 +140,7 @@ class Renderer:
         return Rendered(prompt_ids=ids, text=text, info=info)
 
     def encode(self, text: str) -> list[int]:
-        return self._encode(text) if text else []
+        return self.pieces.encode(text) if text else []
 
     def decode(self, ids: list[int]) -> str:
         """Exact text of ids, special tokens included (what the template would have rendered)."""

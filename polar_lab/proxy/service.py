@@ -23,7 +23,7 @@ from polar_lab.proxy.anthropic_messages import ToolArgs
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
 from polar_lab.proxy.pause import PauseState
-from polar_lab.proxy.render import Renderer, Tip, TipCache
+from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
 from polar_lab.types import ModelCall, SamplingSpec, Session
@@ -51,13 +51,8 @@ class CallService:
         received = time.time()
         self._check_tool_choice(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
-        args = (req.messages, req.tools, prefill, self.tips.get(session.id), session.chat_template)
-        try:
-            rendered = self.renderer.render(*args) if inline else await asyncio.to_thread(self.renderer.render, *args)
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            # rendering is a pure function of the request: a template that cannot take it is the caller's input
-            raise RequestError(f"the conversation cannot be rendered with the model's chat template: "
-                               f"{type(exc).__name__}: {exc}", param="messages") from None
+        rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
+                                     chat_template=session.chat_template)
         spec = _override(self._sampling(req, len(rendered.prompt_ids)), session.sampling)
         call_index = self.registry.next_call_index(session)
         t_gate = time.perf_counter()
@@ -81,6 +76,17 @@ class CallService:
             sampling=_spec_dict(spec), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
+
+    async def render(self, req: CanonicalRequest, *, inline: bool, prefill: str = "", tips: list[Tip] | None = None,
+                     chat_template: str | None = None) -> Rendered:
+        """Prompt ids of a request: on the loop when `inline` (small bodies), else in a worker thread."""
+        args = (req.messages, req.tools, prefill, tips, chat_template)
+        try:
+            return self.renderer.render(*args) if inline else await asyncio.to_thread(self.renderer.render, *args)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # rendering is a pure function of the request: a template that cannot take it is the caller's input
+            raise RequestError(f"the conversation cannot be rendered with the model's chat template: "
+                               f"{type(exc).__name__}: {exc}", param="messages") from None
 
     def record(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
         """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded."""

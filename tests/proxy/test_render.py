@@ -100,9 +100,11 @@ def test_piece_encoder_equals_whole_text_tokenisation(tokenizer, which):
         tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     pieces = PieceEncoder(tokenizer)
     assert pieces.exact
-    texts = _random_texts(list(pieces._ids)) + [Renderer(tokenizer).render([SYSTEM, USER], []).text]
+    long_system = {"role": "system", "content": "You are careful. Check every step twice.\n" * 12}
+    texts = _random_texts(list(pieces._ids)) + [Renderer(tokenizer).render([long_system, USER], []).text]
     for text in texts + texts:  # the second pass is served from the cache where pieces are long enough
         assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False), repr(text)
+    assert any(len(piece) >= pieces.min_cached_chars for piece in pieces._cache)  # the system prompt + tools
 
 
 def test_piece_encoder_refuses_tokenizers_whose_added_tokens_strip_whitespace(model_path):
@@ -111,6 +113,6 @@ def test_piece_encoder_refuses_tokenizers_whose_added_tokens_strip_whitespace(mo
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.add_tokens([AddedToken("<mask>", lstrip=True)])
-    assert not PieceEncoder(tokenizer).exact  # the Renderer then tokenises every text whole
+    assert not PieceEncoder(tokenizer).exact  # then every text is tokenised whole
     renderer = Renderer(tokenizer)
     assert renderer.encode("a <mask> b") == tokenizer.encode("a <mask> b", add_special_tokens=False)
