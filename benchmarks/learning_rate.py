@@ -1,0 +1,79 @@
+"""Learning-rate sweep on one Lab: held-out accuracy before and after a few GRPO steps, per lr and seed.
+
+Why it exists: with the shipped tiny model, one sync-mode update at lr 1e-3 can break the policy (train
+reward down 0.2–0.4 in one step); when that update is the last one, a short run ends below where it should.
+Runs on a loaded 2-core machine are not bit-reproducible (the engine's batches depend on timing), so a
+notebook's "accuracy went up" assert must hold for *any* seed, not the one seen once. This runs each
+(lr, seed) from the shipped weights: evaluate (eval_seed fixed), `--steps` sync steps, evaluate again.
+
+    python benchmarks/learning_rate.py [--lrs 1e-3,5e-4] [--seeds 1,2,3,4] [--steps 6] [--eval-limit 100]
+
+Prints one row per run and the worst and mean gain per lr; writes benchmarks/results/learning_rate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from polar_lab import GRPOConfig, GRPOTrainer, Lab
+
+
+def run_once(lab: Lab, shipped: dict, lr: float, seed: int, args) -> dict:
+    lab.sync_weights(shipped)  # every run starts from the shipped weights, in the engine and the trainer
+    config = GRPOConfig(tasks_per_step=16, num_generations=8, learning_rate=lr, seed=seed,
+                        eval_limit=args.eval_limit, output_dir=str(lab.run_dir / f"lr{lr:g}-seed{seed}"))
+    with GRPOTrainer(lab, config) as trainer:
+        t0 = time.perf_counter()
+        before = trainer.evaluate(progress=False)["eval_reward"]
+        trainer.train(args.steps, progress=False)
+        after = trainer.evaluate(progress=False)["eval_reward"]
+        rewards = trainer.metrics.reward_mean.tolist()
+    drops = [b - a for a, b in zip(rewards, rewards[1:])]
+    return {"lr": lr, "seed": seed, "before": before, "after": after, "gain": after - before,
+            "train_rewards": rewards, "worst_step_drop": max(0.0, -min(drops, default=0.0)),
+            "wall_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--lrs", default="1e-3,5e-4")
+    parser.add_argument("--seeds", default="1,2,3,4")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--eval-limit", type=int, default=100)
+    args = parser.parse_args()
+    lrs = [float(x) for x in args.lrs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+
+    runs = []
+    with Lab(args.model, port=0, run_name=time.strftime("bench-lr-%Y%m%d-%H%M%S")) as lab:
+        probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
+        shipped = probe.policy.state_dict()
+        probe.close()
+        print(f"{'lr':>8} {'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'worst drop':>10}  train reward per step")
+        for lr in lrs:
+            for seed in seeds:
+                r = run_once(lab, shipped, lr, seed, args)
+                runs.append(r)
+                print(f"{lr:>8g} {seed:>4} {r['before']:>7.3f} {r['after']:>7.3f} {r['gain']:>+7.3f} "
+                      f"{r['worst_step_drop']:>10.3f}  " + " ".join(f"{x:.2f}" for x in r["train_rewards"]), flush=True)
+        lab.sync_weights(shipped)
+
+    summary = {}
+    for lr in lrs:
+        gains = [r["gain"] for r in runs if r["lr"] == lr]
+        summary[f"{lr:g}"] = {"runs": len(gains), "min_gain": min(gains), "mean_gain": sum(gains) / len(gains)}
+        print(f"lr {lr:g}: {args.steps} steps, {len(gains)} seeds, held-out gain min {min(gains):+.3f}, "
+              f"mean {sum(gains) / len(gains):+.3f}")
+    out = Path("benchmarks/results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning_rate.json").write_text(json.dumps({"model": args.model, "steps": args.steps,
+                                                        "eval_limit": args.eval_limit, "runs": runs,
+                                                        "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
