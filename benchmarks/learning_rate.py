@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
@@ -31,9 +32,9 @@ def run_once(lab: Lab, shipped: dict, lr: float, seed: int, args) -> dict:
         trainer.train(args.steps, progress=False)
         after = trainer.evaluate(progress=False)["eval_reward"]
         rewards = trainer.metrics.reward_mean.tolist()
-    drops = [b - a for a, b in zip(rewards, rewards[1:])]
+    changes = [b - a for a, b in pairwise(rewards)]  # train reward, step to step
     return {"lr": lr, "seed": seed, "before": before, "after": after, "gain": after - before,
-            "train_rewards": rewards, "worst_step_drop": max(0.0, -min(drops, default=0.0)),
+            "train_rewards": rewards, "worst_step_drop": max(0.0, -min(changes, default=0.0)),
             "wall_s": time.perf_counter() - t0}
 
 
