@@ -103,10 +103,10 @@ class Lab:
         atexit.register(self.close)
 
     def _start_engine(self, engine) -> None:
+        self._engine_given = engine is not None  # a passed-in engine (a fake) cannot be restarted by the Lab
+        self._busy_before = 0.0  # busy seconds of engines replaced by restart_engine()
         if engine is None:
-            from polar_lab.engine.vllm_engine import VLLMEngine
-
-            engine = VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log").launch()
+            engine = self._new_engine()
         self.engine = engine
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
@@ -114,6 +114,11 @@ class Lab:
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
         if hasattr(engine, "wait_ready"):
             engine.wait_ready()
+
+    def _new_engine(self):
+        from polar_lab.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log").launch()
 
     def _start_server(self) -> None:
         cfg = self.config.proxy
@@ -313,6 +318,45 @@ class Lab:
         return {"policy_version": version, "undrained": undrained, "drain_s": t1 - t0, "load_s": t2 - t1,
                 "sync_s": t2 - t0}
 
+    def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,
+                       drain_timeout: float = 30.0) -> dict[str, Any]:
+        """Replace the engine process with a fresh one — after it died (calls get 503 `engine_unavailable`),
+        or to clear a wedged one. The proxy, its sessions and keys, and the run's records carry on; new calls
+        wait at the paused proxy while the engine starts, calls still in flight after `drain_timeout` fail.
+
+        The new engine loads the model from disk. Once weights were synced (policy_version > 0), pass the
+        current ones — `lab.restart_engine(trainer.policy.state_dict())` — and the policy version carries on;
+        without them this refuses, rather than silently rolling training back to the shipped weights.
+        Returns {"policy_version", "startup_s"}.
+        """
+        self._check_open()
+        old, version = self.engine, self.engine.policy_version
+        if self._engine_given:
+            raise LabError("this Lab was given its engine (engine=...); it cannot start another")
+        if version and state_dict is None:
+            raise LabError(f"the engine was serving policy version {version}; restarting from the weights on "
+                           f"disk would roll it back to 0 — pass the current weights, e.g. "
+                           f"lab.restart_engine(trainer.policy.state_dict())")
+        gate = self.service.gate
+        t0 = time.perf_counter()
+        self.run(gate.pause(drain_timeout))
+        try:
+            old.close()  # fails what is still in flight (503), ends the old process by its pid
+            new = self._new_engine()
+            try:
+                new.wait_ready()
+                if state_dict is not None:
+                    new.load_weights(state_dict, version=version)
+            except BaseException:
+                new.close()
+                raise
+            self._busy_before += old.busy_seconds
+            self.engine = self.service.engine = new
+        finally:
+            self.run(gate.resume())
+        log.info("engine restarted (pid %s, policy version %d)", new.pid, new.policy_version)
+        return {"policy_version": new.policy_version, "startup_s": time.perf_counter() - t0}
+
     def dashboard(self, *, interval: float = 1.0, start: bool = True):
         """A live ipywidgets dashboard of this Lab (sessions, calls/s, tokens/s, version, proxy state).
         Display it as the last expression of a cell; it refreshes every `interval` s until the Lab closes."""
@@ -329,8 +373,9 @@ class Lab:
 
     @property
     def engine_busy_seconds(self) -> float:
-        """Seconds the engine has spent stepping requests since start (for busy fractions)."""
-        return float(getattr(self.engine, "busy_seconds", 0.0))
+        """Seconds the engine has spent stepping requests since the Lab started, restarts included (for busy
+        fractions)."""
+        return self._busy_before + float(getattr(self.engine, "busy_seconds", 0.0))
 
     @property
     def policy_version(self) -> int:

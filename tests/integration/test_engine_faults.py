@@ -1,5 +1,6 @@
 """The real engine process dies mid-request: callers get a provider-shaped 503, the proxy keeps answering,
-completed calls stay on disk exactly once, and closing the Lab leaves no process or scratch files behind."""
+completed calls stay on disk exactly once; `restart_engine` brings a fresh engine back behind the same proxy
+with the weights and policy version it had; closing the Lab leaves no process or scratch files behind."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+import torch
 
 from polar_lab import Lab
+from polar_lab.errors import LabError
 from polar_lab.store import load_calls
 from tests.conftest import running
 
@@ -38,8 +41,12 @@ async def _kill_engine_mid_flight(lab: Lab, sessions) -> list:
     return await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
 
 
-def test_engine_killed_mid_request(model_path, tmp_path):
+def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, tmp_path):
+    # policy version 2 = a head of zeros: every token equally likely, unlike the weights on disk
+    uniform = {**shipped_weights, "lm_head.weight": torch.zeros_like(shipped_weights["lm_head.weight"])}
     with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="engine-killed") as lab:
+        lab.sync_weights(shipped_weights)
+        assert lab.sync_weights(uniform)["policy_version"] == 2
         done = lab.session()
         client = openai.OpenAI(base_url=done.openai_base_url, api_key=done.key, max_retries=0)
         for i in range(3):  # completed before the crash: these must survive it, once each
@@ -72,4 +79,21 @@ def test_engine_killed_mid_request(model_path, tmp_path):
         assert [c.session_id for c in recorded] == [done.id] * 3
         assert len({c.call_id for c in recorded}) == 3
         assert not running(engine_pid)
+
+        # restart: refused without the weights it served (that would silently roll training back) ...
+        with pytest.raises(LabError, match="policy version 2"):
+            lab.restart_engine()
+        assert lab.restart_engine(uniform)["policy_version"] == lab.policy_version == 2  # carried on, not 0 + 1
+        assert lab.engine.pid != engine_pid and not os.path.exists(scratch)
+        assert httpx.get(lab.url + "/health", timeout=5).status_code == 200
+        # ... then the same session and key carry on, sampled by the weights passed in, at version 2
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "9+1"}], max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+        recorded = load_calls(lab.run_dir)
+        assert [c.session_id for c in recorded] == [done.id] * 4
+        after = recorded[-1]
+        assert after.policy_version == 2 and len(after.output_ids) == 8
+        assert max(after.output_logprobs) - min(after.output_logprobs) < 1e-4  # uniform: the zero head
+        engine_pid, scratch = lab.engine.pid, lab.engine._scratch
+    assert not running(engine_pid)
     assert not os.path.exists(scratch), "the engine's scratch dir outlived the Lab"
