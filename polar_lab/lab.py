@@ -318,44 +318,57 @@ class Lab:
         return {"policy_version": version, "undrained": undrained, "drain_s": t1 - t0, "load_s": t2 - t1,
                 "sync_s": t2 - t0}
 
-    def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,
-                       drain_timeout: float = 30.0) -> dict[str, Any]:
+    def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
+                       drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> dict[str, Any]:
         """Replace the engine process with a fresh one — after it died (calls get 503 `engine_unavailable`),
         or to clear a wedged one. The proxy, its sessions and keys, and the run's records carry on; new calls
         wait at the paused proxy while the engine starts, calls still in flight after `drain_timeout` fail.
 
         The new engine loads the model from disk. Once weights were synced (policy_version > 0), pass the
-        current ones — `lab.restart_engine(trainer.policy.state_dict())` — and the policy version carries on;
-        without them this refuses, rather than silently rolling training back to the shipped weights.
+        current ones — `lab.restart_engine(trainer.policy.state_dict())` — or this refuses, rather than
+        silently rolling training back to the shipped weights. They are loaded as `version`, by default the
+        version the old engine served: right when the trainer's weights are the ones last synced. If the
+        engine died *during* a sync, the trainer is one update ahead: pass `version=lab.policy_version + 1`.
+        If the new engine fails to start, the error is raised and the Lab keeps answering 503s; call again.
         Returns {"policy_version", "startup_s"}.
         """
         self._check_open()
-        old, version = self.engine, self.engine.policy_version
+        if version is not None and state_dict is None:
+            raise LabError(f"version={version} names the weights passed in; pass them as state_dict")
         if self._engine_given:
             raise LabError("this Lab was given its engine (engine=...); it cannot start another")
-        if version and state_dict is None:
-            raise LabError(f"the engine was serving policy version {version}; restarting from the weights on "
-                           f"disk would roll it back to 0 — pass the current weights, e.g. "
-                           f"lab.restart_engine(trainer.policy.state_dict())")
+        _refuse_rollback(self.engine.policy_version, state_dict)
         gate = self.service.gate
         t0 = time.perf_counter()
-        self.run(gate.pause(drain_timeout))
+        self.run(gate.pause(drain_timeout))  # from here no call reaches an engine, and no sync runs
         try:
+            old = self.engine
+            _refuse_rollback(old.policy_version, state_dict)  # again: a sync may have finished meanwhile
+            version = old.policy_version if version is None else version
             old.close()  # fails what is still in flight (503), ends the old process by its pid
-            new = self._new_engine()
-            try:
-                new.wait_ready()
-                if state_dict is not None:
-                    new.load_weights(state_dict, version=version)
-            except BaseException:
-                new.close()
-                raise
-            self._busy_before += old.busy_seconds
-            self.engine = self.service.engine = new
+            new = self._ready_engine(state_dict, version, startup_timeout)
+            self._busy_before, self.engine = self._busy_before + old.busy_seconds, new
+            self.service.engine = new  # calls read it after the gate lets them in
         finally:
-            self.run(gate.resume())
+            if not self._closed:
+                self.run(gate.resume())
         log.info("engine restarted (pid %s, policy version %d)", new.pid, new.policy_version)
         return {"policy_version": new.policy_version, "startup_s": time.perf_counter() - t0}
+
+    def _ready_engine(self, state_dict: Mapping[str, torch.Tensor] | None, version: int, timeout: float):
+        """A new engine process, started and loaded with `state_dict` as `version`; closed again on failure,
+        or when the Lab closed while it started (nothing would close it later)."""
+        new = self._new_engine()
+        try:
+            new.wait_ready(timeout)
+            if state_dict is not None:
+                new.load_weights(state_dict, version=version)
+            if self._closed:
+                raise LabError("the Lab closed while its engine restarted")
+        except BaseException:
+            new.close()
+            raise
+        return new
 
     def dashboard(self, *, interval: float = 1.0, start: bool = True):
         """A live ipywidgets dashboard of this Lab (sessions, calls/s, tokens/s, version, proxy state).
@@ -388,6 +401,13 @@ class Lab:
     def _check_open(self) -> None:
         if self._closed:
             raise LabError("this Lab is closed; create a new one")
+
+
+def _refuse_rollback(version: int, state_dict) -> None:
+    if version and state_dict is None:
+        raise LabError(f"the engine was serving policy version {version}; restarting from the weights on disk "
+                       f"would roll it back to 0 — pass the current weights, e.g. "
+                       f"lab.restart_engine(trainer.policy.state_dict())")
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:

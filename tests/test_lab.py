@@ -81,3 +81,13 @@ def test_binding_beyond_loopback_warns(tokenizer, model_path, tmp_path):
     with pytest.warns(UserWarning, match="not loopback"):
         lab = Lab(host="0.0.0.0", port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path))
     lab.close()
+
+
+def test_restart_engine_refuses_what_it_cannot_do_safely(scripted_lab):
+    # a Lab that was handed its engine (a fake here) does not know how to build another one
+    with pytest.raises(LabError, match="given its engine"):
+        scripted_lab.restart_engine()
+    # a version names weights: without them it would label the weights on disk
+    with pytest.raises(LabError, match="pass them as state_dict"):
+        scripted_lab.restart_engine(version=3)
+    assert scripted_lab.proxy_state["pauses"] == 0  # refused before the proxy was paused

@@ -32,7 +32,8 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Replace the live weights between two engine steps; returns the new policy version."""
+        """Replace the live weights between two engine steps; returns the new policy version.
+        (VLLMEngine also takes `version=`, which `Lab.restart_engine` uses to carry a version on.)"""
         ...
 
     def close(self) -> None:

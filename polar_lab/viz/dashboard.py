@@ -42,7 +42,7 @@ class Dashboard:
         return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
                 "sessions_failed": statuses.count("error") + statuses.count("timeout"), "calls": calls,
                 "calls_per_s": calls_s, "tokens_per_s": tokens_s, "policy_version": lab.policy_version,
-                "proxy_state": proxy["state"], "calls_in_flight": proxy["in_flight"], "syncs": proxy["pauses"]}
+                "proxy_state": proxy["state"], "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"]}
 
     def refresh(self) -> dict[str, Any]:
         snap = self.snapshot()
@@ -83,7 +83,7 @@ def render(snap: dict[str, Any]) -> str:
                      f"{snap['sessions_failed']} failed"),
         ("calls", f"{snap['calls']} recorded · {snap['calls_per_s']:.1f}/s · {snap['calls_in_flight']} in flight"),
         ("sampled tokens", f"{snap['tokens_per_s']:.0f}/s"),
-        ("policy version", f"{snap['policy_version']} ({snap['syncs']} syncs)"),
+        ("policy version", f"{snap['policy_version']} ({snap['pauses']} proxy pauses: syncs, restarts)"),
         ("proxy", f'<span style="color:{colour};font-weight:bold">{html.escape(snap["proxy_state"])}</span>'),
     ]
     rows = "".join(f'<tr><th style="text-align:left;padding-right:12px">{k}</th><td>{v}</td></tr>' for k, v in cells)

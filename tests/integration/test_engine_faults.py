@@ -5,6 +5,7 @@ with the weights and policy version it had; closing the Lab leaves no process or
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import time
@@ -39,6 +40,13 @@ async def _kill_engine_mid_flight(lab: Lab, sessions) -> list:
     assert lab.proxy_state["in_flight"] == len(sessions), "the calls never got to the engine"
     os.kill(lab.engine.pid, signal.SIGKILL)
     return await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
+
+
+def _call_once_paused(lab: Lab, client: openai.OpenAI) -> None:
+    deadline = time.monotonic() + 60
+    while lab.proxy_state["state"] != "paused" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2"}], max_tokens=4)
 
 
 def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, tmp_path):
@@ -83,14 +91,18 @@ def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, t
         # restart: refused without the weights it served (that would silently roll training back) ...
         with pytest.raises(LabError, match="policy version 2"):
             lab.restart_engine()
-        assert lab.restart_engine(uniform)["policy_version"] == lab.policy_version == 2  # carried on, not 0 + 1
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a harness calling while the engine restarts
+            waiting = pool.submit(_call_once_paused, lab, client)
+            assert lab.restart_engine(uniform)["policy_version"] == lab.policy_version == 2  # not 0 + 1
+            waiting.result(timeout=60)  # it waited at the paused proxy, then the new engine answered it
         assert lab.engine.pid != engine_pid and not os.path.exists(scratch)
         assert httpx.get(lab.url + "/health", timeout=5).status_code == 200
         # ... then the same session and key carry on, sampled by the weights passed in, at version 2
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "9+1"}], max_tokens=8,
                                        extra_body={"ignore_eos": True})
         recorded = load_calls(lab.run_dir)
-        assert [c.session_id for c in recorded] == [done.id] * 4
+        assert [c.session_id for c in recorded] == [done.id] * 5
+        assert recorded[3].timings["paused_s"] > 0
         after = recorded[-1]
         assert after.policy_version == 2 and len(after.output_ids) == 8
         assert max(after.output_logprobs) - min(after.output_logprobs) < 1e-4  # uniform: the zero head
