@@ -337,13 +337,15 @@ class Lab:
             raise LabError(f"version={version} names the weights passed in; pass them as state_dict")
         if self._engine_given:
             raise LabError("this Lab was given its engine (engine=...); it cannot start another")
-        _refuse_rollback(self.engine.policy_version, state_dict)
         gate = self.service.gate
         t0 = time.perf_counter()
         self.run(gate.pause(drain_timeout))  # from here no call reaches an engine, and no sync runs
         try:
             old = self.engine
-            _refuse_rollback(old.policy_version, state_dict)  # again: a sync may have finished meanwhile
+            if old.policy_version and state_dict is None:
+                raise LabError(f"the engine was serving policy version {old.policy_version}; restarting from "
+                               f"the weights on disk would roll it back to 0 — pass the current weights, e.g. "
+                               f"lab.restart_engine(trainer.policy.state_dict())")
             version = old.policy_version if version is None else version
             old.close()  # fails what is still in flight (503), ends the old process by its pid
             new = self._ready_engine(state_dict, version, startup_timeout)
@@ -401,13 +403,6 @@ class Lab:
     def _check_open(self) -> None:
         if self._closed:
             raise LabError("this Lab is closed; create a new one")
-
-
-def _refuse_rollback(version: int, state_dict) -> None:
-    if version and state_dict is None:
-        raise LabError(f"the engine was serving policy version {version}; restarting from the weights on disk "
-                       f"would roll it back to 0 — pass the current weights, e.g. "
-                       f"lab.restart_engine(trainer.policy.state_dict())")
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:
