@@ -8,7 +8,8 @@
     ├── StoreError             a run folder cannot be written or read
     └── RequestError           the caller's request is bad (HTTP 4xx, carries status/code/param)
         ├── AuthError          unknown or missing session key (401)
-        └── ContextLengthError prompt does not fit the model's context (400)
+        ├── ContextLengthError prompt does not fit the model's context (400)
+        └── SamplingError      a sampling value the engine cannot take (400; `param` names the field)
 """
 
 from __future__ import annotations
@@ -63,3 +64,10 @@ class AuthError(RequestError):
 class ContextLengthError(RequestError):
     status = 400
     code = "context_length_exceeded"
+
+
+class SamplingError(RequestError, ValueError):
+    """A sampling value outside what the engine takes. `param` is the canonical name (`seed`, `max_tokens`...);
+    the proxy reports it under the caller's API's own name."""
+
+    code = "invalid_sampling_parameter"

@@ -15,25 +15,83 @@ Records are plain dataclasses so they serialise to JSON lines and pandas rows wi
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_lab.errors import SamplingError
+
+
+# What vLLM's sampler takes (vllm 0.32); every SamplingSpec is inside these bounds, and the proxy's request
+# types (proxy/sampling.py) are built from them.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: vLLM's OpenAI protocol bounds it so (`seed: Field(ge=_INT64_MIN,
+#   le=_INT64_MAX)`); SamplingParams does not check it, and outside it torch's `manual_seed` raises inside the
+#   engine step, which ends the engine for every request in the batch
+TEMPERATURE_MAX = 2.0  # SamplingParams._verify_args: temperature in [0, 2], finite
+TOP_LOGPROBS_MAX = 20  # vLLM's ModelConfig.max_logprobs default (and OpenAI's documented cap)
+STOP_MAX = 16  # ours: at most this many stop strings (OpenAI allows 4); vLLM forbids empty ones
+STOP_CHARS_MAX = 1000  # ours: each stop string is checked against the tail of the text after every step
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Sampling parameters the engine understands; the proxy maps every API onto these."""
+    """Sampling parameters the engine understands; the proxy maps every API onto these.
+
+    Constructing one checks every value (`check`): exact types, integers in range, floats finite and in range.
+    An engine re-checks what it receives (an unpickled SamplingSpec skips `__post_init__`)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: off (vLLM's convention)
+    top_k: int = -1  # -1 (or 0): off (vLLM's convention)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     banned_strings: tuple[str, ...] = ()  # never sampled, e.g. "<tool_call>" under tool_choice="none"
     num_logprobs: int = 0  # alternatives per position beyond the sampled token
     ignore_eos: bool = False  # keep sampling past end-of-turn (benchmarks: fixed output length)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise SamplingError (a 400, naming the field) unless vLLM's sampler takes every value."""
+        _int_in("max_tokens", self.max_tokens, 1, INT64_MAX)
+        _float_in("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
+        _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int_in("top_k", self.top_k, -1, INT64_MAX)
+        if self.seed is not None:
+            _int_in("seed", self.seed, INT64_MIN, INT64_MAX)
+        _strings("stop", self.stop, STOP_MAX)
+        _strings("banned_strings", self.banned_strings, STOP_MAX)
+        _int_in("num_logprobs", self.num_logprobs, 0, TOP_LOGPROBS_MAX)
+        if type(self.ignore_eos) is not bool:
+            raise SamplingError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}",
+                                param="ignore_eos")
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> None:
+    if type(value) is not int:  # bool is an int subclass; neither it nor a float or string is taken
+        raise SamplingError(f"{name} must be an integer, got {type(value).__name__}", param=name)
+    if not low <= value <= high:
+        raise SamplingError(f"{name} must be in [{low}, {high}], got {value}", param=name)
+
+
+def _float_in(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    if type(value) not in (int, float):
+        raise SamplingError(f"{name} must be a number, got {type(value).__name__}", param=name)
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise SamplingError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name)
+
+
+def _strings(name: str, value: Any, most: int) -> None:
+    if not isinstance(value, tuple) or len(value) > most:
+        raise SamplingError(f"{name} must be a tuple of at most {most} strings", param=name)
+    for s in value:
+        if type(s) is not str or not 0 < len(s) <= STOP_CHARS_MAX:
+            raise SamplingError(f"{name} entries must be non-empty strings of at most {STOP_CHARS_MAX} "
+                                f"characters, got {s!r:.60}", param=name)
 
 
 @dataclass

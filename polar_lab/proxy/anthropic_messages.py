@@ -17,6 +17,7 @@ import orjson
 from polar_lab.errors import RequestError
 from polar_lab.proxy.anthropic_protocol import Block, Message, MessagesRequest, Tool, ToolChoice
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall
+from polar_lab.proxy.sampling import stop_tuple
 
 API = "anthropic.messages"
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request line; it would break every chain
@@ -51,7 +52,7 @@ def to_canonical(body: MessagesRequest, tool_args: ToolArgs) -> CanonicalRequest
         tool_choice=_tool_choice(body.tool_choice), max_tokens=body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
-        stop=tuple(s for s in body.stop_sequences or [] if s), stream=bool(body.stream), model=body.model)
+        stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model)
 
 
 def _system_text(system: str | list[Block] | None) -> str:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -52,14 +54,14 @@ class ToolChoice(_Lenient):
 class MessagesRequest(_Lenient):
     model: str = ""
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: MaxTokens
     system: str | list[Block] | None = None
     metadata: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopList | None = None
     stream: bool | None = False
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: AnthropicTemperature | None = None
+    top_k: NonNegativeTopK | None = None
+    top_p: TopP | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None

@@ -40,14 +40,21 @@ def openai_error(status: int, message: str, *, code: str | None = None, param: s
     return JSONResponse(body, status_code=status)
 
 
-def anthropic_error(status: int, message: str, **_: Any) -> JSONResponse:
-    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+def anthropic_error(status: int, message: str, *, param: str | None = None, **_: Any) -> JSONResponse:
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                       "message": _naming(message, param)}}
     return JSONResponse(body, status_code=status)
 
 
-def google_error(status: int, message: str, **_: Any) -> JSONResponse:
-    body = {"error": {"code": status, "message": message, "status": _GOOGLE_STATUS.get(status, "INTERNAL")}}
+def google_error(status: int, message: str, *, param: str | None = None, **_: Any) -> JSONResponse:
+    body = {"error": {"code": status, "message": _naming(message, param),
+                      "status": _GOOGLE_STATUS.get(status, "INTERNAL")}}
     return JSONResponse(body, status_code=status)
+
+
+def _naming(message: str, param: str | None) -> str:
+    """These shapes have no `param` field: the message names the offending field instead."""
+    return message if not param or param in message else f"{param}: {message}"
 
 
 def error_response(request: Request, status: int, message: str, *, code: str | None = None,
@@ -66,13 +73,14 @@ def create_app(service: CallService) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine serves; 503 once it has died (the proxy itself still answers)."""
-        engine = service.engine
-        alive = getattr(engine, "alive", True)
-        body = {"status": "ok" if alive else "engine_down", "model": engine.model_name,
+        """200 while the engine serves; 503 while it restarts ("engine_restarting") or stays dead
+        ("engine_down"). The proxy itself still answers; restarts so far are counted."""
+        engine, status = service.engine, service.engine_status()
+        state = status.pop("engine")
+        body = {"status": "ok" if state == "serving" else f"engine_{state}", "model": engine.model_name,
                 "policy_version": engine.policy_version, "in_flight": service.in_flight,
-                "calls_recorded": service.store.num_calls}
-        return JSONResponse(body, status_code=200 if alive else 503)
+                "calls_recorded": service.store.num_calls, **status}
+        return JSONResponse(body, status_code=200 if state == "serving" else 503)
 
     @app.get("/v1/models")
     @app.get("/s/{key}/v1/models")
@@ -166,10 +174,36 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(request, exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected proxy error")
-        return error_response(request, 500, f"internal proxy error: {type(exc).__name__}: {exc}")
+    app.add_middleware(_CatchAll)
+
+
+class _CatchAll:
+    """The last net: any other exception becomes a 500 in the caller's API shape, and the connection stays
+    usable. (Starlette's handler for `Exception` answers and then re-raises; uvicorn then drops the keep-alive
+    connection, and the caller's next request on it is reset.) Sits inside Starlette's ServerErrorMiddleware
+    and outside the handlers above, so only what they do not handle reaches it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:  # noqa: BLE001 - that is this class's whole job
+            log.exception("unexpected proxy error")
+            if started:
+                return  # mid-stream: the status is gone; the client sees a cut stream
+            response = error_response(Request(scope), 500, f"internal proxy error: {type(exc).__name__}: {exc}")
+            await response(scope, receive, send)
 
 
 def _canonical(to_canonical, body):

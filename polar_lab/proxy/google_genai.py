@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.anthropic_messages import ToolArgs
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall
+from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
+                                      TopP, WholeTopK, stop_tuple, whole)
 
 API = "google.generate_content"
 _MODES = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}
@@ -31,12 +33,31 @@ class Content(_Lenient):
     parts: list[dict[str, Any]] = Field(default_factory=list)
 
 
+def _name(camel: str, snake: str) -> Any:
+    """Google's JSON takes a field by its lowerCamelCase or its proto name (protobuf's JSON mapping)."""
+    return Field(default=None, validation_alias=AliasChoices(camel, snake))
+
+
+class GenerationConfig(_Lenient):
+    stopSequences: StopList | None = _name("stopSequences", "stop_sequences")  # noqa: N815 - the API's names
+    candidateCount: Choices | None = _name("candidateCount", "candidate_count")  # noqa: N815
+    maxOutputTokens: MaxTokens | None = _name("maxOutputTokens", "max_output_tokens")  # noqa: N815
+    temperature: Temperature | None = None
+    topP: TopP | None = _name("topP", "top_p")  # noqa: N815
+    topK: WholeTopK | None = _name("topK", "top_k")  # noqa: N815
+    seed: Seed | None = None
+    presencePenalty: Penalty | None = _name("presencePenalty", "presence_penalty")  # noqa: N815
+    frequencyPenalty: Penalty | None = _name("frequencyPenalty", "frequency_penalty")  # noqa: N815
+    responseLogprobs: Flag | None = _name("responseLogprobs", "response_logprobs")  # noqa: N815
+    logprobs: TopLogprobs | None = None
+
+
 class GenerateContentRequest(_Lenient):
     contents: list[Content] = Field(min_length=1)
     systemInstruction: Content | None = None  # noqa: N815 - the API's own field names
     tools: list[dict[str, Any]] | None = None
     toolConfig: dict[str, Any] | None = None  # noqa: N815
-    generationConfig: dict[str, Any] | None = None  # noqa: N815
+    generationConfig: GenerationConfig | None = None  # noqa: N815
 
 
 def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool_args: ToolArgs) -> CanonicalRequest:
@@ -45,14 +66,15 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
         messages.append({"role": "system", "content": _texts(body.systemInstruction.parts)})
     for content in body.contents:
         messages += _convert(content, tool_args)
-    config = body.generationConfig or {}
-    if config.get("candidateCount", 1) != 1:
+    config = body.generationConfig or GenerationConfig()
+    if config.candidateCount not in (None, 1):
         raise RequestError("candidateCount other than 1 is not supported", param="generationConfig.candidateCount")
+    top_k = whole(config.topK, param="generationConfig.topK")
     return CanonicalRequest(
         messages=messages, tools=_tools(body.tools), tool_choice=_tool_choice(body.toolConfig),
-        max_tokens=config.get("maxOutputTokens"), temperature=config.get("temperature", 1.0),
-        top_p=config.get("topP", 1.0), top_k=int(config.get("topK") or -1), seed=config.get("seed"),
-        stop=tuple(config.get("stopSequences") or ()), stream=stream, model=model)
+        max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
+        top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
+        stop=stop_tuple(config.stopSequences), stream=stream, model=model)
 
 
 def _texts(parts: list[dict[str, Any]]) -> str:

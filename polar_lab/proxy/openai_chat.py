@@ -16,12 +16,12 @@ import orjson
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall
 from polar_lab.proxy.openai_protocol import ChatCompletionRequest, ChatMessage
+from polar_lab.proxy.sampling import stop_tuple
 
 API = "openai.chat"
 
 
 def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
-    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
     tool_choice: Any = body.tool_choice or "auto"
     if not isinstance(tool_choice, str):
         tool_choice = {"name": tool_choice.function.name}
@@ -33,7 +33,7 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        seed=body.seed, stop=tuple(s for s in stop if s), n=body.n,
+        seed=body.seed, stop=stop_tuple(body.stop), n=body.n,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
         stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
     )

@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
+                                      TopK, TopLogprobs, TopP)
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -70,25 +73,25 @@ class StreamOptions(_Lenient):
 class ChatCompletionRequest(_Lenient):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str = ""
-    frequency_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=128)
-    presence_penalty: float | None = None
+    logprobs: Flag | None = False
+    top_logprobs: TopLogprobs | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    n: Choices = 1
+    presence_penalty: Penalty | None = None
     response_format: dict[str, Any] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: StopString | StopList | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
     # --- extensions (vLLM's names) ---
-    top_k: int | None = Field(default=None, ge=-1)
-    ignore_eos: bool | None = None
+    top_k: TopK | None = None
+    ignore_eos: Flag | None = None

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 
 
 class _Lenient(BaseModel):
@@ -20,16 +22,17 @@ class ResponsesRequest(_Lenient):
     model: str = ""
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     store: bool | None = None
     stream: bool | None = False
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: Temperature | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_logprobs: TopLogprobs | None = None
+    top_p: TopP | None = None
     # --- extensions (vLLM's names) ---
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None

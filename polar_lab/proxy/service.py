@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
-from polar_lab.types import ModelCall, SamplingSpec, Session
+from polar_lab.types import INT64_MIN, ModelCall, SamplingSpec, Session
 
 
 class CallService:
@@ -40,6 +41,9 @@ class CallService:
         self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
         self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
+        # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
+        self.engine_status: Callable[[], dict[str, Any]] = lambda: {
+            "engine": "serving" if getattr(self.engine, "alive", True) else "down"}
 
     @property
     def in_flight(self) -> int:
@@ -103,7 +107,8 @@ class CallService:
                 output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
                 output_versions=gen.output_versions,
                 policy_version=gen.output_versions[0] if gen.output_versions else self.engine.policy_version,
-                finish_reason=choice.finish_reason, stop_reason=gen.stop_reason, sampling=call.sampling,
+                finish_reason=choice.finish_reason, stop_reason=gen.stop_reason,
+                sampling=_nth_sampling(call.sampling, choice.index),
                 request=request, response=response, render=call.render, parse=choice.parsed.info(),
                 timings=timings))
 
@@ -148,10 +153,18 @@ def _override(spec: SamplingSpec, forced: dict[str, Any]) -> SamplingSpec:
 
 
 def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
-    """Choice i of a seeded n>1 request uses seed+i, so the choices differ but stay reproducible."""
+    """Choice i of a seeded n>1 request uses seed+i (wrapped into the signed 64-bit range the sampler takes),
+    so the choices differ but stay reproducible."""
     if spec.seed is None or i == 0:
         return spec
-    return replace(spec, seed=spec.seed + i)
+    return replace(spec, seed=_nth_sampling({"seed": spec.seed}, i)["seed"])
+
+
+def _nth_sampling(sampling: dict[str, Any], i: int) -> dict[str, Any]:
+    """The recorded sampling of choice i: its own seed (see `_nth_seed`)."""
+    if sampling.get("seed") is None or i == 0:
+        return sampling
+    return {**sampling, "seed": (sampling["seed"] + i - INT64_MIN) % 2**64 + INT64_MIN}
 
 
 def _spec_dict(spec: SamplingSpec) -> dict[str, Any]:

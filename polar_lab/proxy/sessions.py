@@ -15,16 +15,18 @@ from typing import Any
 
 from polar_lab.errors import AuthError
 from polar_lab.store import RunStore
-from polar_lab.types import Session
+from polar_lab.types import SamplingSpec, Session
 
 
 _FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens"}
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """The forced values, checked now (SamplingError) rather than on the session's first call."""
     unknown = set(sampling or {}) - _FORCEABLE
     if unknown:
         raise ValueError(f"session sampling can force {sorted(_FORCEABLE)}, not {sorted(unknown)}")
+    SamplingSpec(**{"max_tokens": 1, **(sampling or {})})
     return dict(sampling or {})
 
 

@@ -1,0 +1,75 @@
+"""The sampling fields of every API surface, as pydantic types built from the engine's bounds (polar_lab.types).
+
+Every value that reaches `SamplingSpec`, and from there vLLM, enters through one of these types; each
+surface's protocol model declares its fields with them, so a bad value is a 400 in that provider's shape that
+names the provider's own field (`generationConfig.seed`, `max_output_tokens`). `SamplingSpec` checks the
+same bounds again where the values leave for the engine (it also sees a session's forced sampling and the
+seeds derived for n > 1), and the engine process checks once more before it adds a request.
+
+Types are exact, as the providers' APIs are: a string is not an integer ("8" for `max_tokens` is a 400, not
+8), a float is not an integer, a boolean is neither. A whole number is a valid float (`"temperature": 1`).
+Where a provider's range is narrower than the engine's (Anthropic's temperature is in [0, 1]) the
+surface's own range applies. Where each bound comes from:
+
+    max_tokens    >= 1                 vLLM SamplingParams._verify_args; clipped to the context later
+    temperature   [0, 2], finite       vLLM SamplingParams._verify_args (Anthropic: [0, 1])
+    top_p         (0, 1], finite       vLLM SamplingParams._verify_args
+    top_k         >= -1 (0, -1 = off)  vLLM SamplingParams._verify_args (Anthropic, Google: >= 0)
+    seed          signed 64-bit        vLLM's OpenAI protocol (`seed: Field(ge=_INT64_MIN, le=_INT64_MAX)`)
+    penalties     [-2, 2], finite      vLLM SamplingParams._verify_args (accepted, not applied: see README)
+    top_logprobs  [0, 20]              vLLM ModelConfig.max_logprobs default; OpenAI's cap
+    n             [1, 128]             ours: n choices are n engine requests
+    stop          <= 16 strings of <= 1000 characters   ours (OpenAI allows 4)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, Strict
+
+from polar_lab.errors import RequestError
+from polar_lab.types import INT64_MAX, INT64_MIN, STOP_CHARS_MAX, STOP_MAX, TEMPERATURE_MAX, TOP_LOGPROBS_MAX
+
+MAX_CHOICES = 128
+
+
+def _number(**bounds: float) -> type[float]:
+    return Annotated[float, Strict(), Field(allow_inf_nan=False, **bounds)]
+
+
+def _integer(**bounds: int) -> type[int]:
+    return Annotated[int, Strict(), Field(**bounds)]
+
+
+MaxTokens = _integer(ge=1, le=INT64_MAX)
+Temperature = _number(ge=0, le=TEMPERATURE_MAX)
+AnthropicTemperature = _number(ge=0, le=1)
+TopP = _number(gt=0, le=1)
+TopK = _integer(ge=-1, le=INT64_MAX)
+NonNegativeTopK = _integer(ge=0, le=INT64_MAX)
+# Google's topK is a number (google-genai types it float): an integer, or a whole float up to 2**53 (where floats
+# stop holding whole numbers exactly); vLLM treats any top_k beyond the vocabulary as off
+WholeTopK = NonNegativeTopK | _number(ge=0, le=2**53)
+Seed = _integer(ge=INT64_MIN, le=INT64_MAX)
+Penalty = _number(ge=-2, le=2)
+TopLogprobs = _integer(ge=0, le=TOP_LOGPROBS_MAX)
+Choices = _integer(ge=1, le=MAX_CHOICES)
+Flag = Annotated[bool, Strict()]
+StopString = Annotated[str, Strict(), Field(max_length=STOP_CHARS_MAX)]
+StopList = Annotated[list[StopString], Field(max_length=STOP_MAX)]
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A provider's `stop` (one string or a list) as the engine's tuple; empty strings are dropped."""
+    items = [stop] if isinstance(stop, str) else (stop or [])
+    return tuple(s for s in items if s)
+
+
+def whole(value: float | None, *, param: str) -> int | None:
+    """A whole number sent as a float (`40.0`) as an int; a fraction is the caller's error."""
+    if value is None:
+        return None
+    if value != int(value):
+        raise RequestError(f"{param} must be a whole number, got {value}", param=param)
+    return int(value)
