@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -49,6 +50,15 @@ async def generate(engine: Engine, prompt_ids: list[int], spec: SamplingSpec) ->
     if native is not None:
         return await native(prompt_ids, spec)
     return await asyncio.wrap_future(engine.submit(prompt_ids, spec))
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An engine's answer to one request it refused to add (bad sampling values, a prompt it cannot take).
+    It concerns that request alone; the caller gets a 400 naming `param` when known."""
+
+    message: str
+    param: str | None = None
 
 
 def versions_from_spans(spans: list[tuple[int, int, int]], n_tokens: int, default: int) -> list[int]:

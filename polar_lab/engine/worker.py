@@ -13,10 +13,18 @@ ran 3.3× slower than with the engine alone (docs/design-notes.md).
 Why not vLLM's `AsyncLLM`: its child cannot take weights from memory on vllm 0.32 and it adds a second hop;
 here weights arrive as a `torch.save` file in /dev/shm, mapped, not copied through the socket.
 
+Every request is validated before it is added, and a request that fails validation is answered alone (a
+`Rejection`, which the proxy turns into the caller's 400). This matters because vLLM steps all requests in
+flight as one batch: a value that raises inside `step()` (a seed `manual_seed` cannot take, seen with a
+dict and with an integer beyond 64 bits) fails every request of that batch and ends this process, and with
+it every session of the run. So nothing reaches `add_request` that `SamplingSpec.check` and vLLM's own
+`SamplingParams` validation have not accepted; an exception that still escapes `step()` is fatal, reported
+to the parent, which restarts the engine (see `Lab`).
+
 Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
     parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec) | ("abort", rid)
                       | ("weights", path, version or None) | ("stop",)
-    worker → parent   ("ready", info) | ("done", [(rid, Generation or error text)], (busy_s, steps))
+    worker → parent   ("ready", info) | ("done", [(rid, Generation | Rejection)], (busy_s, steps))
                       | ("weights", version or error text) | ("fatal", message)
 When the parent goes away (its end of the socket closes) the worker stops: no engine outlives its kernel.
 """
@@ -31,7 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from polar_lab.config import EngineConfig
-from polar_lab.engine.base import versions_from_spans
+from polar_lab.engine.base import Rejection, versions_from_spans
 from polar_lab.types import Generation, SamplingSpec
 
 log = logging.getLogger("polar_lab.engine.worker")
@@ -89,11 +97,11 @@ class Worker:
         if kind == "add":
             _, rid, prompt_ids, spec = msg
             try:
-                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec))
+                self.add(rid, prompt_ids, spec)
             except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
-                self.conn.send(("done", [(rid, f"engine rejected the request: {exc}")], (self.busy_s, self.steps)))
-                return None
-            self.live.add(rid)
+                param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
+                rejection = Rejection(f"{type(exc).__name__}: {exc}", param if isinstance(param, str) else None)
+                self.conn.send(("done", [(rid, rejection)], (self.busy_s, self.steps)))
         elif kind == "abort":
             if msg[1] in self.live:
                 self.live.discard(msg[1])
@@ -103,6 +111,16 @@ class Worker:
         elif kind == "stop":
             return "stop"
         return None
+
+    def add(self, rid: str, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        """Validate, then add: the request is checked as a SamplingSpec (exact types and ranges, including the
+        seed, which vLLM leaves to torch) and by vLLM's SamplingParams and input processor, all before
+        `add_request` returns, so no value of it can raise later inside a shared step."""
+        if not isinstance(spec, SamplingSpec):
+            raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
+        spec.check()  # unpickling skipped __post_init__
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec))
+        self.live.add(rid)
 
     def load_weights(self, path: str, version: int | None) -> int | str:
         """Load a torch.save'd state dict; it becomes `version` (default: the current one + 1)."""

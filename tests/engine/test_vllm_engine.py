@@ -71,3 +71,35 @@ def test_many_concurrent_seeded_requests_are_batched_and_all_answered(lab, promp
     assert all(r.finish_reason in ("stop", "length") for r in results)
     assert len({tuple(r.output_ids) for r in results}) > 1  # different seeds, different samples
     assert lab.engine.alive
+
+
+def _smuggled(**values) -> SamplingSpec:
+    """A SamplingSpec carrying values its constructor would refuse — what a buggy client of the engine (or a
+    pickled spec from another process) could send. The engine process must check for itself."""
+    spec = SamplingSpec(max_tokens=8, seed=1)
+    for name, value in values.items():
+        object.__setattr__(spec, name, value)
+    return spec
+
+
+@pytest.mark.parametrize("values", [
+    {"seed": {"a": 1}},                  # killed vLLM's step: "manual_seed expected a long, but got dict"
+    {"seed": 2**64},                     # killed vLLM's step: "Overflow when unpacking long long"
+    {"seed": "99999999999999999999999"},
+    {"max_tokens": "8"},
+    {"temperature": float("nan")},
+    {"stop": (1,)},
+], ids=lambda v: f"{next(iter(v))}={next(iter(v.values()))!r}")
+def test_a_request_the_engine_cannot_take_fails_alone(lab, prompt_ids, values):
+    from polar_lab.errors import RequestError
+
+    pid = lab.engine.pid
+    good = lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=16, seed=5, ignore_eos=True))
+    bad = lab.engine.submit(prompt_ids, _smuggled(**values))
+    with pytest.raises(RequestError, match="engine rejected the request") as err:
+        bad.result(timeout=60)
+    assert err.value.status == 400 and err.value.param == next(iter(values))
+    assert len(good.result(timeout=60).output_ids) == 16  # the request beside it is unharmed
+    assert lab.engine.alive and lab.engine.pid == pid
+    after = lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=4, seed=2)).result(timeout=60)
+    assert after.finish_reason in ("stop", "length")
