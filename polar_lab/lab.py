@@ -4,7 +4,9 @@ Threads:
     caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
     polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines
     polar-lab-engine         reads finished generations from the engine process (see engine/vllm_engine.py)
-The vLLM engine itself runs in a child process the Lab starts and stops; its log is <run>/engine.log.
+    polar-lab-heal           replaces an engine process that died (see engine/supervisor.py)
+The vLLM engine itself runs in a child process the Lab starts and stops; its log is <run>/engine.log. If it
+dies, the Lab starts another by itself, at the same weights and policy version (`EngineConfig.max_restarts`).
 
 One live Lab per (host, port): constructing a Lab with the same config again returns the running one,
 so re-running a notebook cell never starts a second server or engine. A different config on the same
@@ -19,9 +21,10 @@ import concurrent.futures
 import ipaddress
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -32,8 +35,10 @@ import torch
 import uvicorn
 
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig, StoreConfig
+from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
+from polar_lab.proxy.pause import SERVING, PauseState
 from polar_lab.proxy.render import Renderer
 from polar_lab.proxy.service import CallService
 from polar_lab.proxy.sessions import SessionRegistry
@@ -87,13 +92,19 @@ class Lab:
     def _start(self, engine) -> None:
         cfg = self.config
         _warn_if_exposed(cfg.proxy.host)
+        self.supervisor, self._weights_dir, self._first_engine = None, None, None
         run_name = check_run_name(cfg.store.run_name or new_run_name())
         self.run_dir = Path(cfg.store.runs_dir) / run_name
         self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
         self.store.write_json("config.json", cfg.to_dict())
         try:
-            self._start_engine(engine)
-            self._start_server()
+            engine_given = engine is not None
+            engine = self._start_engine(engine)
+            self._start_server(engine)
+            self.supervisor = EngineSupervisor(
+                engine, gate=_LoopGate(self.service.gate, self.loop), factory=None if engine_given else self._new_engine,
+                max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine)
+            self.service.engine_status = self.supervisor.status
         except BaseException:
             self.close()
             raise
@@ -102,25 +113,33 @@ class Lab:
                 self._live[(cfg.proxy.host, cfg.proxy.port)] = self
         atexit.register(self.close)
 
-    def _start_engine(self, engine) -> None:
-        self._engine_given = engine is not None  # a passed-in engine (a fake) cannot be restarted by the Lab
-        self._busy_before = 0.0  # busy seconds of engines replaced by restart_engine()
+    def _start_engine(self, engine):
+        """The engine, ready; a passed-in engine (a fake) is used as it is and never restarted."""
         if engine is None:
+            if self.config.engine.keep_weights:  # the served weights' file, for restarts (shared memory)
+                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                self._weights_dir = tempfile.mkdtemp(prefix="polar-lab-weights-", dir=shm)
             engine = self._new_engine()
-        self.engine = engine
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
 
+        self._first_engine = engine  # closed by close() if the Lab fails before its supervisor exists
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
         if hasattr(engine, "wait_ready"):
             engine.wait_ready()
+        return engine
 
     def _new_engine(self):
+        """A launched engine process (the supervisor waits for it and sets its on_exit)."""
         from polar_lab.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log").launch()
+        return VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log",
+                          weights_dir=self._weights_dir).launch()
 
-    def _start_server(self) -> None:
+    def _swap_engine(self, engine) -> None:
+        self.service.engine = engine  # calls read it after the gate lets them in
+
+    def _start_server(self, engine) -> None:
         cfg = self.config.proxy
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say so, and without it
         # each keep-alive response waits ~40 ms for a delayed ACK (Nagle).
@@ -136,7 +155,7 @@ class Lab:
         self.port = sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
         self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions)
-        self.service = CallService(self.engine, Renderer(self.tokenizer), self.registry, self.store, cfg)
+        self.service = CallService(engine, Renderer(self.tokenizer), self.registry, self.store, cfg)
         server_config = uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level, lifespan="off",
                                        timeout_keep_alive=30, access_log=False)
         self._server = uvicorn.Server(server_config)
@@ -172,6 +191,8 @@ class Lab:
             key = (self.config.proxy.host, self.config.proxy.port)
             if self._live.get(key) is self:
                 del self._live[key]
+        if self.supervisor is not None:
+            self.supervisor.quiesce()  # a restart or load in progress finishes while the loop still runs
         if getattr(self, "_server", None) is not None:
             self._server.should_exit = True
             try:
@@ -181,8 +202,12 @@ class Lab:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
             self.loop.close()
-        if getattr(self, "engine", None) is not None:
-            self.engine.close()
+        if self.supervisor is not None:
+            self.supervisor.close()
+        elif self._first_engine is not None:
+            self._first_engine.close()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
         self.store.close()
 
     def __enter__(self) -> Lab:
@@ -296,81 +321,46 @@ class Lab:
         which version sampled them. For a clean cut between versions use `sync_weights`.
         """
         self._check_open()
-        return self.engine.load_weights(state_dict)
+        return self.supervisor.load(state_dict)
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> dict[str, Any]:
         """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
-        load the weights into the live engine, bump `policy_version`, resume.
+        load the weights into the live engine, bump `policy_version`, resume. If the engine dies during the
+        load, a new one is started (at the previous weights) and the load is done again.
 
         Returns {"policy_version", "undrained" (calls still in flight when loading), "drain_s", "load_s",
         "sync_s"}.
         """
         self._check_open()
-        gate = self.service.gate
-        t0 = time.perf_counter()
-        undrained = self.run(gate.pause(drain_timeout))
-        t1 = time.perf_counter()
-        try:
-            version = self.engine.load_weights(state_dict)
-        finally:
-            self.run(gate.resume())
-        t2 = time.perf_counter()
-        return {"policy_version": version, "undrained": undrained, "drain_s": t1 - t0, "load_s": t2 - t1,
-                "sync_s": t2 - t0}
+        return self.supervisor.sync(state_dict, drain_timeout)
 
     def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
                        drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> dict[str, Any]:
-        """Replace the engine process with a fresh one — after it died (calls get 503 `engine_unavailable`),
-        or to clear a wedged one. The proxy, its sessions and keys, and the run's records carry on; new calls
-        wait at the paused proxy while the engine starts, calls still in flight after `drain_timeout` fail.
+        """Replace the engine process with a fresh one now — to clear a wedged one, or after it died and the
+        Lab's own restarts (`max_restarts`) were spent. The proxy, its sessions and keys, and the run's records
+        carry on; new calls wait at the paused proxy while the engine starts, calls still in flight after
+        `drain_timeout` fail with a 503.
 
-        The new engine loads the model from disk. Once weights were synced (policy_version > 0), pass the
-        current ones — `lab.restart_engine(trainer.policy.state_dict())` — or this refuses, rather than
-        silently rolling training back to the shipped weights. They are loaded as `version`, by default the
-        version the old engine served: right when the trainer's weights are the ones last synced. If the
-        engine died *during* a sync, the trainer is one update ahead: pass `version=lab.policy_version + 1`.
+        The new engine serves what the old one served: the model from disk at version 0, or the weights of the
+        last load (kept in shared memory) at their version. `state_dict` replaces those with the weights
+        passed in, loaded as `version` (default: the version the old engine served). Without kept weights
+        (`keep_weights=False`) and past version 0 it refuses rather than silently roll training back.
         If the new engine fails to start, the error is raised and the Lab keeps answering 503s; call again.
         Returns {"policy_version", "startup_s"}.
         """
         self._check_open()
-        if version is not None and state_dict is None:
-            raise LabError(f"version={version} names the weights passed in; pass them as state_dict")
-        if self._engine_given:
-            raise LabError("this Lab was given its engine (engine=...); it cannot start another")
-        gate = self.service.gate
-        t0 = time.perf_counter()
-        self.run(gate.pause(drain_timeout))  # from here no call reaches an engine, and no sync runs
-        try:
-            old = self.engine
-            if old.policy_version and state_dict is None:
-                raise LabError(f"the engine was serving policy version {old.policy_version}; restarting from "
-                               f"the weights on disk would roll it back to 0 — pass the current weights, e.g. "
-                               f"lab.restart_engine(trainer.policy.state_dict())")
-            version = old.policy_version if version is None else version
-            old.close()  # fails what is still in flight (503), ends the old process by its pid
-            new = self._ready_engine(state_dict, version, startup_timeout)
-            self._busy_before, self.engine = self._busy_before + old.busy_seconds, new
-            self.service.engine = new  # calls read it after the gate lets them in
-        finally:
-            if not self._closed:
-                self.run(gate.resume())
-        log.info("engine restarted (pid %s, policy version %d)", new.pid, new.policy_version)
-        return {"policy_version": new.policy_version, "startup_s": time.perf_counter() - t0}
+        return self.supervisor.restart(state_dict, version=version, drain_timeout=drain_timeout,
+                                       startup_timeout=startup_timeout)
 
-    def _ready_engine(self, state_dict: Mapping[str, torch.Tensor] | None, version: int, timeout: float):
-        """A new engine process, started and loaded with `state_dict` as `version`; closed again on failure,
-        or when the Lab closed while it started (nothing would close it later)."""
-        new = self._new_engine()
-        try:
-            new.wait_ready(timeout)
-            if state_dict is not None:
-                new.load_weights(state_dict, version=version)
-            if self._closed:
-                raise LabError("the Lab closed while its engine restarted")
-        except BaseException:
-            new.close()
-            raise
-        return new
+    @property
+    def engine(self):
+        """The live engine (a new object after each restart)."""
+        return self.supervisor.engine
+
+    @property
+    def engine_restarts(self) -> list[Restart]:
+        """Every replacement of the engine process so far: reason, automatic or not, startup time, outcome."""
+        return list(self.supervisor.restarts)
 
     def dashboard(self, *, interval: float = 1.0, start: bool = True):
         """A live ipywidgets dashboard of this Lab (sessions, calls/s, tokens/s, version, proxy state).
@@ -390,7 +380,7 @@ class Lab:
     def engine_busy_seconds(self) -> float:
         """Seconds the engine has spent stepping requests since the Lab started, restarts included (for busy
         fractions)."""
-        return self._busy_before + float(getattr(self.engine, "busy_seconds", 0.0))
+        return self.supervisor.busy_seconds
 
     @property
     def policy_version(self) -> int:
@@ -403,6 +393,24 @@ class Lab:
     def _check_open(self) -> None:
         if self._closed:
             raise LabError("this Lab is closed; create a new one")
+
+
+class _LoopGate:
+    """The proxy's PauseState (owned by the loop) driven from another thread: the supervisor's `Gate`."""
+
+    def __init__(self, state: PauseState, loop: asyncio.AbstractEventLoop):
+        self.state = state
+        self.loop = loop
+
+    def pause(self, drain_timeout: float) -> int:
+        return asyncio.run_coroutine_threadsafe(self.state.pause(drain_timeout), self.loop).result()
+
+    def resume(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.state.resume(), self.loop).result()
+
+    @property
+    def paused(self) -> bool:
+        return self.state.state != SERVING
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:

