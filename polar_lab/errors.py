@@ -4,6 +4,8 @@
     ├── ConfigError            a config value, or two that disagree (message quotes both)
     ├── LabError               Lab lifecycle: start-up failed, used after close, port taken
     │   └── TrainerError       a trainer rank process failed, died or did not answer in time
+    ├── HarnessError           a harness program failed (non-zero exit); `output` holds what it printed
+    │   └── SandboxError       the sandbox cannot run code under its limits (and the caller did not opt out)
     ├── EngineError            the engine failed or is gone (HTTP 503)
     ├── StoreError             a run folder cannot be written or read
     └── RequestError           the caller's request is bad (HTTP 4xx, carries status/code/param)
@@ -29,6 +31,18 @@ class LabError(PolarLabError, RuntimeError):
 
 class TrainerError(LabError):
     """A trainer rank failed, died or did not answer in time (polar_lab.grpo.distributed)."""
+
+
+class HarnessError(PolarLabError, RuntimeError):
+    """A harness program exited non-zero; `output` holds what it printed (stdout, then stderr)."""
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
+
+
+class SandboxError(HarnessError):
+    """Code cannot be run under the sandbox's limits (polar_lab.sandbox)."""
 
 
 class EngineError(PolarLabError, RuntimeError):
@@ -67,7 +81,8 @@ class ContextLengthError(RequestError):
 
 
 class SamplingError(RequestError, ValueError):
-    """A sampling value outside what the engine takes. `param` is the canonical name (`seed`, `max_tokens`...);
-    the proxy reports it under the caller's API's own name."""
+    """A sampling value outside what the engine takes; `param` is its canonical name (`seed`, `max_tokens`...).
+    The surfaces' request models check the same bounds first under the provider's own field names, so this
+    is what a session's forced sampling, or a client of the engine that skips the proxy, meets."""
 
     code = "invalid_sampling_parameter"

@@ -34,3 +34,40 @@ def test_registry_by_name():
     assert get_evaluator("final_answer") is final_answer and get_evaluator(None) is None
     with pytest.raises(KeyError, match="final_answr"):
         get_evaluator("final_answr")
+
+
+def test_the_evaluator_refuses_to_run_tests_without_limits(monkeypatch):
+    import shutil
+
+    from polar_lab import sandbox
+    from polar_lab.errors import SandboxError
+
+    real_which = shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "prlimit" else real_which(name))
+    with pytest.raises(SandboxError, match="prlimit"):
+        unit_tests(TASK, {"code": "def add(a, b):\n    return a + b\n"})
+    unlimited = sandbox.Limits(enforce=False)  # the explicit opt-out
+    assert run_tests("def add(a, b):\n    return a + b\n", TASK["tests"], limits=unlimited)[0]
+
+
+def test_the_deadline_kills_a_grandchild_the_tests_started(tmp_path):
+    import time
+
+    from tests.conftest import running
+
+    pidfile = tmp_path / "grandchild"
+    code = ("import os, time\n"  # a child that starts a grandchild; all three then hang
+            "if os.fork() == 0:\n"
+            "    grandchild = os.fork()\n"
+            "    if grandchild == 0:\n"
+            "        time.sleep(120)\n"
+            f"    open({str(pidfile)!r}, 'w').write(str(grandchild))\n"
+            "    time.sleep(120)\n"
+            "time.sleep(120)\n")
+    passed, output = run_tests(code, "assert True\n", timeout_s=3)
+    assert not passed and "did not finish" in output
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(grandchild), f"grandchild {grandchild} outlived the tests' deadline"
