@@ -8,8 +8,12 @@ that echoes them back re-renders the same text (exact-id continuity depends on i
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from polar_lab.types import Generation, Session
 
@@ -73,3 +77,29 @@ class CompletedCall:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.generation.output_ids) for c in self.choices)
+
+
+class Lenient(BaseModel):
+    """Base of every surface's request models: unknown fields are accepted and ignored (harnesses send more
+    than this proxy needs), and the raw body is recorded anyway."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ToolArgs:
+    """tool_use id → argument text as generated (bounded; oldest ids forgotten first)."""
+
+    def __init__(self, size: int = 100_000):
+        self.size = size
+        self._raw: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, tool_use_id: str, arguments: str) -> None:
+        self._raw[tool_use_id] = arguments
+        while len(self._raw) > self.size:
+            self._raw.popitem(last=False)
+
+    def text_for(self, tool_use_id: str | None, value: dict[str, Any]) -> str:
+        raw = self._raw.get(tool_use_id or "")
+        if raw is not None and json.loads(raw) == value:
+            return raw
+        return json.dumps(value, ensure_ascii=False)

@@ -1,4 +1,5 @@
-"""Chat template → prompt token ids, with exact-id continuity. Called from worker threads, never the loop.
+"""Chat template → prompt token ids, with exact-id continuity. Called on the proxy's loop for small requests and
+from worker threads for large ones (`CallService.render`), so the piece cache is locked.
 
 Continuity: the model's own output must never be re-tokenised. For each session we keep the last few
 "tips" — an earlier call's prompt text + generated text, and its prompt ids + sampled ids. When a new

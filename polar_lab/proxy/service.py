@@ -3,7 +3,7 @@
 Runs on the Lab's event loop. Small requests are rendered on the loop itself (a thread hop costs more
 than tokenising a first turn, and the tokenizer holds the GIL anyway); large ones go to a worker thread
 so that one long history never stalls the other sessions. Generation happens in the engine process.
-Each API adapter (openai_chat, ...) wraps `complete` and `record`.
+Every API surface (proxy/apis/) reaches it through `proxy/http.py::serve`, which calls `complete` and `record`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from typing import Any
 from jinja2 import TemplateError
 
 from polar_lab.config import ProxyConfig
-from polar_lab.engine.base import Engine, generate
+from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
-from polar_lab.proxy.anthropic_messages import ToolArgs
-from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall
+from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ToolArgs
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
 from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
-from polar_lab.types import INT64_MIN, ModelCall, SamplingSpec, Session
+from polar_lab.types import ModelCall, SamplingSpec, Session, derived_seed
 
 
 class CallService:
@@ -43,7 +42,7 @@ class CallService:
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
-            "engine": "serving" if getattr(self.engine, "alive", True) else "down"}
+            "engine": "serving" if self.engine.alive else "down"}
 
     @property
     def in_flight(self) -> int:
@@ -60,10 +59,11 @@ class CallService:
         spec = _override(self._sampling(req, len(rendered.prompt_ids)), session.sampling)
         call_index = self.registry.next_call_index(session)
         t_gate = time.perf_counter()
+        await self._await_replacement()
         async with self.gate.admit():
             t_engine = time.perf_counter()
             generations = await asyncio.gather(*(
-                generate(self.engine, rendered.prompt_ids, _nth_seed(spec, i)) for i in range(req.n)))
+                self.engine.generate(rendered.prompt_ids, _nth_seed(spec, i)) for i in range(req.n)))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = []
@@ -80,6 +80,13 @@ class CallService:
             sampling=_spec_dict(spec), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
+
+    async def _await_replacement(self) -> None:
+        """A call that meets a dead engine which is being replaced waits for the new one, as at a paused gate
+        (then at the gate itself while the new engine loads its weights). Calls already in the engine when it
+        died get their 503: one of them may be what killed it."""
+        while not self.engine.alive and self.engine_status()["engine"] == "restarting":
+            await asyncio.sleep(0.05)
 
     async def render(self, req: CanonicalRequest, *, inline: bool, prefill: str = "", tips: list[Tip] | None = None,
                      chat_template: str | None = None) -> Rendered:
@@ -153,18 +160,18 @@ def _override(spec: SamplingSpec, forced: dict[str, Any]) -> SamplingSpec:
 
 
 def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
-    """Choice i of a seeded n>1 request uses seed+i (wrapped into the signed 64-bit range the sampler takes),
-    so the choices differ but stay reproducible."""
+    """Choice i of a seeded n>1 request uses `derived_seed(seed, i)`, so the choices differ but stay
+    reproducible."""
     if spec.seed is None or i == 0:
         return spec
-    return replace(spec, seed=_nth_sampling({"seed": spec.seed}, i)["seed"])
+    return replace(spec, seed=derived_seed(spec.seed, i))
 
 
 def _nth_sampling(sampling: dict[str, Any], i: int) -> dict[str, Any]:
     """The recorded sampling of choice i: its own seed (see `_nth_seed`)."""
     if sampling.get("seed") is None or i == 0:
         return sampling
-    return {**sampling, "seed": (sampling["seed"] + i - INT64_MIN) % 2**64 + INT64_MIN}
+    return {**sampling, "seed": derived_seed(sampling["seed"], i)}
 
 
 def _spec_dict(spec: SamplingSpec) -> dict[str, Any]:

@@ -80,10 +80,11 @@ class SessionRegistry:
             self._call_counts[session.id] = index + 1
         return index
 
-    def close(self, session: Session, *, reward: float | None = None, info: dict[str, Any] | None = None,
-              status: str = "closed") -> Session:
+    def close(self, session: Session, *, reward: float | None = None, reward_parts: dict[str, float] | None = None,
+              info: dict[str, Any] | None = None, status: str = "closed") -> Session:
         session.status = status
         session.reward = reward
+        session.reward_parts = dict(reward_parts or {})
         session.closed_at = time.time()
         session.info.update(info or {})
         self.store.append_session(session, status)

@@ -88,7 +88,7 @@ def test_sync_over_http_drains_then_serves_the_waiting_harness_with_new_weights(
     sync = lab.sync_weights({}, drain_timeout=5)
     inflight.join()
     waiting.join()
-    assert sync["undrained"] == 0 and sync["policy_version"] == 1
+    assert sync.undrained == 0 and sync.policy_version == 1
     versions = {c.session_id: c.policy_version for c in lab.call_records()}
     assert sorted(versions.values()) == [0, 1]  # the in-flight call on v0, the one that waited on v1
     assert lab.proxy_state["state"] == "serving" and lab.proxy_state["pauses"] == 1

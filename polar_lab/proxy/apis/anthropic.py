@@ -1,0 +1,233 @@
+"""Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`): the request models, content blocks →
+canonical request, the message body or SSE events, and the routes.
+
+Lenient like the real harnesses need: Claude Code sends `thinking`, `context_management`, `output_config`,
+`metadata`, `cache_control` on blocks, server tools without `input_schema`, and a `role: "system"` entry
+inside `messages`. Unknown fields are accepted and ignored; the raw body is recorded anyway.
+Continuity detail: Anthropic returns tool input as a JSON *object*, so a harness echoes it back as an object
+and the exact text the model wrote is gone; `ToolArgs` (canonical.py) remembers it per tool_use id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from polar_lab.errors import RequestError
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
+from polar_lab.proxy.http import json_body, serve, session_key, validate
+from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
+from polar_lab.proxy.service import CallService
+
+
+class Block(Lenient):
+    """Any content block; `type` decides which of the optional fields matter."""
+
+    type: str
+    text: str | None = None  # text
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: dict[str, Any] | None = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking
+    signature: str | None = None  # thinking
+
+
+class Message(Lenient):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+
+class Tool(Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # None: a server tool (web search...) we do not run
+    type: str | None = None
+
+
+class ToolChoice(Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(Lenient):
+    model: str = ""
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: MaxTokens
+    system: str | list[Block] | None = None
+    metadata: dict[str, Any] | None = None
+    stop_sequences: StopList | None = None
+    stream: bool | None = False
+    temperature: AnthropicTemperature | None = None
+    top_k: NonNegativeTopK | None = None
+    top_p: TopP | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(Lenient):
+    model: str = ""
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+
+
+Block.model_rebuild()
+
+API = "anthropic.messages"
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request line; it would break every chain
+_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+
+def to_canonical(body: MessagesRequest, tool_args: ToolArgs) -> CanonicalRequest:
+    messages = [{"role": "system", "content": _system_text(body.system)}] if body.system else []
+    for m in body.messages:
+        messages += _convert(m, tool_args)
+    return CanonicalRequest(
+        messages=messages, tools=[_tool(t) for t in body.tools or [] if t.input_schema is not None],
+        tool_choice=_tool_choice(body.tool_choice), max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
+        stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model)
+
+
+def _system_text(system: str | list[Block] | None) -> str:
+    text = system if isinstance(system, str) else "\n\n".join(b.text or "" for b in system or [] if b.type == "text")
+    return "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
+
+
+def _convert(m: Message, tool_args: ToolArgs) -> list[dict[str, Any]]:
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    if m.role == "assistant":
+        return [_assistant(m.content, tool_args)]
+    out, texts = [], []
+    for block in m.content:
+        if block.type == "tool_result":
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)})
+        elif block.type == "text":
+            texts.append(block.text or "")
+        else:
+            raise RequestError(f"content blocks of type '{block.type}' are not supported by this text model",
+                               param="messages")
+    if texts:
+        out.append({"role": m.role if m.role != "system" else "system", "content": "\n\n".join(texts)})
+    return out
+
+
+def _assistant(blocks: list[Block], tool_args: ToolArgs) -> dict[str, Any]:
+    text = "".join(b.text or "" for b in blocks if b.type == "text")
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    thinking = "".join(b.thinking or "" for b in blocks if b.type == "thinking")
+    if thinking:
+        message["reasoning_content"] = thinking
+    calls = [b for b in blocks if b.type == "tool_use"]
+    if calls:
+        message["tool_calls"] = [{"id": b.id, "type": "function", "function": {
+            "name": b.name, "arguments": tool_args.text_for(b.id, b.input or {})}} for b in calls]
+    return message
+
+
+def _result_text(block: Block) -> str:
+    if isinstance(block.content, list):
+        return "\n".join(b.text or "" for b in block.content if b.type == "text")
+    return block.content or ""
+
+
+def _tool(t: Tool) -> dict[str, Any]:
+    function = {"name": t.name, "parameters": t.input_schema}
+    if t.description:
+        function["description"] = t.description
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
+    if choice is None or choice.type == "auto":
+        return "auto"
+    if choice.type == "tool":
+        if not choice.name:
+            raise RequestError("tool_choice of type 'tool' needs a name", param="tool_choice")
+        return {"name": choice.name}
+    return {"any": "required", "none": "none"}[choice.type]
+
+
+def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs) -> dict[str, Any]:
+    (choice,) = call.choices  # Anthropic has no n
+    parsed, blocks = choice.parsed, []
+    if parsed.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content:
+        blocks.append({"type": "text", "text": parsed.content})
+    for tc in parsed.tool_calls:
+        tool_use_id = "toolu_" + tc["id"].removeprefix("call_")
+        tool_args.remember(tool_use_id, tc["arguments"])
+        blocks.append({"type": "tool_use", "id": tool_use_id, "name": tc["name"], "input": json.loads(tc["arguments"])})
+    stop = choice.generation.stop_reason if isinstance(choice.generation.stop_reason, str) else None
+    reason = _STOP_REASONS.get(choice.finish_reason, "stop_sequence" if stop else "end_turn")
+    return {"id": "msg_" + call.request_id, "type": "message", "role": "assistant", "model": req.model or call.model,
+            "content": blocks, "stop_reason": reason, "stop_sequence": stop,
+            "usage": {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens}}
+
+
+def stream_events(message: dict[str, Any]) -> Iterator[bytes]:
+    """Replay a finished message as Anthropic's SSE events."""
+
+    def event(kind: str, **data: Any) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**message["usage"], "output_tokens": 0}}
+    yield event("message_start", message=start)
+    for i, block in enumerate(message["content"]):
+        yield from _block_events(event, i, block)
+    yield event("message_delta", delta={"stop_reason": message["stop_reason"],
+                                        "stop_sequence": message["stop_sequence"]},
+                usage={"output_tokens": message["usage"]["output_tokens"]})
+    yield event("message_stop")
+
+
+def _block_events(event, index: int, block: dict[str, Any]) -> Iterator[bytes]:
+    if block["type"] == "text":
+        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+        yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+    elif block["type"] == "thinking":
+        yield event("content_block_start", index=index, content_block={"type": "thinking", "thinking": "",
+                                                                       "signature": ""})
+        yield event("content_block_delta", index=index, delta={"type": "thinking_delta",
+                                                               "thinking": block["thinking"]})
+    else:
+        yield event("content_block_start", index=index, content_block={**block, "input": {}})
+        yield event("content_block_delta", index=index, delta={"type": "input_json_delta",
+                                                               "partial_json": json.dumps(block["input"])})
+    yield event("content_block_stop", index=index)
+
+
+def register(app: FastAPI, service: CallService) -> None:
+    @app.post("/v1/messages")
+    @app.post("/s/{key}/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await serve(
+            request, service, MessagesRequest, API, lambda body: to_canonical(body, service.tool_args),
+            build=lambda call, req, body: build_response(call, req, service.tool_args),
+            stream=lambda response, body: stream_events(response))
+
+    @app.post("/v1/messages/count_tokens")
+    @app.post("/s/{key}/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        service.registry.resolve(session_key(request))
+        raw, size = await json_body(request, service.config.max_body_bytes)
+        validate(CountTokensRequest, raw)
+        body = validate(MessagesRequest, {**raw, "max_tokens": 1})  # every field checked as for a real call
+        req = to_canonical(body, service.tool_args)
+        rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
+        return {"input_tokens": len(rendered.prompt_ids)}

@@ -1,0 +1,161 @@
+"""Google generateContent (`:generateContent`, `:streamGenerateContent`): the request models, contents/parts →
+canonical request, the GenerateContentResponse or its SSE chunks, and the routes.
+
+`:generateContent` answers JSON; `:streamGenerateContent?alt=sse` answers SSE `data:` chunks (synthesised,
+one chunk). Function-call args travel as objects, so the argument text the model wrote is remembered per
+call id (shared `ToolArgs`) and re-rendered when the harness echoes the call back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import AliasChoices, Field
+
+from polar_lab.errors import RequestError
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
+from polar_lab.proxy.http import serve
+from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
+                                      TopP, WholeTopK, stop_tuple, whole)
+from polar_lab.proxy.service import CallService
+
+API = "google.generate_content"
+_MODES = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}
+
+
+class Content(Lenient):
+    role: str | None = "user"
+    parts: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def _name(camel: str, snake: str) -> Any:
+    """Google's JSON takes a field by its lowerCamelCase or its proto name (protobuf's JSON mapping)."""
+    return Field(default=None, validation_alias=AliasChoices(camel, snake))
+
+
+class GenerationConfig(Lenient):
+    stopSequences: StopList | None = _name("stopSequences", "stop_sequences")  # noqa: N815 - the API's names
+    candidateCount: Choices | None = _name("candidateCount", "candidate_count")  # noqa: N815
+    maxOutputTokens: MaxTokens | None = _name("maxOutputTokens", "max_output_tokens")  # noqa: N815
+    temperature: Temperature | None = None
+    topP: TopP | None = _name("topP", "top_p")  # noqa: N815
+    topK: WholeTopK | None = _name("topK", "top_k")  # noqa: N815
+    seed: Seed | None = None
+    presencePenalty: Penalty | None = _name("presencePenalty", "presence_penalty")  # noqa: N815
+    frequencyPenalty: Penalty | None = _name("frequencyPenalty", "frequency_penalty")  # noqa: N815
+    responseLogprobs: Flag | None = _name("responseLogprobs", "response_logprobs")  # noqa: N815
+    logprobs: TopLogprobs | None = None
+
+
+class GenerateContentRequest(Lenient):
+    contents: list[Content] = Field(min_length=1)
+    systemInstruction: Content | None = _name("systemInstruction", "system_instruction")  # noqa: N815 - the API's names
+    tools: list[dict[str, Any]] | None = None
+    toolConfig: dict[str, Any] | None = _name("toolConfig", "tool_config")  # noqa: N815
+    generationConfig: GenerationConfig | None = _name("generationConfig", "generation_config")  # noqa: N815
+
+
+def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool_args: ToolArgs) -> CanonicalRequest:
+    messages = []
+    if body.systemInstruction is not None:
+        messages.append({"role": "system", "content": _texts(body.systemInstruction.parts)})
+    for content in body.contents:
+        messages += _convert(content, tool_args)
+    config = body.generationConfig or GenerationConfig()
+    if config.candidateCount not in (None, 1):
+        raise RequestError("candidateCount other than 1 is not supported", param="generationConfig.candidateCount")
+    top_k = whole(config.topK, param="generationConfig.topK")
+    return CanonicalRequest(
+        messages=messages, tools=_tools(body.tools), tool_choice=_tool_choice(body.toolConfig),
+        max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
+        top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
+        stop=stop_tuple(config.stopSequences), stream=stream, model=model)
+
+
+def _texts(parts: list[dict[str, Any]]) -> str:
+    return "".join(p.get("text", "") for p in parts if "text" in p and not p.get("thought"))
+
+
+def _convert(content: Content, tool_args: ToolArgs) -> list[dict[str, Any]]:
+    unsupported = [k for p in content.parts for k in p if k in ("inlineData", "fileData", "executableCode")]
+    if unsupported:
+        raise RequestError(f"parts of type '{unsupported[0]}' are not supported by this text model", param="contents")
+    if content.role == "model":
+        message: dict[str, Any] = {"role": "assistant", "content": _texts(content.parts) or None}
+        thought = "".join(p.get("text", "") for p in content.parts if p.get("thought"))
+        if thought:
+            message["reasoning_content"] = thought
+        calls = [p["functionCall"] for p in content.parts if "functionCall" in p]
+        if calls:
+            message["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                "name": c.get("name", ""), "arguments": tool_args.text_for(c.get("id"), c.get("args") or {})}}
+                for c in calls]
+        return [message]
+    out = [{"role": "tool", "tool_call_id": r.get("id") or r.get("name"), "content": json.dumps(r.get("response"))}
+           for r in (p["functionResponse"] for p in content.parts if "functionResponse" in p)]
+    text = _texts(content.parts)
+    if text or not out:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    out = []
+    for tool in tools or []:
+        for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
+            function = {k: decl[k] for k in ("name", "description") if k in decl}
+            function["parameters"] = decl.get("parameters") or decl.get("parametersJsonSchema") or {}
+            out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(config: dict[str, Any] | None) -> str | dict[str, Any]:
+    calling = (config or {}).get("functionCallingConfig") or {}
+    mode = _MODES.get(str(calling.get("mode", "AUTO")).upper(), "auto")
+    names = calling.get("allowedFunctionNames") or []
+    return {"name": names[0]} if mode == "required" and len(names) == 1 else mode
+
+
+def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs) -> dict[str, Any]:
+    (choice,) = call.choices
+    parsed, parts = choice.parsed, []
+    if parsed.reasoning is not None:
+        parts.append({"text": parsed.reasoning, "thought": True})
+    if parsed.content:
+        parts.append({"text": parsed.content})
+    for tc in parsed.tool_calls:
+        tool_args.remember(tc["id"], tc["arguments"])
+        parts.append({"functionCall": {"id": tc["id"], "name": tc["name"], "args": json.loads(tc["arguments"])}})
+    finish = "MAX_TOKENS" if choice.finish_reason == "length" else "STOP"
+    prompt = len(call.prompt_ids)
+    return {"candidates": [{"content": {"role": "model", "parts": parts}, "finishReason": finish, "index": 0}],
+            "usageMetadata": {"promptTokenCount": prompt, "candidatesTokenCount": call.completion_tokens,
+                              "totalTokenCount": prompt + call.completion_tokens},
+            "modelVersion": req.model or call.model, "responseId": call.request_id}
+
+
+def stream_chunks(response: dict[str, Any]) -> Iterator[bytes]:
+    yield b"data: " + orjson.dumps(response) + b"\r\n\r\n"
+
+
+def register(app: FastAPI, service: CallService) -> None:
+    @app.post("/v1beta/models/{model_action}")
+    @app.post("/s/{key}/v1beta/models/{model_action}")
+    @app.post("/v1/models/{model_action}")  # google-genai 3 uses v1 with a custom base_url
+    @app.post("/s/{key}/v1/models/{model_action}")
+    async def generate_content(request: Request, model_action: str) -> Response:
+        model, _, action = model_action.partition(":")
+        if action not in ("generateContent", "streamGenerateContent"):
+            raise RequestError(f"unknown method '{action}': use generateContent or streamGenerateContent",
+                               status=404)
+        return await serve(
+            request, service, GenerateContentRequest, API,
+            lambda body: to_canonical(body, model, stream=action == "streamGenerateContent",
+                                      tool_args=service.tool_args),
+            build=lambda call, req, body: build_response(call, req, service.tool_args),
+            stream=lambda response, body: stream_chunks(response))

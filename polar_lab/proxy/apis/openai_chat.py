@@ -1,0 +1,232 @@
+"""OpenAI Chat Completions (`POST /v1/chat/completions`): the request model, its conversion to the canonical
+request, the response body or SSE chunks, and the route.
+
+Request fields are in OpenAI's documented order; unknown fields are accepted and ignored (harnesses send
+`store`, `metadata`, `reasoning_effort`...), the raw body is recorded anyway; our extensions are fenced off at
+the end of each model. Streaming is synthesised from the finished call (as Polar does): the record is
+written first, then the chunks go out in OpenAI's shape — role, content, tool calls, finish reason, optional
+usage, `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from polar_lab.errors import RequestError
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
+from polar_lab.proxy.http import serve
+from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
+                                      TopK, TopLogprobs, TopP, stop_tuple)
+from polar_lab.proxy.service import CallService
+
+
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # --- extensions (vLLM / DeepSeek convention) ---
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class StreamOptions(Lenient):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(Lenient):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str = ""
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Flag | None = False
+    top_logprobs: TopLogprobs | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    n: Choices = 1
+    presence_penalty: Penalty | None = None
+    response_format: dict[str, Any] | None = None
+    seed: Seed | None = None
+    stop: StopString | StopList | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    # --- extensions (vLLM's names) ---
+    top_k: TopK | None = None
+    ignore_eos: Flag | None = None
+
+
+API = "openai.chat"
+
+
+def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
+    tool_choice: Any = body.tool_choice or "auto"
+    if not isinstance(tool_choice, str):
+        tool_choice = {"name": tool_choice.function.name}
+    return CanonicalRequest(
+        messages=[_message(m, first=i == 0) for i, m in enumerate(body.messages)],
+        tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+        tool_choice=tool_choice,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        seed=body.seed, stop=stop_tuple(body.stop), n=body.n,
+        logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
+        stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def _message(m: ChatMessage, *, first: bool) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
+    out: dict[str, Any] = {"role": role, "content": _text(m.content)}
+    if role in ("system", "user", "tool") and out["content"] is None:
+        out["content"] = ""
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+            "name": tc.function.name, "arguments": tc.function.arguments if isinstance(tc.function.arguments, str)
+            else json.dumps(tc.function.arguments, ensure_ascii=False)}} for tc in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning_content or m.reasoning
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def _text(content: str | list | None) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+            raise RequestError(f"content parts of type '{part.type}' are not supported by this text model",
+                               param="messages")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dict[str, Any]:
+    choices = []
+    for c in call.choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content}
+        if c.parsed.reasoning is not None:
+            message["reasoning_content"] = c.parsed.reasoning
+        if c.parsed.tool_calls:
+            message["tool_calls"] = [
+                {"id": tc["id"], "type": "function", "function": {"name": tc["name"], "arguments": tc["arguments"]}}
+                for tc in c.parsed.tool_calls]
+        choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
+        if req.logprobs:
+            choice["logprobs"] = {"content": _logprobs(c.generation, tokenizer)}
+        choices.append(choice)
+    prompt_tokens = len(call.prompt_ids)
+    return {
+        "id": "chatcmpl-" + call.request_id, "object": "chat.completion", "created": int(time.time()),
+        "model": req.model or call.model, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": call.completion_tokens,
+                  "total_tokens": prompt_tokens + call.completion_tokens},
+        "system_fingerprint": f"polar_lab-v{call.choices[0].generation.output_versions[-1]}"
+        if call.choices[0].generation.output_versions else None,
+    }
+
+
+def _logprobs(gen, tokenizer) -> list[dict[str, Any]]:
+    out = []
+    for i, (tid, lp) in enumerate(zip(gen.output_ids, gen.output_logprobs)):
+        token = tokenizer.decode([tid])
+        tops = (gen.top_logprobs or [{}] * len(gen.output_ids))[i]
+        out.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                    "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v,
+                                      "bytes": list(tokenizer.decode([t]).encode())}
+                                     for t, v in sorted(tops.items(), key=lambda kv: -kv[1]) if t != tid]})
+    return out
+
+
+def stream_chunks(response: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
+    """Replay a finished chat.completion as OpenAI `chat.completion.chunk` SSE events."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"], "system_fingerprint": response["system_fingerprint"]}
+
+    def event(choices: list, **extra: Any) -> bytes:
+        return b"data: " + orjson.dumps({**base, "choices": choices, **extra}) + b"\n\n"
+
+    for ch in response["choices"]:
+        msg, i = ch["message"], ch["index"]
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if msg.get("reasoning_content"):
+            yield event([{"index": i, "delta": {"reasoning_content": msg["reasoning_content"]},
+                          "finish_reason": None}])
+        if msg.get("content"):
+            yield event([{"index": i, "delta": {"content": msg["content"]}, "logprobs": ch["logprobs"],
+                          "finish_reason": None}])
+        for k, tc in enumerate(msg.get("tool_calls") or []):
+            yield event([{"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "finish_reason": None}])
+        yield event([{"index": i, "delta": {}, "finish_reason": ch["finish_reason"]}])
+    if include_usage:
+        yield event([], usage=response["usage"])
+    yield b"data: [DONE]\n\n"
+
+
+def register(app: FastAPI, service: CallService) -> None:
+    tokenizer = service.renderer.tokenizer
+
+    @app.post("/v1/chat/completions")
+    @app.post("/s/{key}/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(
+            request, service, ChatCompletionRequest, API, to_canonical,
+            build=lambda call, req, body: build_response(call, req, tokenizer),
+            stream=lambda response, body: stream_chunks(
+                response, bool(body.stream_options and body.stream_options.include_usage)))

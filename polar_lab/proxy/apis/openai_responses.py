@@ -1,0 +1,192 @@
+"""OpenAI Responses (`POST /v1/responses`): the request model, input items → canonical request, the response
+object or SSE events, and the route.
+
+Input items are kept as loose dicts with a `type`: Codex and the Agents SDK send items this layer does not need
+to understand in full. Non-function tools (Codex's `namespace`, `web_search`, `local_shell`...) are accepted
+and not offered to the model. Items map onto chat messages: `message` → a message (developer → system),
+consecutive `function_call` items → one assistant turn's tool calls, `function_call_output` → a tool message,
+`reasoning` → the next assistant turn's reasoning. `previous_response_id` would need server-side
+conversation state; it gets a 400 (send the full input instead, as Codex does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from polar_lab.errors import RequestError
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
+from polar_lab.proxy.http import serve
+from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
+from polar_lab.proxy.service import CallService
+
+
+class ResponsesRequest(Lenient):
+    model: str = ""
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = None
+    stream: bool | None = False
+    temperature: Temperature | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: TopLogprobs | None = None
+    top_p: TopP | None = None
+    # --- extensions (vLLM's names) ---
+    top_k: TopK | None = None
+    seed: Seed | None = None
+
+
+API = "openai.responses"
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
+    if body.previous_response_id:
+        raise RequestError("previous_response_id is not supported: send the whole conversation as input",
+                           param="previous_response_id")
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    messages += _messages(items)
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in body.tools or [] if t.get("type") == "function" and t.get("name")]
+    return CanonicalRequest(
+        messages=messages, tools=tools, tool_choice=_tool_choice(body.tool_choice),
+        max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        seed=body.seed, stream=bool(body.stream), model=body.model)
+
+
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role", "user"), item.get("role", "user"))
+            out.append({"role": role, "content": _text(item.get("content"))})
+        elif kind == "function_call":
+            # calls join the assistant turn they follow; after a tool result a new turn starts
+            turn = out[-1] if out and out[-1]["role"] == "assistant" else None
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                out.append(turn)
+            turn.setdefault("tool_calls", []).append({"id": item.get("call_id"), "type": "function", "function": {
+                "name": item.get("name", ""), "arguments": item.get("arguments", "{}")}})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
+        elif kind == "reasoning":
+            reasoning.append(_text(item.get("content") or item.get("summary")) or "")
+            continue
+        else:
+            raise RequestError(f"input items of type '{kind}' are not supported", param="input")
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = "".join(reasoning)
+            reasoning = []
+    return out
+
+
+def _text(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"content must be a string or a list of parts, not {type(content).__name__}",
+                           param="input")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"content parts of type '{kind}' are not supported by this text model",
+                               param="input")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
+    if choice is None or isinstance(choice, str):
+        return choice or "auto"
+    if choice.get("type") == "function" and choice.get("name"):
+        return {"name": choice["name"]}
+    return "auto"  # hosted-tool choices name tools we do not offer
+
+
+def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRequest) -> dict[str, Any]:
+    (choice,) = call.choices
+    parsed, output = choice.parsed, []
+    if parsed.reasoning is not None:
+        output.append({"type": "reasoning", "id": "rs_" + call.request_id, "summary": [],
+                       "content": [{"type": "reasoning_text", "text": parsed.reasoning}]})
+    if parsed.content:
+        output.append({"type": "message", "id": "msg_" + call.request_id, "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": parsed.content, "annotations": [],
+                                    "logprobs": []}]})
+    for tc in parsed.tool_calls:
+        output.append({"type": "function_call", "id": "fc_" + tc["id"].removeprefix("call_"), "call_id": tc["id"],
+                       "name": tc["name"], "arguments": tc["arguments"], "status": "completed"})
+    truncated = choice.finish_reason == "length"
+    usage = {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens,
+             "total_tokens": len(call.prompt_ids) + call.completion_tokens,
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": "resp_" + call.request_id, "object": "response", "created_at": time.time(),
+            "status": "incomplete" if truncated else "completed", "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": req.model or call.model, "output": output, "parallel_tool_calls": bool(body.parallel_tool_calls),
+            "temperature": req.temperature, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "top_p": req.top_p, "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": usage,
+            "metadata": {}}
+
+
+def stream_events(response: dict[str, Any]) -> Iterator[bytes]:
+    """Replay a finished response as Responses API SSE events."""
+    seq = iter(range(10**9))
+
+    def event(kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": next(seq), **data}
+        return f"event: {kind}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
+
+    pending = {**response, "status": "in_progress", "output": [], "usage": None}
+    yield event("response.created", response=pending)
+    yield event("response.in_progress", response=pending)
+    for i, item in enumerate(response["output"]):
+        yield from _item_events(event, i, item)
+    yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                response=response)
+
+
+def _item_events(event, index: int, item: dict[str, Any]) -> Iterator[bytes]:
+    if item["type"] == "message":
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "content": []})
+        part = item["content"][0]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        yield event("response.content_part.added", **ids, part={**part, "text": ""})
+        yield event("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
+        yield event("response.output_text.done", **ids, text=part["text"], logprobs=[])
+        yield event("response.content_part.done", **ids, part=part)
+    elif item["type"] == "function_call":
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""})
+        ids = {"item_id": item["id"], "output_index": index}
+        yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+        yield event("response.function_call_arguments.done", **ids, arguments=item["arguments"], name=item["name"])
+    else:
+        yield event("response.output_item.added", output_index=index, item=item)
+    yield event("response.output_item.done", output_index=index, item=item)
+
+
+def register(app: FastAPI, service: CallService) -> None:
+    @app.post("/v1/responses")
+    @app.post("/s/{key}/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve(request, service, ResponsesRequest, API, to_canonical, build=build_response,
+                           stream=lambda response, body: stream_events(response))
