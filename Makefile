@@ -41,7 +41,9 @@ $(LITELLM_STAMP):
 demo: setup
 	$(BIN)/polar-lab demo
 
+# lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
 test: setup agents
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 train: setup

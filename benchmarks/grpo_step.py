@@ -27,7 +27,7 @@ COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "engine_busy_frac", "samp
 def sync_time(lab: Lab, trainer: GRPOTrainer, repeats: int) -> dict:
     state = trainer.policy.state_dict()
     runs = [lab.sync_weights(state) for _ in range(repeats)]
-    return {k: statistics.median(r[k] for r in runs) for k in ("sync_s", "drain_s", "load_s")}
+    return {k: statistics.median(getattr(r, k) for r in runs) for k in ("sync_s", "drain_s", "load_s")}
 
 
 def run_mode(lab: Lab, shipped: dict, args, async_mode: bool) -> dict:

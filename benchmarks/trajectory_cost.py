@@ -59,7 +59,7 @@ def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
 
 def builder_sizes(model: str, turns: int) -> list[dict]:
     from polar_lab import Lab
-    from polar_lab.harness.drift import multi_turn_agent
+    from polar_lab.harness.chain_breakers import multi_turn_agent
     from polar_lab.trajectory.report import builder_counts
 
     questions = ["What is 12*(3+4)?", "What is 81-17?", "Compute 5*6*7.", "What is 100+23?", "What is 9*9?"]

@@ -14,7 +14,8 @@ from polar_lab._lazy import lazy_exports
 _HOME = {
     "EngineConfig": "polar_lab.config", "LabConfig": "polar_lab.config", "ProxyConfig": "polar_lab.config",
     "StoreConfig": "polar_lab.config", "PolarLabError": "polar_lab.errors", "GRPOConfig": "polar_lab.grpo.config",
-    "GRPOTrainer": "polar_lab.grpo.trainer", "Lab": "polar_lab.lab", "Generation": "polar_lab.types",
+    "GRPOTrainer": "polar_lab.grpo.trainer", "Lab": "polar_lab.lab", "Run": "polar_lab.run",
+    "Generation": "polar_lab.types",
     "Group": "polar_lab.types", "ModelCall": "polar_lab.types", "SamplingSpec": "polar_lab.types",
     "Session": "polar_lab.types", "Trajectory": "polar_lab.types",
 }
@@ -33,4 +34,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from polar_lab.grpo.config import GRPOConfig  # noqa: F401
     from polar_lab.grpo.trainer import GRPOTrainer  # noqa: F401
     from polar_lab.lab import Lab  # noqa: F401
+    from polar_lab.run import Run  # noqa: F401
     from polar_lab.types import Generation, Group, ModelCall, SamplingSpec, Session, Trajectory  # noqa: F401

@@ -6,6 +6,7 @@ HTTP, and every call lands in the run folder (`data/runs/<run>/`), with `summary
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -58,7 +59,7 @@ def run_demo(model: str = DEFAULT_MODEL, *, sessions: int = 32, tasks_path: str 
                 for g in groups for s in g.sessions]
         summary = {"model": model, "startup_s": startup_s,
                    **summarize(lab.calls(), runs, time.perf_counter() - t1)}
-        lab.store.write_json("summary.json", summary)
+        (lab.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         summary["run_dir"] = str(lab.run_dir)
     return summary
 

@@ -38,17 +38,16 @@ from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
-from polar_lab.proxy.pause import SERVING, PauseState
+from polar_lab.proxy.pause import PAUSED, PauseState
 from polar_lab.proxy.render import Renderer
 from polar_lab.proxy.service import CallService
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.rewards.registry import get_evaluator
-from polar_lab.store import RunStore, calls_frame, load_calls, load_sessions
+from polar_lab.rollout import rollout_async
+from polar_lab.run import Run
+from polar_lab.store import RunStore
 from polar_lab.store.runstore import check_run_name, new_run_name
-from polar_lab.trajectory.builders import BUILDERS
-from polar_lab.trajectory.report import chain_breaks, drift_summary
-from polar_lab.harness.runtime import Evaluator, Harness, rollout_async
-from polar_lab.types import Group, ModelCall, Session, Trajectory
+from polar_lab.types import Evaluator, Group, Harness, ModelCall, Session, SyncResult, Trajectory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +96,7 @@ class Lab:
         self.run_dir = Path(cfg.store.runs_dir) / run_name
         self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
         self.store.write_json("config.json", cfg.to_dict())
+        self.recorded = None  # the Run over this folder, once the tokenizer is loaded
         try:
             engine_given = engine is not None
             engine = self._start_engine(engine)
@@ -117,17 +117,15 @@ class Lab:
         """The engine, ready; a passed-in engine (a fake) is used as it is and never restarted."""
         if engine is None:
             if self.config.engine.keep_weights:  # the served weights' file, for restarts (shared memory)
-                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                self._weights_dir = tempfile.mkdtemp(prefix="polar-lab-weights-", dir=shm)
+                self._weights_dir = _weights_dir()
             engine = self._new_engine()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
 
         self._first_engine = engine  # closed by close() if the Lab fails before its supervisor exists
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
-        if hasattr(engine, "wait_ready"):
-            engine.wait_ready()
-        return engine
+        self.recorded = Run(self.run_dir, store=self.store, tokenizer=self.tokenizer)
+        return engine.wait_ready()
 
     def _new_engine(self):
         """A launched engine process (the supervisor waits for it and sets its on_exit)."""
@@ -281,38 +279,42 @@ class Lab:
                                       deadline_s=deadline_s, builder=builder, progress=progress,
                                       failed_reward=failed_reward, sampling=sampling, seed=seed))
 
-    def call_records(self) -> list[ModelCall]:
-        """Every recorded call of this run, read back from the run folder."""
-        return load_calls(self.run_dir)
+    # ---- reading the run (one implementation: polar_lab.run.Run over this Lab's folder) ----------
+    def call_records(self, session_ids: list[str] | None = None) -> list[ModelCall]:
+        """Every recorded call of this run (or of these sessions), read back from the run folder."""
+        return self.recorded.call_records(session_ids)
 
     def calls(self) -> pd.DataFrame:
         """One row per recorded call (pandas)."""
-        return calls_frame(self.call_records())
+        return self.recorded.calls()
 
     def sessions(self) -> pd.DataFrame:
-        return load_sessions(self.run_dir)
+        """The latest state of each session (one row per session)."""
+        return self.recorded.sessions()
 
     def trajectories(self, builder: str = "prefix_merging", *, session_ids: list[str] | None = None,
                      ) -> list[Trajectory]:
         """Training samples rebuilt from the recorded calls; each carries its session's reward."""
-        if builder not in BUILDERS:
-            raise ValueError(f"unknown builder {builder!r}; choose from {sorted(BUILDERS)}")
-        trajectories = BUILDERS[builder](self._calls_of(session_ids))
-        sessions = {s.id: s for s in self.registry.all()}
-        for traj in trajectories:
-            session = sessions.get(traj.session_id)
-            traj.reward = session.reward if session is not None else None
-        return trajectories
+        return self.recorded.trajectories(builder, session_ids=session_ids)
 
     def chain_breaks(self, *, session_ids: list[str] | None = None) -> pd.DataFrame:
         """Every prefix-merging chain break of this run (or of these sessions), classified
         (see polar_lab.trajectory.drift)."""
-        harness_of = {s.id: str(s.info.get("harness", "unknown")) for s in self.registry.all()}
-        return chain_breaks(self._calls_of(session_ids), self.tokenizer, harness_of)
+        return self.recorded.chain_breaks(session_ids=session_ids)
 
     def drift_report(self) -> pd.DataFrame:
         """Chain breaks counted by harness and class, with an example of each."""
-        return drift_summary(self.chain_breaks())
+        return self.recorded.drift_report()
+
+    def stats(self) -> dict[str, Any]:
+        """Live counters (what the dashboard shows): sessions by status, calls and sampled tokens recorded, the
+        policy version, the proxy's gate and the engine's state and restarts."""
+        statuses = [s.status for s in self.registry.all()]
+        engine = self.supervisor.status()
+        return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
+                "sessions_failed": statuses.count("error") + statuses.count("timeout"),
+                "calls": self.store.num_calls, "output_tokens": self.store.num_output_tokens,
+                "policy_version": self.policy_version, "proxy": self.proxy_state, **engine}
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load new weights into the live engine at once (no pause); returns the new policy version.
@@ -323,19 +325,16 @@ class Lab:
         self._check_open()
         return self.supervisor.load(state_dict)
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> dict[str, Any]:
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> SyncResult:
         """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
         load the weights into the live engine, bump `policy_version`, resume. If the engine dies during the
         load, a new one is started (at the previous weights) and the load is done again.
-
-        Returns {"policy_version", "undrained" (calls still in flight when loading), "drain_s", "load_s",
-        "sync_s"}.
         """
         self._check_open()
         return self.supervisor.sync(state_dict, drain_timeout)
 
     def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
-                       drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> dict[str, Any]:
+                       drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> Restart:
         """Replace the engine process with a fresh one now — to clear a wedged one, or after it died and the
         Lab's own restarts (`max_restarts`) were spent. The proxy, its sessions and keys, and the run's records
         carry on; new calls wait at the paused proxy while the engine starts, calls still in flight after
@@ -346,7 +345,7 @@ class Lab:
         passed in, loaded as `version` (default: the version the old engine served). Without kept weights
         (`keep_weights=False`) and past version 0 it refuses rather than silently roll training back.
         If the new engine fails to start, the error is raised and the Lab keeps answering 503s; call again.
-        Returns {"policy_version", "startup_s"}.
+        Returns the restart's record (policy_version, startup_s...).
         """
         self._check_open()
         return self.supervisor.restart(state_dict, version=version, drain_timeout=drain_timeout,
@@ -386,9 +385,10 @@ class Lab:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def _calls_of(self, session_ids: list[str] | None) -> list[ModelCall]:
-        """All recorded calls, or only these sessions' (read by offset, not by scanning the run)."""
-        return self.call_records() if session_ids is None else self.store.read_calls(session_ids)
+    @property
+    def model_path(self) -> str:
+        """The model folder (or hub id) the engine was started from."""
+        return self.engine.model_path
 
     def _check_open(self) -> None:
         if self._closed:
@@ -403,14 +403,39 @@ class _LoopGate:
         self.loop = loop
 
     def pause(self, drain_timeout: float) -> int:
-        return asyncio.run_coroutine_threadsafe(self.state.pause(drain_timeout), self.loop).result()
+        pausing = asyncio.run_coroutine_threadsafe(self.state.pause(drain_timeout), self.loop)
+        try:
+            return pausing.result()
+        except BaseException:  # e.g. a notebook interrupt during the drain: the pause still completes on the
+            pausing.add_done_callback(lambda _: self._resume_soon())  # loop, so undo it once it has
+            raise
 
     def resume(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.state.resume(), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.state.resume(), self.loop).result(timeout=30)
 
-    @property
-    def paused(self) -> bool:
-        return self.state.state != SERVING
+    def _resume_soon(self) -> None:
+        self.loop.call_soon_threadsafe(lambda: self.state.state == PAUSED and self.loop.create_task(self.state.resume()))
+
+
+def _weights_dir() -> str:
+    """A folder in shared memory for the served weights' file, named after this kernel's pid; folders of
+    kernels that died without closing their Lab (SIGKILL) are removed first, so they do not hold RAM for good."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for old in Path(shm).glob("polar-lab-weights-*-*"):
+        pid = old.name.split("-")[3]
+        if old.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"polar-lab-weights-{os.getpid()}-", dir=shm)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:

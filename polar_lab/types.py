@@ -8,6 +8,8 @@ One place, few types (STYLE.md item 1):
 - `ModelCall`     one recorded model call (one per choice of a request), written before the response returns.
 - `Trajectory`    a token sequence a trainer learns from, rebuilt from the calls of one session.
 - `Group`         the trajectories of one task (a GRPO group).
+- `SyncResult`    what a weight sync did (version, drain and load times).
+- `Harness`, `Evaluator`  the two callables a rollout takes.
 
 Records are plain dataclasses so they serialise to JSON lines and pandas rows without adapters.
 """
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +42,10 @@ STOP_CHARS_MAX = 1000  # ours: each stop string is checked against the tail of t
 class SamplingSpec:
     """Sampling parameters the engine understands; the proxy maps every API onto these.
 
-    Constructing one checks every value (`check`): exact types, integers in range, floats finite and in range.
-    An engine re-checks what it receives (an unpickled SamplingSpec skips `__post_init__`)."""
+    Constructing one normalises numbers (a numpy integer or float becomes a Python one; a list of stop strings
+    a tuple; seed -1, which vLLM reads as "unseeded", becomes None, so the record says what happened) and then
+    checks every value (`check`): exact types, integers in range, floats finite and in range. An engine
+    re-checks what it receives (an unpickled SamplingSpec skips `__post_init__`)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -53,6 +58,8 @@ class SamplingSpec:
     ignore_eos: bool = False  # keep sampling past end-of-turn (benchmarks: fixed output length)
 
     def __post_init__(self) -> None:
+        for name, value in _normalised(self).items():
+            object.__setattr__(self, name, value)
         self.check()
 
     def check(self) -> None:
@@ -69,6 +76,30 @@ class SamplingSpec:
         if type(self.ignore_eos) is not bool:
             raise SamplingError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}",
                                 param="ignore_eos")
+
+
+def _normalised(spec: SamplingSpec) -> dict[str, Any]:
+    """Numbers from numpy (or any numbers.Integral / Real other than bool) as Python's; lists as tuples."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+            out[f.name] = int(value)
+        elif isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
+                and type(value) is not float:
+            out[f.name] = float(value)
+        elif isinstance(value, list) and f.name in ("stop", "banned_strings"):
+            out[f.name] = tuple(value)
+    if spec.seed == -1:
+        out["seed"] = None
+    return out
+
+
+def derived_seed(seed: int, i: int) -> int:
+    """The i-th seed derived from `seed` (run i of a rollout, choice i of a request): seed + i, wrapped into the
+    signed 64-bit range the sampler takes, and never -1 (vLLM's "unseeded")."""
+    out = (seed + i - INT64_MIN) % 2**64 + INT64_MIN
+    return INT64_MIN if out == -1 else out
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> None:
@@ -120,17 +151,20 @@ class Session:
     reward: float | None = None
     created_at: float = field(default_factory=time.time)
     closed_at: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # harness result, evaluator components...
+    info: dict[str, Any] = field(default_factory=dict)  # free-form facts: harness name, error, output...
+    reward_parts: dict[str, float] = field(default_factory=dict)  # the evaluator's components ("total" included)
     base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:8765
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
-    def close(self, reward: float | None = None, *, status: str = "closed", **info: Any) -> Session:
-        """Mark the run finished ("closed", or "error"/"timeout"), with its reward and any facts about it."""
+    def close(self, reward: float | None = None, *, status: str = "closed",
+              reward_parts: dict[str, float] | None = None, **info: Any) -> Session:
+        """Mark the run finished ("closed", or "error"/"timeout"), with its reward, the evaluator's components
+        and any facts about it."""
         if self._closer is None:
             raise RuntimeError(f"session {self.id} is not registered with a Lab")
-        return self._closer(self, reward=reward, info=info, status=status)
+        return self._closer(self, reward=reward, reward_parts=reward_parts, info=info, status=status)
 
     @property
     def api_key(self) -> str:
@@ -216,7 +250,20 @@ class Trajectory:
     policy_versions: list[int]  # -1 where loss_mask == 0
     call_ids: list[str] = field(default_factory=list)
     reward: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # diagnostics, e.g. "mixed_temperatures"
+    temperature: float = 1.0  # what its tokens were sampled at (its first call's): the loss recomputes logprobs so
+    truncated: bool = False  # a call of it ran out of max_tokens (GRPOConfig.mask_truncated_completions)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one weight sync did (`Lab.sync_weights`)."""
+
+    policy_version: int  # the version the engine serves now
+    undrained: int  # calls still in flight when the weights were loaded (they span the sync)
+    drain_s: float
+    load_s: float
+    sync_s: float  # the whole pause: drain + load + resume
 
 
 @dataclass
@@ -226,3 +273,7 @@ class Group:
     task: dict[str, Any]
     trajectories: list[Trajectory] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
+
+
+Harness = Callable[[Session, dict[str, Any]], Awaitable[Any]]  # (session, task) -> the harness's result
+Evaluator = Callable[[dict[str, Any], Any], dict[str, float]]  # (task, result) -> {"total": ..., <part>: ...}

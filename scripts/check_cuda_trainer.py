@@ -103,9 +103,9 @@ def check_ranks(args, samples: list[Sample], start: dict, after: dict, stats: di
     gap = sum(float((other[k] - after[k]).abs().sum()) for k in after)
     step = sum(float((after[k] - start[k]).abs().sum()) for k in after)
     limit = {"float32": 1e-3, "bfloat16": 0.1}[args.dtype]
-    report(f"{args.world_size} DDP ranks vs 1", gap / step <= limit and abs(multi["loss"] - stats["loss"]) < 1e-3,
-           f"sum |weight gap| / sum |step| = {gap / step:.2e} (limit {limit}), loss {multi['loss']:.4f} vs "
-           f"{stats['loss']:.4f}")
+    report(f"{args.world_size} DDP ranks vs 1", gap / step <= limit and abs(multi.loss - stats.loss) < 1e-3,
+           f"sum |weight gap| / sum |step| = {gap / step:.2e} (limit {limit}), loss {multi.loss:.4f} vs "
+           f"{stats.loss:.4f}")
 
 
 def main() -> int:
@@ -147,10 +147,10 @@ def main() -> int:
     step_s = time.perf_counter() - t0
     after = policy.state_dict()
     moved = sum(bool((after[k] != start[k]).any()) for k in start)
-    finite = torch.isfinite(torch.tensor([stats["loss"], stats["grad_norm"]])).all()
+    finite = torch.isfinite(torch.tensor([stats.loss, stats.grad_norm])).all()
     report("one GRPO update", bool(finite) and moved == len(start),
-           f"loss {stats['loss']:.4f}, grad norm {stats['grad_norm']:.4f}, {moved}/{len(start)} tensors moved, "
-           f"{step_s * 1e3:.0f} ms, {int(stats['tokens'])} tokens")
+           f"loss {stats.loss:.4f}, grad norm {stats.grad_norm:.4f}, {moved}/{len(start)} tensors moved, "
+           f"{step_s * 1e3:.0f} ms, {int(stats.tokens)} tokens")
 
     shipped = Policy(args.model, GRPOConfig(dtype="float32", device="cpu"), device="cpu")
     shipped.load_state_dict(after)  # what load_weights hands the engine

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from polar_lab import Lab
 from polar_lab.harness import calculator_agent
-from polar_lab.harness.drift import multi_turn_agent
+from polar_lab.harness.chain_breakers import multi_turn_agent
 from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import recompute_logprobs
 from polar_lab.viz.alignment import alignment_html
@@ -50,7 +50,7 @@ def main() -> None:
         s.close(reward=1.0)
         (traj,) = lab.trajectories(session_ids=[s.id])
         model = AutoModelForCausalLM.from_pretrained("data/models/tiny-calc", dtype=torch.float32).eval()
-        trainer = recompute_logprobs(model, traj, traj.info["temperature"])
+        trainer = recompute_logprobs(model, traj, traj.temperature)
         screenshot(alignment_html(traj, lab.tokenizer, trainer_logprobs=trainer, top_k=5), "alignment.png",
                    "1100,900")
 

@@ -7,7 +7,7 @@ def test_all_is_sorted_and_pinned():
     assert polar_lab.__all__ == sorted(polar_lab.__all__)
     assert polar_lab.__all__ == [
         "EngineConfig", "GRPOConfig", "GRPOTrainer", "Generation", "Group", "Lab", "LabConfig", "ModelCall",
-        "PolarLabError", "ProxyConfig", "SamplingSpec", "Session", "StoreConfig", "Trajectory",
+        "PolarLabError", "ProxyConfig", "Run", "SamplingSpec", "Session", "StoreConfig", "Trajectory",
     ]
 
 

@@ -1,16 +1,25 @@
 """The engine protocol: prompt ids in, sampled ids + sampler logprobs + policy versions out.
 
 The engine knows nothing about chat templates, tools or HTTP; the proxy renders and parses.
-`submit` is thread-safe and returns a `concurrent.futures.Future`, so any thread or event loop can
-use it; `generate` is the asyncio form. Cancelling the future aborts the request in the engine.
+`submit` is thread-safe and returns a `concurrent.futures.Future`, so any thread can use it; `generate` is
+the asyncio form. Cancelling either aborts the request in the engine.
+
+A new engine (a replica set, a remote engine) provides every member of `Engine` — the proxy, the Lab's
+supervisor and the trainer call nothing else, and probe for nothing:
+    identity      model_name, model_path, max_model_len, pid (None when not a local process)
+    state         policy_version, alive, failure, busy_seconds, weights_file
+    requests      submit, generate
+    weights       load_weights(state_dict, version=), load_weights_file(path, version=)
+    lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
+`VLLMEngine` (engine/vllm_engine.py) is the real one; `ScriptedEngine` (engine/fake.py) serves unit tests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,33 +32,46 @@ class Engine(Protocol):
     model_name: str
     model_path: str
     max_model_len: int
+    pid: int | None  # the engine process, when there is one
+    busy_seconds: float  # wall time spent stepping requests (busy fraction = Δbusy / Δwall)
+    weights_file: Path | None  # the file of the weights being served, when they came from a load
+    on_exit: Callable[[Engine, str], None] | None  # set by the owner; called once if the engine dies unasked
 
     @property
     def policy_version(self) -> int:
         """Version of the weights new tokens are sampled with; 0 = as loaded, +1 per `load_weights`."""
         ...
 
+    @property
+    def alive(self) -> bool:
+        """True while it serves; False once it failed or was closed."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why it stopped serving (None while it serves)."""
+        ...
+
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         ...
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Replace the live weights between two engine steps; returns the new policy version.
-        (VLLMEngine also takes `version=`, which `Lab.restart_engine` uses to carry a version on.)"""
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Replace the live weights between two engine steps; returns the new policy version (`version` if
+        given: a replacement engine carries on from the version its weights had)."""
+        ...
+
+    def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
+        """`load_weights` from a `torch.save`d state dict on disk (a dead engine's `weights_file`)."""
+        ...
+
+    def wait_ready(self, timeout: float = 900.0) -> Engine:
         ...
 
     def close(self) -> None:
         ...
-
-
-async def generate(engine: Engine, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
-    """Await one generation on the current event loop; cancelling the task aborts the request.
-
-    An engine with its own `generate` coroutine (VLLMEngine) resolves loop futures directly, one wake-up
-    of the loop per engine step instead of one per request; others go through `submit`."""
-    native = getattr(engine, "generate", None)
-    if native is not None:
-        return await native(prompt_ids, spec)
-    return await asyncio.wrap_future(engine.submit(prompt_ids, spec))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """A scripted stand-in for the engine, for unit tests of the HTTP layer only (never acceptance tests).
 
 It "samples" the next scripted reply, tokenised with the model's own tokenizer, with logprob -1.0
-per token; it can also be told to fail. No vLLM, no weights.
+per token; it can also be told to fail. No vLLM, no weights, no process (`pid` is None). It implements the
+whole `Engine` protocol (engine/base.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec
@@ -28,13 +31,25 @@ class ScriptedEngine:
         self.raise_with: Exception | None = None  # set to make the next submits raise (an engine bug: 500)
         self.delay_s = delay_s  # answer after this long (from a timer thread), to keep calls in flight
         self.busy_seconds = 0.0
+        self.pid: int | None = None
+        self.weights_file: Path | None = None
+        self.on_exit: Callable | None = None
         self.prompts: list[list[int]] = []
         self._version = 0
         self._turn = 0
+        self._closed = False
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    @property
+    def failure(self) -> str | None:
+        return "engine closed" if self._closed else None
 
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
@@ -60,9 +75,18 @@ class ScriptedEngine:
             fut.set_result(generation)
         return fut
 
-    def load_weights(self, state_dict: Mapping) -> int:
-        self._version += 1
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
+        return await asyncio.wrap_future(self.submit(prompt_ids, spec))
+
+    def load_weights(self, state_dict: Mapping, *, version: int | None = None) -> int:
+        self._version = self._version + 1 if version is None else version
         return self._version
 
+    def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
+        return self.load_weights({}, version=version)
+
+    def wait_ready(self, timeout: float = 900.0) -> ScriptedEngine:
+        return self
+
     def close(self) -> None:
-        pass
+        self._closed = True

@@ -222,8 +222,8 @@ class VLLMEngine:
             _settle(fut, error)
         return rid
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], timeout: float = 600.0, *,
-                     version: int | None = None) -> int:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None,
+                     timeout: float = 600.0) -> int:
         """Load HF-named tensors into the live engine between two steps; bump the policy version (or set it
         to `version`: a restarted engine carries on from the version its weights had).
 
@@ -257,7 +257,12 @@ class VLLMEngine:
                 if self._reader is not None:
                     self._reader.join(timeout=10)
                 raise EngineError(f"engine is not running ({exc!r})") from None
-            result = self._weights.result(timeout)
+            try:
+                result = self._weights.result(timeout)
+            except concurrent.futures.TimeoutError:
+                # the engine's weights are now unknown (the load may still land): end it; its owner restarts it
+                self._fail(f"a weight load did not finish within {timeout:.0f} s")
+                raise EngineError(f"engine failed: {self._failure}") from None
             if isinstance(result, str):
                 raise EngineError(result)
             self._version = result
@@ -317,6 +322,13 @@ class VLLMEngine:
                 self._send(("abort", rid))
             except OSError:
                 pass
+
+    def _fail(self, reason: str) -> None:
+        """Give up on a live engine: kill our own process; the reader thread then fails what waits."""
+        self._failure = self._failure or reason
+        proc = self._proc
+        if proc is not None:
+            proc.kill()
 
     def _fail_all(self, exc: EngineError) -> None:
         self._resolve_all([(rid, exc) for rid in list(self._pending)])

@@ -19,7 +19,7 @@ flight as one batch: a value that raises inside `step()` (a seed `manual_seed` c
 dict and with an integer beyond 64 bits) fails every request of that batch and ends this process, and with
 it every session of the run. So nothing reaches `add_request` that `SamplingSpec.check` and vLLM's own
 `SamplingParams` validation have not accepted; an exception that still escapes `step()` is fatal, reported
-to the parent, which restarts the engine (see `Lab`).
+to the parent, whose owner restarts the engine (engine/supervisor.py).
 
 Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
     parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec) | ("abort", rid)

@@ -85,7 +85,7 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
     advantages = run_advantages(fresh, config.scale_rewards)
     trajs = [t for g in fresh for t in g.trajectories if t.session_id in advantages and any(t.loss_mask)]
     if config.mask_truncated_completions:
-        truncated = {t.session_id for t in trajs if t.info.get("truncated")}
+        truncated = {t.session_id for t in trajs if t.truncated}
         trajs = [t for t in trajs if t.session_id not in truncated]
     weights = _token_weights(trajs, config)
     samples = [_sample(t, advantages[t.session_id], w) for t, w in zip(trajs, weights)]
@@ -124,7 +124,7 @@ def _sample(t: Trajectory, advantage: float, weight: float) -> Sample:
         advantage=advantage,
         behavior_logprobs=torch.tensor(t.behavior_logprobs[1:], dtype=torch.float32),
         versions=torch.tensor(t.policy_versions[1:], dtype=torch.long),
-        temperature=float(t.info.get("temperature", 1.0)),
+        temperature=float(t.temperature),
         session_id=t.session_id,
     )
 

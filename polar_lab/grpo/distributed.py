@@ -35,7 +35,7 @@ import torch
 from polar_lab.errors import TrainerError
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.grpo.policy import resolve_device
+from polar_lab.grpo.policy import UpdateStats, resolve_device
 
 
 class DistributedPolicy:
@@ -67,21 +67,12 @@ class DistributedPolicy:
             self.close()
             raise
 
-    def update(self, samples: list[Sample]) -> dict[str, Any]:
+    def update(self, samples: list[Sample]) -> UpdateStats:
         shards = shard(samples, self.world_size)
         for conn, part in zip(self._conns, shards):
             _send(conn, ("update", part))
-        results = self._gather(self.step_timeout)
-        totals: dict[str, Any] = {}
-        for stats in results:
-            for key, value in stats.items():
-                if key == "grad_norm":
-                    totals[key] = value  # identical on every rank after the all-reduce
-                elif isinstance(value, torch.Tensor):
-                    totals[key] = torch.cat([totals[key], value]) if key in totals else value
-                else:
-                    totals[key] = totals.get(key, 0.0) + value
-        return totals
+        first, *rest = self._gather(self.step_timeout)
+        return sum(rest, start=first)  # grad_norm: rank 0's, identical on every rank after the all-reduce
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         return self._ask_rank0(("logprobs", samples))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -52,11 +53,11 @@ class Policy:
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps = 0
 
-    def update(self, samples: list[Sample]) -> dict[str, Any]:
-        """One GRPO update on `samples`; returns summed statistics (merge ranks by adding them)."""
+    def update(self, samples: list[Sample]) -> UpdateStats:
+        """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
         micro = self._micro_batches(samples)
         frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref) per micro-batch
-        totals: dict[str, Any] = {}
+        totals = UpdateStats()
         for iteration in range(self.config.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for i, (mb, (old, ref)) in enumerate(zip(micro, frozen)):
@@ -67,8 +68,8 @@ class Policy:
                                               ref, mb["advantage"], mb["weights"], self.config)
                     (loss * self.world_size).backward()
                 if iteration == 0:
-                    _accumulate(totals, stats)
-            totals["grad_norm"] = self._clip_and_step()
+                    totals.add(stats)
+            totals.grad_norm = self._clip_and_step()
         self.steps += 1
         return totals
 
@@ -149,10 +150,41 @@ class Policy:
         return float(norm) if math.isfinite(float(norm)) else float("nan")
 
 
-def _accumulate(totals: dict[str, Any], stats: dict[str, torch.Tensor]) -> None:
-    for key, value in stats.items():
-        value = value.detach().float().cpu()
-        if value.dim() == 0:
-            totals[key] = totals.get(key, 0.0) + float(value)
-        else:
-            totals[key] = torch.cat([totals[key], value]) if key in totals else value
+@dataclass
+class UpdateStats:
+    """Statistics of one update, summed over micro-batches (first iteration) and ranks; merge with `+`."""
+
+    tokens: float = 0.0  # trained tokens
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl_weighted: float = 0.0
+    kl_sum: float = 0.0  # k3 KL summed over trained tokens
+    clipped: float = 0.0  # trained tokens whose ratio was clipped
+    is_capped: float = 0.0  # trained tokens whose IS weight hit tis_cap
+    log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
+    grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's `policy_loss` statistics."""
+        for name, value in stats.items():
+            value = value.detach().float().cpu()
+            setattr(self, name, torch.cat([self.log_is, value]) if name == "log_is" else getattr(self, name) + float(value))
+
+    def __add__(self, other: UpdateStats) -> UpdateStats:
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                if f.name not in ("log_is", "grad_norm")}
+        return UpdateStats(**sums, log_is=torch.cat([self.log_is, other.log_is]), grad_norm=self.grad_norm)
+
+    def metrics(self) -> dict[str, float]:
+        """The logged metrics: means over trained tokens, importance-ratio quantiles."""
+        tokens = max(self.tokens, 1.0)
+        ratio = self.log_is.exp()
+        empty = not len(ratio)
+        q = torch.full((3,), float("nan")) if empty else torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95]))
+        return {
+            "loss": self.loss, "pg_loss": self.pg_loss, "kl": self.kl_sum / tokens, "clip_frac": self.clipped / tokens,
+            "grad_norm": self.grad_norm, "is_ratio_mean": float("nan") if empty else float(ratio.mean()),
+            "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
+            "is_ratio_max": float("nan") if empty else float(ratio.max()), "is_capped_frac": self.is_capped / tokens,
+            "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
+        }

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from polar_lab.grpo.batch import group_staleness
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.harness.runtime import Evaluator, Harness, harness_name, make_groups, run_one
-from polar_lab.types import Group
+from polar_lab.rollout import harness_name, make_groups, run_one
+from polar_lab.types import Evaluator, Group, Harness
 
 if TYPE_CHECKING:
     from polar_lab.lab import Lab
@@ -153,9 +153,12 @@ class AsyncRollouts:
             job.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
 
+    async def _release(self) -> None:
+        self._slots.release()
+
     def _take(self, timeout: float | None) -> Group:
         item = self.ready.get(timeout=timeout)
-        self.lab.loop.call_soon_threadsafe(self._slots.release)  # one more group may start
+        self.lab.submit(self._release())  # one more group may start
         if isinstance(item, BaseException):
             raise RuntimeError(f"async rollout failed: {item!r}") from item
         return item

@@ -35,11 +35,10 @@ from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.policy import Policy, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling
 from polar_lab.harness.registry import get_harness
-from polar_lab.harness.runtime import Evaluator, Harness
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rewards.table import reward_rows, rewards_frame
 from polar_lab.tasks import load_tasks
-from polar_lab.types import Group
+from polar_lab.types import Evaluator, Group, Harness
 
 if TYPE_CHECKING:
     from polar_lab.lab import Lab
@@ -61,7 +60,7 @@ class GRPOTrainer:
         self.output_dir = Path(config.output_dir or lab.run_dir / "grpo")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        self.policy = make_policy(lab.engine.model_path, config)
+        self.policy = make_policy(lab.model_path, config)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(config, self._threads_before))
         if lab.policy_version != 0:
@@ -84,18 +83,18 @@ class GRPOTrainer:
         groups, rollout_stats = self._source().next_groups(version, progress=progress)
         t1 = time.perf_counter()
         batch = build_batch(groups, self.config, version)
-        update = self.policy.update(batch.samples) if batch.samples else {}
+        update = self.policy.update(batch.samples) if batch.samples else None
         t2 = time.perf_counter()
         sync = self.lab.sync_weights(self.policy.state_dict(), drain_timeout=self.config.drain_timeout_s) \
-            if batch.samples else {}
+            if batch.samples else None
         t3 = time.perf_counter()
         self.last_groups, self.last_batch = groups, batch
         self.reward_log += reward_rows(groups, step=len(self.history) + 1)
         metrics = {"step": len(self.history) + 1, "policy_version": self.lab.policy_version,
-                   "trained_version": version, **batch.stats, **rollout_stats, **summarize_update(update),
+                   "trained_version": version, **batch.stats, **rollout_stats, **(update.metrics() if update else {}),
                    "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
-                   "drain_s": sync.get("drain_s", 0.0), "load_s": sync.get("load_s", 0.0),
-                   "undrained_calls": sync.get("undrained", 0),
+                   "drain_s": sync.drain_s if sync else 0.0, "load_s": sync.load_s if sync else 0.0,
+                   "undrained_calls": sync.undrained if sync else 0,
                    "engine_busy_frac": (self.lab.engine_busy_seconds - busy0) / max(t3 - t0, 1e-9),
                    "sampled_tokens_per_s": batch.stats["tokens"] / max(t3 - t0, 1e-9),
                    "time": time.time()}
@@ -143,8 +142,8 @@ class GRPOTrainer:
         result = {"step": len(self.history), "policy_version": self.lab.policy_version,
                   "eval_reward": sum(rewards) / len(rewards), "eval_runs": len(rewards),
                   "eval_failed": sum(s.status != "closed" for s in sessions), "eval_s": time.perf_counter() - t0}
-        for part in sorted({k for s in sessions for k in s.info.get("reward_parts", {})} - {"total"}):
-            result[f"eval_{part}"] = sum(s.info.get("reward_parts", {}).get(part, 0.0) for s in sessions) / len(sessions)
+        for part in sorted({k for s in sessions for k in s.reward_parts} - {"total"}):
+            result[f"eval_{part}"] = sum(s.reward_parts.get(part, 0.0) for s in sessions) / len(sessions)
         self.evaluations.append(result)
         _append_jsonl(self.output_dir / "evaluations.jsonl", result)
         return result
@@ -168,7 +167,7 @@ class GRPOTrainer:
         step = len(self.history)
         path = Path(path or self.output_dir / f"checkpoint-{step}")
         path.mkdir(parents=True, exist_ok=True)
-        source = Path(self.lab.engine.model_path)
+        source = Path(self.lab.model_path)
         for item in source.iterdir():  # config, tokenizer, chat template: everything but the weights
             if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
                 shutil.copy2(item, path / item.name)
@@ -224,25 +223,6 @@ def make_policy(model_path: str, config: GRPOConfig):
     from polar_lab.grpo.distributed import DistributedPolicy
 
     return DistributedPolicy(model_path, config)
-
-
-def summarize_update(update: dict[str, Any]) -> dict[str, float]:
-    """Summed per-rank statistics → the logged metrics (means over trained tokens, ratio quantiles)."""
-    if not update:
-        return {}
-    tokens = max(update["tokens"], 1.0)
-    log_is = update["log_is"]
-    ratio = log_is.exp()
-    q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95])) if len(ratio) else torch.full((3,), float("nan"))
-    return {
-        "loss": update["loss"], "pg_loss": update["pg_loss"], "kl": update["kl_sum"] / tokens,
-        "clip_frac": update["clipped"] / tokens, "grad_norm": update["grad_norm"],
-        "is_ratio_mean": float(ratio.mean()) if len(ratio) else float("nan"),
-        "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
-        "is_ratio_max": float(ratio.max()) if len(ratio) else float("nan"),
-        "is_capped_frac": update["is_capped"] / tokens,
-        "logprob_abs_diff_mean": float(log_is.abs().mean()) if len(log_is) else float("nan"),
-    }
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import importlib
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.harness.code_agent import code_agent
 from polar_lab.harness.multiagent import planner_solver
-from polar_lab.harness.runtime import Harness
+from polar_lab.types import Harness
 
 HARNESSES: dict[str, Harness] = {
     "calculator": calculator_agent,  # openai-SDK tool loop, the tiny model's home task

@@ -11,8 +11,8 @@ from typing import Any
 
 from polar_lab.rewards.code import unit_tests
 from polar_lab.rewards.numeric import final_answer
+from polar_lab.types import Evaluator
 
-Evaluator = Callable[[dict[str, Any], Any], dict[str, float]]
 EVALUATORS: dict[str, Evaluator] = {}
 
 

@@ -115,28 +115,46 @@ def _end_torn_line(fh) -> None:
                 fh.write(b"\n")
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_bytes().split(b"\n"):
-        if not line:
-            continue
-        try:
-            records.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            continue  # a torn line (machine crash): skipped, the records around it are whole
-    return records
+class JsonLines:
+    """Reads a JSON-lines file a writer may still be appending to: each `read()` parses only the lines added
+    since the last one. A line that does not parse (torn by a machine crash) is skipped and counted in `torn`.
+    With `live=True` a last line without its newline is left for the next read (a write in progress);
+    otherwise (a finished run) it is read too, and counted as torn if it does not parse."""
+
+    def __init__(self, path: Path, *, live: bool = False):
+        self.path = path
+        self.live = live
+        self.offset = 0
+        self.torn = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """The records appended since the previous read."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1 if self.live else len(data)
+        self.offset += end
+        records = []
+        for line in data[:end].split(b"\n"):
+            if not line:
+                continue
+            try:
+                records.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                self.torn += 1  # the records around it are whole
+        return records
 
 
 def load_calls(run_dir: str | Path) -> list[ModelCall]:
     """Every completed call of a run, in the order they were recorded."""
-    return [ModelCall.from_record(r) for r in _read_lines(Path(run_dir) / "calls.jsonl")]
+    return [ModelCall.from_record(r) for r in JsonLines(Path(run_dir) / "calls.jsonl").read()]
 
 
 def load_sessions(run_dir: str | Path) -> pd.DataFrame:
     """The latest state of each session of a run (one row per session)."""
-    rows = {r["id"]: r for r in _read_lines(Path(run_dir) / "sessions.jsonl")}
+    rows = {r["id"]: r for r in JsonLines(Path(run_dir) / "sessions.jsonl").read()}
     return pd.DataFrame(list(rows.values()))
 
 

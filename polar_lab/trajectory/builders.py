@@ -71,8 +71,7 @@ def _ordered(calls: Iterable[ModelCall]) -> list[ModelCall]:
 
 def _new_chain(session_id: str, index: int, first: ModelCall) -> Trajectory:
     return Trajectory(session_id=session_id, chain_index=index, token_ids=[], loss_mask=[],
-                      behavior_logprobs=[], policy_versions=[],
-                      info={"temperature": first.sampling.get("temperature", 1.0)})
+                      behavior_logprobs=[], policy_versions=[], temperature=first.sampling.get("temperature", 1.0))
 
 
 def _extend(chain: Trajectory, call: ModelCall) -> None:
@@ -84,8 +83,8 @@ def _extend(chain: Trajectory, call: ModelCall) -> None:
     chain.policy_versions += [-1] * len(new_prompt) + list(call.output_versions)
     chain.call_ids.append(call.call_id)
     if call.finish_reason == "length":
-        chain.info["truncated"] = True  # a call ran out of max_tokens (mask_truncated_completions)
-    if call.sampling.get("temperature", 1.0) != chain.info["temperature"]:
+        chain.truncated = True  # a call ran out of max_tokens (mask_truncated_completions)
+    if call.sampling.get("temperature", 1.0) != chain.temperature:
         chain.info["mixed_temperatures"] = True  # fidelity() then recomputes at the first call's only
 
 

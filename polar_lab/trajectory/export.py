@@ -29,6 +29,9 @@ def from_frame(frame: pd.DataFrame) -> list[Trajectory]:
         for name in _LISTS:
             row[name] = [x.item() if hasattr(x, "item") else x for x in row[name]]
         row["info"] = orjson.loads(row["info"]) if row["info"] else {}
+        for name in ("temperature", "truncated"):  # files written before these were fields kept them in info
+            if name not in row or pd.isna(row[name]):
+                row[name] = row["info"].pop(name, Trajectory.__dataclass_fields__[name].default)
         if row["reward"] is not None and pd.isna(row["reward"]):
             row["reward"] = None
         out.append(Trajectory(**row))

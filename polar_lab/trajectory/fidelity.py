@@ -23,11 +23,11 @@ def recompute_logprobs(model, traj: Trajectory, temperature: float = 1.0) -> lis
     return [0.0] + logp.tolist()
 
 
-def fidelity(trajectories: list[Trajectory], model, *, temperature: float = 1.0) -> pd.DataFrame:
+def fidelity(trajectories: list[Trajectory], model) -> pd.DataFrame:
     """One row per chain: trained tokens, mean and max |engine logprob − transformers logprob|."""
     rows = []
     for traj in trajectories:
-        ref = recompute_logprobs(model, traj, traj.info.get("temperature", temperature))
+        ref = recompute_logprobs(model, traj, traj.temperature)
         diffs = [abs(b - r) for b, r, m in zip(traj.behavior_logprobs, ref, traj.loss_mask) if m]
         rows.append({"session_id": traj.session_id, "chain_index": traj.chain_index,
                      "trained_tokens": len(diffs),

@@ -50,18 +50,20 @@ def alignment_html(traj: Trajectory, tokenizer, *, trainer_logprobs: list[float]
     return _CSS + '<div class="pl-align">' + "".join(spans) + "</div>"
 
 
-def show_alignment(traj: Trajectory, tokenizer=None, *, lab=None, model=None, breaks: pd.DataFrame | None = None,
-                   top_k: int = 5):
+def show_alignment(traj: Trajectory, tokenizer=None, *, run=None, lab=None, model=None,
+                   breaks: pd.DataFrame | None = None, top_k: int = 5):
     """Display the view in a notebook. With `model` (a transformers model, e.g. the trainer's), each sampled
-    token also shows the trainer's logprob; with `lab`, the tokenizer and chain breaks come from it."""
+    token also shows the trainer's logprob; with `run` (a `polar_lab.Run`, or a Lab: `lab=` says the same),
+    the tokenizer and chain breaks come from it."""
     from IPython.display import HTML
 
     from polar_lab.trajectory.fidelity import recompute_logprobs
 
-    tokenizer = tokenizer if tokenizer is not None else lab.tokenizer
-    if breaks is None and lab is not None:
-        breaks = lab.chain_breaks(session_ids=[traj.session_id])  # only this run's calls
-    trainer = recompute_logprobs(model, traj, traj.info.get("temperature", 1.0)) if model is not None else None
+    source = run if run is not None else lab
+    tokenizer = tokenizer if tokenizer is not None else source.tokenizer
+    if breaks is None and source is not None:
+        breaks = source.chain_breaks(session_ids=[traj.session_id])  # only this run's calls
+    trainer = recompute_logprobs(model, traj, traj.temperature) if model is not None else None
     return HTML(alignment_html(traj, tokenizer, trainer_logprobs=trainer, breaks=breaks, top_k=top_k))
 
 

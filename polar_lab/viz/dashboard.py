@@ -1,6 +1,6 @@
 """Live dashboard of a Lab (ipywidgets): sessions, throughput, policy version, proxy and engine state.
 
-A daemon thread ("polar-lab-dashboard") samples the Lab's counters every `interval` seconds and rewrites
+A daemon thread ("polar-lab-dashboard") samples the Lab's counters (`lab.stats()`) every `interval` seconds and rewrites
 one HTML widget, so it keeps updating while a rollout or a training run holds the notebook's cell (run that
 in a background thread, or watch it from a second cell). Reading counters takes no locks on the hot path.
 """
@@ -10,14 +10,23 @@ from __future__ import annotations
 import html
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from polar_lab.lab import Lab
+
+class Watched(Protocol):
+    """What the dashboard reads of a Lab (so viz sits below the Lab, which offers `lab.dashboard()`)."""
+
+    closed: bool
+
+    def stats(self) -> dict[str, Any]:
+        ...
+
+    def release(self, owned: Any) -> None:
+        ...
 
 
 class Dashboard:
-    def __init__(self, lab: Lab, *, interval: float = 1.0):
+    def __init__(self, lab: Watched, *, interval: float = 1.0):
         import ipywidgets as widgets
 
         self.lab = lab
@@ -30,22 +39,19 @@ class Dashboard:
 
     def snapshot(self) -> dict[str, Any]:
         """The numbers the dashboard shows, as a dict (rates are since the previous snapshot)."""
-        lab = self.lab
-        statuses = [s.status for s in lab.registry.all()]
-        now, calls, tokens = time.perf_counter(), lab.store.num_calls, lab.store.num_output_tokens
+        stats = self.lab.stats()
+        now, calls, tokens = time.perf_counter(), stats["calls"], stats["output_tokens"]
         calls_s = tokens_s = 0.0
         if self._last is not None and now > self._last[0]:
             calls_s = (calls - self._last[1]) / (now - self._last[0])
             tokens_s = (tokens - self._last[2]) / (now - self._last[0])
         self._last = (now, calls, tokens)
-        proxy, engine = lab.proxy_state, lab.supervisor.status()
-        last = engine["last_restart"]
-        return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
-                "sessions_failed": statuses.count("error") + statuses.count("timeout"), "calls": calls,
-                "calls_per_s": calls_s, "tokens_per_s": tokens_s, "policy_version": lab.policy_version,
-                "proxy_state": proxy["state"], "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"],
-                "engine_state": engine["engine"], "engine_restarts": engine["engine_restarts"],
-                "last_restart_reason": last["reason"] if last else None}
+        proxy, last = stats["proxy"], stats["last_restart"]
+        return {"sessions_running": stats["sessions_running"], "sessions_finished": stats["sessions_finished"],
+                "sessions_failed": stats["sessions_failed"], "calls": calls, "calls_per_s": calls_s,
+                "tokens_per_s": tokens_s, "policy_version": stats["policy_version"], "proxy_state": proxy["state"],
+                "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"], "engine_state": stats["engine"],
+                "engine_restarts": stats["engine_restarts"], "last_restart_reason": last["reason"] if last else None}
 
     def refresh(self) -> dict[str, Any]:
         snap = self.snapshot()

@@ -1,7 +1,8 @@
 """Reward distributions and training curves (matplotlib). Each function returns its Figure.
 
 Inputs are the library's own tables: `trainer.rewards` (one row per run: step, group, reward),
-`trainer.metrics` (one row per step), or a list of `Group`s from `lab.rollout`.
+`trainer.metrics` (one row per step), a list of `Group`s from `lab.rollout`, or a finished `polar_lab.Run`
+(its `rewards()` and `metrics()`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from polar_lab.rewards.table import rewards_frame
-from polar_lab.types import Group
+
 
 
 def zero_advantage_fraction(rewards: pd.DataFrame) -> pd.Series:
@@ -21,10 +22,13 @@ def zero_advantage_fraction(rewards: pd.DataFrame) -> pd.Series:
     return spread.groupby(level="step").mean()
 
 
-def plot_rewards(data: pd.DataFrame | list[Group]):
+def plot_rewards(data):
     """Rewards per group (one rollout), or per step (a training run): strip plot of every run's reward, the
-    mean ± std, and the fraction of zero-advantage groups."""
-    rewards = rewards_frame(data) if isinstance(data, list) else data
+    mean ± std, and the fraction of zero-advantage groups. `data`: a rewards table, a list of Groups, or a Run."""
+    if isinstance(data, pd.DataFrame):
+        rewards = data
+    else:
+        rewards = rewards_frame(data) if isinstance(data, list) else data.rewards()  # Groups, or a Run
     scored = rewards.dropna(subset=["reward"])
     if scored["step"].nunique() <= 1:
         return _plot_groups(scored)
@@ -71,8 +75,9 @@ CURVES = [  # (title, metric columns)
 ]
 
 
-def plot_training(metrics: pd.DataFrame):
-    """The training curves of `trainer.metrics`, one panel per quantity."""
+def plot_training(metrics):
+    """The training curves of `trainer.metrics` (or of a Run's `metrics()`), one panel per quantity."""
+    metrics = metrics if isinstance(metrics, pd.DataFrame) else metrics.metrics()
     fig, axes = plt.subplots(2, 4, figsize=(14, 5.5))
     for ax, (title, columns) in zip(axes.flat, CURVES):
         for column in columns:

@@ -38,7 +38,7 @@ def test_mixed_versions_are_each_corrected_with_their_own_behaviour_logprobs(lab
     assert stale.abs().max() > 5 * fresh.abs().max() and stale.abs().max() > 5e-3  # the older policy's tokens get a real correction
 
     stats = policy.update(batch.samples)
-    got = torch.sort(stats["log_is"]).values
+    got = torch.sort(stats.log_is).values
     want = torch.sort(torch.cat([stale, fresh])).values
     assert torch.allclose(got, want, atol=1e-5)
 

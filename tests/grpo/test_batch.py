@@ -93,7 +93,7 @@ def test_staleness_beyond_the_bound_never_reaches_the_batch():
 
 def test_truncated_runs_are_masked_when_asked():
     g = _group([1.0, 0.0, 1.0])
-    g.trajectories[0].info["truncated"] = True
+    g.trajectories[0].truncated = True
     on = build_batch([g], GRPOConfig(mask_truncated_completions=True), 0)
     off = build_batch([g], GRPOConfig(mask_truncated_completions=False), 0)
     assert g.sessions[0].id not in {s.session_id for s in on.samples}

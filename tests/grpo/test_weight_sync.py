@@ -19,7 +19,7 @@ def test_after_a_sync_engine_logprobs_equal_the_trainers(lab, model_path, train_
     policy.update(batch.samples)
     version = lab.policy_version
     sync = lab.sync_weights(policy.state_dict())
-    assert sync["policy_version"] == version + 1 == lab.policy_version
+    assert sync.policy_version == version + 1 == lab.policy_version
 
     prompt = groups[0].trajectories[0].token_ids[:40]  # a fixed prompt from a real run
     gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=32, temperature=0.7, seed=3)).result()

@@ -58,7 +58,7 @@ def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, t
     with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="engine-killed", max_restarts=0,
              keep_weights=False) as lab:
         lab.sync_weights(shipped_weights)
-        assert lab.sync_weights(uniform)["policy_version"] == 2
+        assert lab.sync_weights(uniform).policy_version == 2
         done = lab.session()
         client = openai.OpenAI(base_url=done.openai_base_url, api_key=done.key, max_retries=0)
         for i in range(3):  # completed before the crash: these must survive it, once each
@@ -97,7 +97,7 @@ def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, t
             lab.restart_engine()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a harness calling while the engine restarts
             waiting = pool.submit(_call_once_paused, lab, client)
-            assert lab.restart_engine(uniform)["policy_version"] == lab.policy_version == 2  # not 0 + 1
+            assert lab.restart_engine(uniform).policy_version == lab.policy_version == 2  # not 0 + 1
             waiting.result(timeout=60)  # it waited at the paused proxy, then the new engine answered it
         assert lab.engine.pid != engine_pid and not os.path.exists(scratch)
         assert httpx.get(lab.url + "/health", timeout=5).status_code == 200
@@ -148,7 +148,7 @@ def test_engine_killed_during_a_rollout_restarts_by_itself_at_the_same_policy(mo
 
     sharper = _sharper(shipped_weights)
     with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="heal") as lab:
-        assert lab.sync_weights(sharper)["policy_version"] == 1
+        assert lab.sync_weights(sharper).policy_version == 1
         killed: list[int] = []
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(_kill_when_busy, lab, killed)
@@ -189,6 +189,17 @@ def test_engine_killed_during_a_rollout_restarts_by_itself_at_the_same_policy(mo
         model.load_state_dict(shipped_weights)  # negative control: the weights on disk do not match
         assert fidelity(trajs, model)["max_abs_diff"].max() > 1e-2
 
+        # a second death is healed too (the replacement is watched), and a call arriving after it — from a
+        # client without retries — waits for the next engine instead of getting a 503
+        second = lab.engine.pid
+        os.kill(second, signal.SIGKILL)
+        _wait_until(lambda: not lab.engine.alive)
+        s = lab.session()
+        client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1"}], max_tokens=4)
+        assert reply.system_fingerprint == "polar_lab-v1" and lab.engine.pid not in (second, killed[0])
+        assert [r.automatic and r.ok for r in lab.engine_restarts] == [True, True]
+
 
 class _KillsTheEngine(dict):
     """A state dict that SIGKILLs the engine process while it is being saved for the load: a death mid-sync."""
@@ -206,11 +217,12 @@ class _KillsTheEngine(dict):
 
 
 def test_a_sync_the_engine_dies_in_is_done_again_on_a_new_engine(model_path, shipped_weights, tmp_path):
-    with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="die-in-sync") as lab:
-        assert lab.sync_weights(_sharper(shipped_weights))["policy_version"] == 1
+    # keep_weights=False: a sync heals with the weights it is loading; a death outside a sync cannot be healed
+    with Lab(model_path, port=0, runs_dir=str(tmp_path), run_name="die-in-sync", keep_weights=False) as lab:
+        assert lab.sync_weights(_sharper(shipped_weights)).policy_version == 1
         pid = lab.engine.pid
         sync = lab.sync_weights(_KillsTheEngine(shipped_weights, pid))  # what a trainer's step calls
-        assert sync["policy_version"] == lab.policy_version == 2 and not running(pid)
+        assert sync.policy_version == lab.policy_version == 2 and not running(pid)
         assert [r.automatic for r in lab.engine_restarts] == [True]
         s = lab.session()
         client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
@@ -219,3 +231,18 @@ def test_a_sync_the_engine_dies_in_is_done_again_on_a_new_engine(model_path, shi
         assert reply.system_fingerprint == "polar_lab-v2"
         (call,) = load_calls(lab.run_dir)
         assert call.policy_version == 2
+
+        # dead outside a sync, with no weights kept: restarting would serve version 0 as 2 — it stays down
+        os.kill(lab.engine.pid, signal.SIGKILL)
+        _wait_until(lambda: httpx.get(lab.url + "/health", timeout=5).json()["status"] == "engine_down")
+        time.sleep(1)
+        assert len(lab.engine_restarts) == 1 and not lab.engine.alive
+        # the trainer's next sync brings it back, with the weights it syncs, at the next version
+        assert lab.sync_weights(shipped_weights).policy_version == 3 and lab.engine.alive
+
+
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)

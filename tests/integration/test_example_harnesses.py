@@ -12,7 +12,7 @@ def test_code_agent_runs_tests_retries_and_is_scored_by_them(lab):
     for g in groups:
         for s in g.sessions:
             assert s.status == "closed" and s.reward in (0.0, 1.0)
-            assert s.reward == s.info["reward_parts"]["passed"]
+            assert s.reward == s.reward_parts["passed"]
             calls = session_calls(lab, s)
             # the tiny calculator model cannot write code: the agent gets the failure and tries again,
             # and the retry continues the same token chain

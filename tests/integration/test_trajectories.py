@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polar_lab.harness.drift import compacting_agent, multi_turn_agent, reserializing_agent, subagent_harness
+from polar_lab.harness.chain_breakers import compacting_agent, multi_turn_agent, reserializing_agent, subagent_harness
 from polar_lab.templates import with_empty_think
 from polar_lab.trajectory import fidelity, per_request, prefix_merging
 

@@ -46,7 +46,7 @@ def test_every_token_appears_once_in_order_with_its_mask(calc_trajectory, tokeni
 
 def test_trainer_logprobs_and_the_largest_gap_are_shown(calc_trajectory, tokenizer, hf_model):
     t = calc_trajectory
-    trainer = recompute_logprobs(hf_model, t, t.info["temperature"])
+    trainer = recompute_logprobs(hf_model, t, t.temperature)
     page = alignment_html(t, tokenizer, trainer_logprobs=trainer, top_k=3)
     gaps = {i: abs(t.behavior_logprobs[i] - trainer[i]) for i, m in enumerate(t.loss_mask) if m}
     worst = max(gaps, key=gaps.get)

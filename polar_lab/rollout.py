@@ -1,0 +1,101 @@
+"""Rollouts: N runs of a harness per task, each in its own session, concurrently, on the Lab's loop.
+
+A harness here is an async callable `harness(session, task) -> result` (any program that talks to the
+session's endpoints; `harness/command.py::Command` runs a program in the sandbox). Each run gets a deadline;
+a run that raises or times out keeps every call it made (they are already in the store), is marked, and gets
+reward None — fail-closed: it is masked out of training rather than scored 0. The rest of its group still
+completes. Typed against `Host`, the two Lab methods it needs, so it sits below the Lab (`lab.rollout` calls it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+import uuid
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from polar_lab.errors import HarnessError
+from polar_lab.types import Evaluator, Group, Harness, Session, Trajectory, derived_seed
+
+
+class Host(Protocol):
+    """What a rollout needs of a Lab: sessions to run in, and the trajectories their calls became."""
+
+    def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
+                sampling: dict[str, Any] | None = None, **info: Any) -> Session:
+        ...
+
+    def trajectories(self, builder: str = "prefix_merging", *,
+                     session_ids: list[str] | None = None) -> list[Trajectory]:
+        ...
+
+
+async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_id: str,
+                  evaluator: Evaluator | None, deadline_s: float, name: str, failed_reward: float | None = None,
+                  sampling: dict[str, Any] | None = None) -> Session:
+    """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
+
+    failed_reward: reward of crashed/timed-out runs; None (default) masks them out of training.
+    sampling: forced on every call of the run (see Lab.session).
+    """
+    session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
+    t0 = time.perf_counter()
+    try:
+        result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
+    except asyncio.TimeoutError:
+        return session.close(reward=failed_reward, status="timeout", duration_s=time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
+        output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
+        return session.close(reward=failed_reward, status="error", error=repr(exc), output=output,
+                             duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
+    # the evaluator may run tests in subprocesses: keep it off the loop
+    parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
+    return session.close(reward=parts.get("total"), reward_parts=parts, duration_s=time.perf_counter() - t0)
+
+
+async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
+                        evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
+                        progress: bool = True, failed_reward: float | None = None,
+                        sampling: dict[str, Any] | None = None, seed: int | None = None) -> list[Group]:
+    """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task.
+
+    seed: run i (task-major order) gets the forced sampling seed `derived_seed(seed, i)` (seed + i).
+    """
+    gate = asyncio.Semaphore(concurrency)
+    name = harness_name(harness)
+    bar = tqdm(total=len(tasks) * num_generations, desc=f"rollout {name}", disable=not progress)
+
+    async def gated(task: dict[str, Any], group_id: str, i: int) -> Session:
+        forced = dict(sampling or {}) | ({"seed": derived_seed(seed, i)} if seed is not None else {})
+        async with gate:
+            session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator,
+                                    deadline_s=deadline_s, name=name, failed_reward=failed_reward,
+                                    sampling=forced)
+        bar.update(1)
+        return session
+
+    group_ids = [uuid.uuid4().hex[:8] for _ in tasks]
+    runs = [(task, gid) for task, gid in zip(tasks, group_ids) for _ in range(num_generations)]
+    sessions = await asyncio.gather(*(gated(task, gid, i) for i, (task, gid) in enumerate(runs)))
+    bar.close()
+    return await asyncio.to_thread(make_groups, host, tasks, group_ids, sessions, builder)
+
+
+def make_groups(host: Host, tasks: list[dict[str, Any]], group_ids: list[str], sessions: list[Session],
+                builder: str) -> list[Group]:
+    """One Group per task: its sessions and the trajectories rebuilt from their calls."""
+    trajectories = host.trajectories(builder, session_ids=[s.id for s in sessions])
+    groups = []
+    for task, gid in zip(tasks, group_ids):
+        members = [s for s in sessions if s.group_id == gid]
+        ids = {s.id for s in members}
+        groups.append(Group(task=task, sessions=members, trajectories=[t for t in trajectories if t.session_id in ids]))
+    return groups
+
+
+def harness_name(harness: Harness) -> str:
+    inner = getattr(harness, "func", harness)  # functools.partial
+    return getattr(inner, "__name__", type(inner).__name__)
