@@ -71,6 +71,8 @@ class ProxyConfig:
     inline_render_bytes: int = _f(8 * 1024, "bodies up to this size are rendered and tokenised on the proxy's "
                                             "loop; larger ones in a worker thread so they never stall it")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level")
+    engine_wait_s: float = _f(900.0, "how long a call that meets a dead engine waits for its replacement before "
+                                     "it gets a 503")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import fcntl
 import ipaddress
 import logging
 import os
@@ -117,7 +118,7 @@ class Lab:
         """The engine, ready; a passed-in engine (a fake) is used as it is and never restarted."""
         if engine is None:
             if self.config.engine.keep_weights:  # the served weights' file, for restarts (shared memory)
-                self._weights_dir = _weights_dir()
+                self._weights_dir, self._weights_lock = _weights_dir()
             engine = self._new_engine()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
@@ -206,6 +207,7 @@ class Lab:
             self._first_engine.close()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
+            os.close(self._weights_lock)
         self.store.close()
 
     def __enter__(self) -> Lab:
@@ -328,7 +330,7 @@ class Lab:
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> SyncResult:
         """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
         load the weights into the live engine, bump `policy_version`, resume. If the engine dies during the
-        load, a new one is started (at the previous weights) and the load is done again.
+        load, a new one is started with these weights, at the next version.
         """
         self._check_open()
         return self.supervisor.sync(state_dict, drain_timeout)
@@ -414,28 +416,41 @@ class _LoopGate:
         asyncio.run_coroutine_threadsafe(self.state.resume(), self.loop).result(timeout=30)
 
     def _resume_soon(self) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.state.state == PAUSED and self.loop.create_task(self.state.resume()))
+        try:
+            self.loop.call_soon_threadsafe(
+                lambda: self.state.state == PAUSED and self.loop.create_task(self.state.resume()))
+        except RuntimeError:
+            pass  # the loop is closed: the Lab is gone, and its gate with it
 
 
-def _weights_dir() -> str:
-    """A folder in shared memory for the served weights' file, named after this kernel's pid; folders of
-    kernels that died without closing their Lab (SIGKILL) are removed first, so they do not hold RAM for good."""
+def _weights_dir() -> tuple[str, int]:
+    """A folder in shared memory for the served weights' file, and the fd of the lock its Lab holds on it for
+    its whole life. Folders whose lock nobody holds belong to kernels that died without closing their Lab
+    (SIGKILL): they are removed first, so they do not hold RAM for good. (A lock, not a pid: kernels in other
+    PID namespaces may share /dev/shm.)"""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    for old in Path(shm).glob("polar-lab-weights-*-*"):
-        pid = old.name.split("-")[3]
-        if old.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+    for old in Path(shm).glob("polar-lab-weights-*"):
+        if old.is_dir() and (old / "lock").exists() and _lockable(old / "lock"):
             shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"polar-lab-weights-{os.getpid()}-", dir=shm)
+    folder = tempfile.mkdtemp(prefix="polar-lab-weights-", dir=shm)
+    fd = os.open(os.path.join(folder, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return folder, fd
 
 
-def _pid_alive(pid: int) -> bool:
+def _lockable(path: Path) -> bool:
+    """True when no process holds the lock on `path` (its owner is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
         return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock we took
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from polar_lab.errors import HarnessError
+from polar_lab.errors import HarnessError, SandboxError
 from polar_lab.types import Evaluator, Group, Harness, Session, Trajectory, derived_seed
 
 
@@ -51,8 +51,14 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
         return session.close(reward=failed_reward, status="error", error=repr(exc), output=output,
                              duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
-    # the evaluator may run tests in subprocesses: keep it off the loop
-    parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
+    try:  # the evaluator may run tests in subprocesses: keep it off the loop
+        parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
+    except Exception as exc:
+        session.close(reward=failed_reward, status="error", error=f"evaluator failed: {exc!r}",
+                      duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
+        if isinstance(exc, SandboxError):
+            raise  # the machine cannot score any run (no prlimit): stop the rollout, not just this run
+        return session
     return session.close(reward=parts.get("total"), reward_parts=parts, duration_s=time.perf_counter() - t0)
 
 

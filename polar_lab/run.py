@@ -8,13 +8,15 @@
 
 A Lab reads its own folder through one (`lab.recorded`), so there is one implementation of every read: the
 Lab only lends it its store (whose index answers `session_ids=` queries without reading the whole file) and
-its tokenizer. Reads are incremental: each re-reads only what was appended since the last one. A line torn
-by a machine crash is skipped, counted in `torn_lines` and warned about once.
+its tokenizer. Calls are read from the file each time (a long run's calls do not stay in memory);
+sessions incrementally, under a lock (a Lab's rollouts read them from several threads). A line torn by a
+machine crash is skipped, counted in `torn_lines` and warned about once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,11 +47,10 @@ class Run:
                              f"config.json in it)")
         self._store = store
         self._tokenizer = tokenizer
-        live = store is not None  # a last line without its newline is a write in progress, not a torn one
-        self._calls_log = JsonLines(self.path / "calls.jsonl", live=live)
-        self._sessions_log = JsonLines(self.path / "sessions.jsonl", live=live)
-        self._calls: list[ModelCall] = []
+        self._sessions_log = JsonLines(self.path / "sessions.jsonl")
         self._sessions: dict[str, dict[str, Any]] = {}  # id → the latest record of that session
+        self._sessions_lock = threading.Lock()  # read-and-merge is one step
+        self._torn_calls = (0, b"")  # (torn lines, unterminated tail) of calls.jsonl at the last full read
         self._warned: set[str] = set()
 
     @classmethod
@@ -75,21 +76,25 @@ class Run:
 
     @property
     def torn_lines(self) -> dict[str, int]:
-        """Lines that could not be read (torn by a machine crash), per file, as of the last read."""
-        return {"calls.jsonl": self._calls_log.torn, "sessions.jsonl": self._sessions_log.torn}
+        """Lines that could not be read (torn by a machine crash), per file, as of the last read; a last line
+        without its newline counts (in a run still being written it may be a write in progress)."""
+        calls_torn, calls_tail = self._torn_calls
+        log = self._sessions_log
+        return {"calls.jsonl": calls_torn + bool(calls_tail), "sessions.jsonl": log.torn + bool(log.tail)}
 
     # ---- calls and sessions ------------------------------------------------------------------
     def call_records(self, session_ids: list[str] | None = None) -> list[ModelCall]:
         """The recorded calls, in recording order; only these sessions' when `session_ids` is given."""
         if session_ids is not None and self._store is not None:
             return self._store.read_calls(session_ids)  # by offset, without reading the rest
-        new = self._calls_log.read()
-        self._calls += [_call(record, self.path) for record in new]
-        self._check_torn(self._calls_log)
+        log = JsonLines(self.path / "calls.jsonl")
+        calls = [_call(record, self.path) for record in log.read()]
+        self._torn_calls = (log.torn, log.tail)
+        self._check_torn("calls.jsonl")
         if session_ids is None:
-            return list(self._calls)
+            return calls
         wanted = set(session_ids)
-        return [c for c in self._calls if c.session_id in wanted]
+        return [c for c in calls if c.session_id in wanted]
 
     def calls(self) -> pd.DataFrame:
         """One row per recorded call (pandas)."""
@@ -106,7 +111,8 @@ class Run:
         return pd.DataFrame(list(self._sessions.values()))
 
     def rewards(self) -> pd.DataFrame:
-        """One row per closed session: group, task id, session id, reward, status (the table reward plots draw)."""
+        """One row per closed session: group, task id, session id, reward, status (the table reward plots draw).
+        `step` is 0: a run folder keeps no step boundaries (a trainer's steps are in `trainer.rewards`)."""
         groups: dict[str | None, int] = {}
         rows = [{"step": 0, "group": groups.setdefault(s.group_id, len(groups)),
                  "task_id": (s.task or {}).get("id", s.group_id), "session_id": s.id, "reward": s.reward,
@@ -157,14 +163,16 @@ class Run:
 
     # ---- internals -----------------------------------------------------------------------------
     def _read_sessions(self) -> None:
-        for record in self._sessions_log.read():
-            self._sessions[record["id"]] = record
-        self._check_torn(self._sessions_log)
+        with self._sessions_lock:
+            for record in self._sessions_log.read():
+                self._sessions[record["id"]] = record
+        self._check_torn("sessions.jsonl")
 
-    def _check_torn(self, log: JsonLines) -> None:
-        if log.torn and log.path.name not in self._warned:
-            self._warned.add(log.path.name)
-            warnings.warn(f"{log.path}: {log.torn} torn line(s) skipped (a write cut by a machine crash); the "
+    def _check_torn(self, name: str) -> None:
+        torn = self.torn_lines[name]
+        if torn and name not in self._warned and self._store is None:  # a live Lab's tail is a write in progress
+            self._warned.add(name)
+            warnings.warn(f"{self.path / name}: {torn} torn line(s) skipped (a write cut by a machine crash); the "
                           f"records around them are whole", stacklevel=3)
 
 

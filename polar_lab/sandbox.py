@@ -44,7 +44,8 @@ class Limits:
     memory_mb: int = 4096  # RLIMIT_AS
     cpu_seconds: int = 600  # RLIMIT_CPU
     file_mb: int = 512  # RLIMIT_FSIZE
-    processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
+    processes: int | None = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
+    #   (which counts every process of the user, so None leaves it off where no cgroup can be made)
     enforce: bool = True  # False: run without prlimit where it is missing (an explicit opt-out)
 
 
@@ -72,7 +73,7 @@ class Sandbox:
 
     def __init__(self, argv: list[str], *, workdir: str | Path, env: dict[str, str], limits: Limits = Limits()):
         self.argv, self.workdir, self.env, self.limits = list(argv), str(workdir), env, limits
-        self._prefix = _prlimit_argv(limits)  # refuses before anything starts
+        self._prlimit = _find_prlimit(limits)  # refuses before anything starts
         self.cgroup: PidsCgroup | None = None
         self.proc: subprocess.Popen | None = None
         self._out = self._err = None
@@ -80,11 +81,19 @@ class Sandbox:
     def start(self) -> Sandbox:
         self.cgroup = PidsCgroup.create(self.limits.processes)
         join = self.cgroup.join_argv() if self.cgroup is not None else []
+        limits = _limits_argv(self._prlimit, self.limits, nproc=self.cgroup is None)
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [*join, *self._prefix, *self.argv], cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=self._out, stderr=self._err,
-            start_new_session=True)  # its own process group: the deadline kills its children too
+        try:
+            self.proc = subprocess.Popen(
+                [*join, *limits, *self.argv],
+                cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
+                start_new_session=True)  # its own process group: the deadline kills its children too
+        except BaseException:  # e.g. EAGAIN when processes are scarce: leave no cgroup or files behind
+            if self.cgroup is not None:
+                self.cgroup.close()
+            self._out.close()
+            self._err.close()
+            raise
         return self
 
     def wait(self, timeout: float | None = None) -> Outcome:
@@ -169,16 +178,23 @@ def write_files(root: str | Path, files: dict[str, str]) -> None:
         path.write_text(content)
 
 
-def _prlimit_argv(limits: Limits) -> list[str]:
+def _find_prlimit(limits: Limits) -> str | None:
     prlimit = shutil.which("prlimit")
+    if prlimit is None and limits.enforce:
+        raise SandboxError("prlimit (util-linux) is needed to run code under resource limits; install it, or "
+                           "pass Limits(enforce=False) to run without them")
+    return prlimit
+
+
+def _limits_argv(prlimit: str | None, limits: Limits, *, nproc: bool) -> list[str]:
+    """The prlimit prefix; RLIMIT_NPROC only when no pids cgroup holds the process count (`nproc`)."""
     if prlimit is None:
-        if limits.enforce:
-            raise SandboxError("prlimit (util-linux) is needed to run code under resource limits; install it, or "
-                               "pass Limits(enforce=False) to run without them")
         return []
     mb = 1024 * 1024
-    return [prlimit, f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_seconds}",
-            f"--fsize={limits.file_mb * mb}", f"--nproc={limits.processes}", "--"]
+    argv = [prlimit, f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_seconds}", f"--fsize={limits.file_mb * mb}"]
+    if nproc and limits.processes is not None:
+        argv.append(f"--nproc={limits.processes}")
+    return [*argv, "--"]
 
 
 # ---- the pids cgroup ---------------------------------------------------------------------------
@@ -212,8 +228,9 @@ class PidsCgroup:
         self.path = path
 
     @classmethod
-    def create(cls, max_pids: int) -> PidsCgroup | None:
-        """A new cgroup that allows `max_pids` tasks, or None where this machine does not let us make one."""
+    def create(cls, max_pids: int | None) -> PidsCgroup | None:
+        """A new cgroup that allows `max_pids` tasks (None: no limit, only the cleanup), or None where this
+        machine does not let us make one."""
         for parent in _parents():
             path = parent / f"polar-lab-{uuid.uuid4().hex[:12]}"
             try:
@@ -221,7 +238,7 @@ class PidsCgroup:
             except OSError:
                 continue
             try:
-                (path / "pids.max").write_text(str(max_pids))
+                (path / "pids.max").write_text("max" if max_pids is None else str(max_pids))
                 return cls(path)
             except OSError:
                 path.rmdir()

@@ -90,7 +90,7 @@ def _normalised(spec: SamplingSpec) -> dict[str, Any]:
             out[f.name] = float(value)
         elif isinstance(value, list) and f.name in ("stop", "banned_strings"):
             out[f.name] = tuple(value)
-    if spec.seed == -1:
+    if out.get("seed", spec.seed) == -1 and type(out.get("seed", spec.seed)) is int:
         out["seed"] = None
     return out
 

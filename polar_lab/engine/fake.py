@@ -55,8 +55,8 @@ class ScriptedEngine:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
         if self.raise_with is not None:
             raise self.raise_with
-        if self.fail_with is not None:
-            fut.set_exception(EngineError(str(self.fail_with)))
+        if self.fail_with is not None or self._closed:
+            fut.set_exception(EngineError(str(self.fail_with or "engine closed")))
             return fut
         self.prompts.append(list(prompt_ids))
         text = self.replies[self._turn % len(self.replies)]
@@ -79,6 +79,8 @@ class ScriptedEngine:
         return await asyncio.wrap_future(self.submit(prompt_ids, spec))
 
     def load_weights(self, state_dict: Mapping, *, version: int | None = None) -> int:
+        if self._closed:
+            raise EngineError("engine is not running (engine closed)")
         self._version = self._version + 1 if version is None else version
         return self._version
 

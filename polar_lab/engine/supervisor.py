@@ -80,6 +80,8 @@ class EngineSupervisor:
         self._stopping = threading.Event()  # set by quiesce(): backoffs end, engines being started are closed
         self._starting: Engine | None = None
         self._healing: Engine | None = None  # the dead engine a heal thread was started for
+        self._heal_pending = False  # a heal thread is running or about to
+        self._given_up: Engine | None = None  # a dead engine whose replacement failed: down until asked
         self._pause_depth = 0  # pauses held by the lock's holder (nested: a heal inside a sync)
         if factory is not None:
             self._watch(engine)
@@ -139,6 +141,7 @@ class EngineSupervisor:
         if self.closed or engine is not self.engine or self._healing is engine:
             return
         self._healing = engine
+        self._heal_pending = True  # before the thread starts: status() says "restarting" from now on
         threading.Thread(target=self._heal, args=(engine, reason), name="polar-lab-heal", daemon=True).start()
 
     def _heal(self, dead: Engine, reason: str) -> None:
@@ -157,6 +160,8 @@ class EngineSupervisor:
         except Exception:  # noqa: BLE001 - a thread of our own: log, the Lab keeps answering 503s
             if not self.closed:
                 log.exception("restarting the engine failed; the Lab answers 503 until lab.restart_engine()")
+        finally:
+            self._heal_pending = False
 
     def _replace(self, reason: str, *, automatic: bool, state_dict: Mapping[str, torch.Tensor] | None = None,
                  version: int | None = None, startup_timeout: float = 900.0) -> None:
@@ -173,10 +178,11 @@ class EngineSupervisor:
                 try:
                     new = self._ready(state_dict, weights_file, version, startup_timeout)
                     break
-                except Exception as exc:
+                except BaseException as exc:
                     record.ok, record.error = False, f"{type(exc).__name__}: {exc}"[:2000]
                     self.restarts.append(record)
-                    if not automatic or self.closed or not self._budget_left():
+                    if not isinstance(exc, Exception) or not automatic or self.closed or not self._budget_left():
+                        self._given_up = old  # down (503s) until lab.restart_engine()
                         raise
                     log.warning("engine restart failed (%s); trying again", record.error.splitlines()[0])
                     self._stopping.wait(min(2.0 ** sum(not r.ok for r in self.restarts), 30.0))
@@ -193,9 +199,13 @@ class EngineSupervisor:
     def _ready(self, state_dict, weights_file, version: int, timeout: float) -> Engine:
         """A new engine, started and serving `state_dict` (or `weights_file`) as `version`; closed again on
         failure, or when the Lab closed while it started (nothing would close it later)."""
+        if self.closed:
+            raise LabError("the Lab closed while its engine restarted")
         new = self.factory()
         self._starting = new  # quiesce() closes it, so a closing Lab does not wait out a start-up
         try:
+            if self._stopping.is_set():  # quiesce() ran between the check above and `_starting`
+                raise LabError("the Lab closed while its engine restarted")
             new.on_exit = self.exited
             new.wait_ready(timeout)
             if state_dict is not None:
@@ -261,10 +271,14 @@ class EngineSupervisor:
     def status(self) -> dict[str, Any]:
         """For /health and the dashboard: serving | restarting (a replacement is coming) | down, and the
         restarts so far."""
-        if self.engine.alive:
+        engine = self.engine
+        unseen = self._healing is not engine and self._given_up is not engine  # its death not handled yet
+        if engine.alive:
             state = "serving"
+        elif self.replacing or self._heal_pending or (unseen and not self._why_not_heal(engine)):
+            state = "restarting"
         else:
-            state = "restarting" if self.replacing or not self._why_not_heal(self.engine) else "down"
+            state = "down"
         last = self.restarts[-1] if self.restarts else None
         return {"engine": state, "engine_restarts": sum(r.ok for r in self.restarts),
                 "last_restart": None if last is None else {"reason": last.reason, "ok": last.ok, "at": last.at,

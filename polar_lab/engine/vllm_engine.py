@@ -153,6 +153,8 @@ class VLLMEngine:
             return
         self._closing = True
         self._failure = self._failure or "engine closed"
+        if self._reader is None:  # not ready yet: it reads no commands while vLLM builds; end it now
+            proc.kill()
         try:
             self._send(("stop",))
         except OSError:
@@ -266,10 +268,10 @@ class VLLMEngine:
             if isinstance(result, str):
                 raise EngineError(result)
             self._version = result
-            if self.weights_dir is not None and path.parent == self.weights_dir:
-                previous, self.weights_file = self.weights_file, path
-                if previous is not None and previous != path:
-                    previous.unlink(missing_ok=True)
+            previous = self.weights_file
+            self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
+            if previous is not None and previous != self.weights_file:
+                previous.unlink(missing_ok=True)  # superseded (by a kept file, or by weights we do not keep)
         return result
 
     # ---- the reader thread -----------------------------------------------------------------

@@ -36,6 +36,7 @@ class Command:
     file_mb: int = 512  # RLIMIT_FSIZE
     processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     keep_workdir: bool = False
+    enforce_limits: bool = True  # False: run without prlimit where the machine has none (an explicit opt-out)
     name: str = "command"
 
     @property
@@ -45,7 +46,7 @@ class Command:
     @property
     def limits(self) -> sandbox.Limits:
         return sandbox.Limits(memory_mb=self.memory_mb, cpu_seconds=self.cpu_seconds, file_mb=self.file_mb,
-                              processes=self.processes)
+                              processes=self.processes, enforce=self.enforce_limits)
 
     async def __call__(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
         with sandbox.workdir(prefix=f"polar-{self.name}-", keep=self.keep_workdir) as workdir:

@@ -64,7 +64,7 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
     session = service.registry.resolve(session_key(request))
     raw, size = await json_body(request, service.config.max_body_bytes)
     body = validate(schema, raw)
-    req = _canonical(to_canonical, body)
+    req = canonical(to_canonical, body)
     call = await service.complete(session, req, api=api, inline=size <= service.config.inline_render_bytes)
     response = build(call, req, body)
     service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
@@ -73,7 +73,7 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
     return Response(orjson.dumps(response), media_type="application/json")
 
 
-def _canonical(to_canonical, body):
+def canonical(to_canonical, body):
     """The adapter's conversion is a pure function of the body: whatever it trips over is the caller's input.
     (The protocol models keep provider items loose on purpose; this is their last line of defence.)"""
     try:

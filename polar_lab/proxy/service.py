@@ -85,7 +85,10 @@ class CallService:
         """A call that meets a dead engine which is being replaced waits for the new one, as at a paused gate
         (then at the gate itself while the new engine loads its weights). Calls already in the engine when it
         died get their 503: one of them may be what killed it."""
+        deadline = time.monotonic() + self.config.engine_wait_s
         while not self.engine.alive and self.engine_status()["engine"] == "restarting":
+            if time.monotonic() > deadline:
+                return  # the call goes on to the dead engine and gets its 503
             await asyncio.sleep(0.05)
 
     async def render(self, req: CanonicalRequest, *, inline: bool, prefill: str = "", tips: list[Tip] | None = None,

@@ -84,7 +84,8 @@ class SessionRegistry:
               info: dict[str, Any] | None = None, status: str = "closed") -> Session:
         session.status = status
         session.reward = reward
-        session.reward_parts = dict(reward_parts or {})
+        if reward_parts is not None:  # a second close (a status change) keeps the evaluator's parts
+            session.reward_parts = dict(reward_parts)
         session.closed_at = time.time()
         session.info.update(info or {})
         self.store.append_session(session, status)

@@ -8,7 +8,7 @@ from typing import Any
 from polar_lab import sandbox
 
 TEST_TIMEOUT_S = 30
-TEST_LIMITS = sandbox.Limits(memory_mb=1024, cpu_seconds=TEST_TIMEOUT_S + 1, file_mb=64)
+TEST_MEMORY_MB = 1024
 
 
 def unit_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
@@ -25,10 +25,12 @@ def unit_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
 
 
 def run_tests(code: str, tests: str, timeout_s: float = TEST_TIMEOUT_S,
-              limits: sandbox.Limits = TEST_LIMITS) -> tuple[bool, str]:
+              limits: sandbox.Limits | None = None) -> tuple[bool, str]:
     """Run `tests` against `code` (as solution.py) in a fresh sandbox (polar_lab/sandbox.py: from-scratch
     environment, prlimit limits, its own process group killed at the deadline); returns (passed, the tail of
-    the output). Refuses (SandboxError) where the limits cannot be applied, unless `limits.enforce` is False."""
+    the output). Refuses (SandboxError) where the limits cannot be applied, unless `limits.enforce` is False.
+    Default limits: 1 GiB of address space, the timeout as CPU seconds, no process count outside a cgroup."""
+    limits = limits or sandbox.Limits(memory_mb=TEST_MEMORY_MB, cpu_seconds=int(timeout_s) + 1, processes=None)
     files = {"solution.py": code, "test_solution.py": "from solution import *\n" + tests}
     outcome = sandbox.run([sys.executable, "test_solution.py"], timeout=timeout_s, files=files,
                           env={"PYTHONDONTWRITEBYTECODE": "1"}, limits=limits)

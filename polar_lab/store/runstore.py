@@ -116,35 +116,38 @@ def _end_torn_line(fh) -> None:
 
 
 class JsonLines:
-    """Reads a JSON-lines file a writer may still be appending to: each `read()` parses only the lines added
-    since the last one. A line that does not parse (torn by a machine crash) is skipped and counted in `torn`.
-    With `live=True` a last line without its newline is left for the next read (a write in progress);
-    otherwise (a finished run) it is read too, and counted as torn if it does not parse."""
+    """Reads a JSON-lines file a writer may still be appending to: each `read()` parses only the whole lines
+    added since the last one (thread-safe). A line that does not parse (torn by a machine crash) is skipped
+    and counted in `torn`; a last line without its newline is left for the next read (a write in progress,
+    or — in a finished run — a write a crash cut: `tail` is then not empty)."""
 
-    def __init__(self, path: Path, *, live: bool = False):
+    def __init__(self, path: Path):
         self.path = path
-        self.live = live
         self.offset = 0
         self.torn = 0
+        self.tail = b""  # bytes after the last newline, as of the last read
+        self._lock = threading.Lock()
 
     def read(self) -> list[dict[str, Any]]:
         """The records appended since the previous read."""
         if not self.path.exists():
             return []
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1 if self.live else len(data)
-        self.offset += end
-        records = []
-        for line in data[:end].split(b"\n"):
-            if not line:
-                continue
-            try:
-                records.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                self.torn += 1  # the records around it are whole
-        return records
+        with self._lock:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+            end = data.rfind(b"\n") + 1
+            self.offset += end
+            self.tail = data[end:]
+            records = []
+            for line in data[:end].split(b"\n"):
+                if not line:
+                    continue
+                try:
+                    records.append(orjson.loads(line))
+                except orjson.JSONDecodeError:
+                    self.torn += 1  # the records around it are whole
+            return records
 
 
 def load_calls(run_dir: str | Path) -> list[ModelCall]:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
-from polar_lab.proxy.http import json_body, serve, session_key, validate
+from polar_lab.proxy.http import canonical, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
 from polar_lab.proxy.service import CallService
 
@@ -228,6 +228,6 @@ def register(app: FastAPI, service: CallService) -> None:
         raw, size = await json_body(request, service.config.max_body_bytes)
         validate(CountTokensRequest, raw)
         body = validate(MessagesRequest, {**raw, "max_tokens": 1})  # every field checked as for a real call
-        req = to_canonical(body, service.tool_args)
+        req = canonical(lambda b: to_canonical(b, service.tool_args), body)
         rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
         return {"input_tokens": len(rendered.prompt_ids)}
