@@ -69,8 +69,8 @@ class DistributedPolicy:
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         shards = shard(samples, self.world_size)
-        for conn, part in zip(self._conns, shards):
-            _send(conn, ("update", part))
+        for rank, part in enumerate(shards):
+            self._tell(rank, ("update", part))
         first, *rest = self._gather(self.step_timeout)
         return sum(rest, start=first)  # grad_norm: rank 0's, identical on every rank after the all-reduce
 
@@ -83,14 +83,14 @@ class DistributedPolicy:
     def optimizer_state(self) -> dict[str, Any]:
         return self._ask_rank0(("optimizer_state", None))
 
-    def close(self) -> None:
-        """Ask every rank to stop; kill any that does not within 30 s. Safe to call twice."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask every rank to stop; kill any that does not within `timeout` s. Safe to call twice."""
         for conn in self._conns:
             try:
                 _send(conn, ("stop", None))
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
@@ -102,8 +102,15 @@ class DistributedPolicy:
 
     # ---- internals -------------------------------------------------------------------------------
     def _ask_rank0(self, message: tuple) -> Any:
-        _send(self._conns[0], message)
+        self._tell(0, message)
         return self._receive(0, self.step_timeout)
+
+    def _tell(self, rank: int, message: tuple) -> None:
+        try:
+            _send(self._conns[rank], message)
+        except OSError as exc:  # its end of the pipe is gone: the rank died
+            self._procs[rank].join(timeout=5)
+            raise TrainerError(f"trainer rank {rank} died (exit code {self._procs[rank].exitcode}): {exc!r}") from None
 
     def _gather(self, timeout: float) -> list[Any]:
         return [self._receive(rank, timeout) for rank in range(self.world_size)]
@@ -112,8 +119,7 @@ class DistributedPolicy:
         conn, proc = self._conns[rank], self._procs[rank]
         deadline = time.monotonic() + timeout
         while not conn.poll(0.2):
-            if not proc.is_alive():
-                raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
+            self._raise_if_a_rank_died()  # the others would wait for it in their all-reduce
             if time.monotonic() > deadline:
                 raise TrainerError(f"trainer rank {rank} did not answer within {timeout:.0f} s")
         try:
@@ -125,8 +131,15 @@ class DistributedPolicy:
                 f"Worker processes are spawned and re-import the main module: put the script's work under "
                 f"`if __name__ == '__main__':`") from None
         if status == "error":
+            time.sleep(0.5)  # a peer's death fails this rank's all-reduce: name the death, not its echo
+            self._raise_if_a_rank_died()
             raise TrainerError(f"trainer rank {rank} failed:\n{payload}")
         return payload
+
+    def _raise_if_a_rank_died(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
 
 
 def shard(samples: list[Sample], world_size: int) -> list[list[Sample]]:

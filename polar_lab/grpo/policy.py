@@ -68,8 +68,11 @@ class Policy:
                                               ref, mb["advantage"], mb["weights"], self.config)
                     (loss * self.world_size).backward()
                 if iteration == 0:
-                    totals.add(stats)
+                    totals.add(stats)  # tokens, loss, IS: what the batch was; later passes re-use it
+                else:
+                    totals.clipped += float(stats["clipped"])  # ratios move away from 1 only after a step
             totals.grad_norm = self._clip_and_step()
+        totals.iterations = self.config.num_iterations
         self.steps += 1
         return totals
 
@@ -159,10 +162,11 @@ class UpdateStats:
     pg_loss: float = 0.0
     kl_weighted: float = 0.0
     kl_sum: float = 0.0  # k3 KL summed over trained tokens
-    clipped: float = 0.0  # trained tokens whose ratio was clipped
+    clipped: float = 0.0  # (token, iteration) pairs whose ratio was clipped, over all num_iterations passes
     is_capped: float = 0.0  # trained tokens whose IS weight hit tis_cap
     log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
+    iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
 
     def add(self, stats: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's `policy_loss` statistics."""
@@ -172,8 +176,9 @@ class UpdateStats:
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
-                if f.name not in ("log_is", "grad_norm")}
-        return UpdateStats(**sums, log_is=torch.cat([self.log_is, other.log_is]), grad_norm=self.grad_norm)
+                if f.name not in ("log_is", "grad_norm", "iterations")}
+        return UpdateStats(**sums, log_is=torch.cat([self.log_is, other.log_is]), grad_norm=self.grad_norm,
+                           iterations=self.iterations)
 
     def metrics(self) -> dict[str, float]:
         """The logged metrics: means over trained tokens, importance-ratio quantiles."""
@@ -182,7 +187,8 @@ class UpdateStats:
         empty = not len(ratio)
         q = torch.full((3,), float("nan")) if empty else torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95]))
         return {
-            "loss": self.loss, "pg_loss": self.pg_loss, "kl": self.kl_sum / tokens, "clip_frac": self.clipped / tokens,
+            "loss": self.loss, "pg_loss": self.pg_loss, "kl": self.kl_sum / tokens,
+            "clip_frac": self.clipped / (tokens * self.iterations),
             "grad_norm": self.grad_norm, "is_ratio_mean": float("nan") if empty else float(ratio.mean()),
             "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
             "is_ratio_max": float("nan") if empty else float(ratio.max()), "is_capped_frac": self.is_capped / tokens,

@@ -1,9 +1,15 @@
 """Trainer ranks as worker processes (DDP over gloo on CPU): 2 ranks make the same update as 1."""
 
+import os
+import signal
+import time
+
 import pytest
+import torch
 
 from polar_lab.grpo import GRPOConfig, build_batch
 from polar_lab.grpo.distributed import DistributedPolicy, TrainerError, shard
+from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.policy import Policy
 
 from .conftest import rollout
@@ -36,16 +42,60 @@ def test_two_ranks_make_the_same_update_as_one(lab, model_path, train_tasks):
         assert gap <= 0.05 * step + 1e-7, f"{name}: 1 vs 2 ranks differ by {gap:.2e}, the step is {step:.2e}"
 
 
-def test_shards_cover_every_sample_once_and_no_rank_is_empty(lab, train_tasks):
-    batch = build_batch(rollout(lab, train_tasks[:2], n=4), GRPOConfig(), lab.policy_version)
-    parts = shard(batch.samples, 3)
+def _sample(length: int, name: str) -> Sample:
+    return Sample(input_ids=torch.arange(length), weights=torch.ones(length - 1), advantage=1.0,
+                  behavior_logprobs=torch.zeros(length - 1), versions=torch.zeros(length - 1, dtype=torch.long),
+                  temperature=1.0, session_id=name)
+
+
+def test_shards_cover_every_sample_once_and_no_rank_is_empty():
+    samples = [_sample(n, f"s{n}") for n in (9, 3, 7, 5, 4)]
+    parts = shard(samples, 3)
     real = [s for p in parts for s in p if s.session_id != "padding"]
-    assert sorted(map(id, real)) == sorted(map(id, batch.samples))
-    assert all(parts)
-    lonely = shard(batch.samples[:1], 2)
+    assert sorted(map(id, real)) == sorted(map(id, samples))
+    assert all(parts) and [len(p) for p in parts] == [2, 2, 1]  # dealt round-robin by length
+    lonely = shard(samples[:1], 2)
     assert lonely[1][0].session_id == "padding" and float(lonely[1][0].weights.sum()) == 0.0
 
 
 def test_a_rank_that_cannot_start_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(TrainerError, match="trainer rank"):
         DistributedPolicy(str(tmp_path / "no-model"), GRPOConfig(world_size=2), start_timeout=120)
+
+
+def _update_in_thread(ranks, samples):
+    """ranks.update in a thread: (the exception it raised or None, seconds it took), or a hang's timeout."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            ranks.update(samples)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "update() hung: a rank that stops answering must become an error"
+    return outcome.get("error"), outcome["seconds"]
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_is_an_error_not_a_hang(lab, model_path, train_tasks, fault):
+    batch = build_batch(rollout(lab, train_tasks[:2], n=4), GRPOConfig(), lab.policy_version)
+    ranks = DistributedPolicy(model_path, GRPOConfig(world_size=2), step_timeout=10)
+    procs = list(ranks._procs)
+    victim = procs[1].pid
+    try:
+        os.kill(victim, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)  # SIGSTOP: alive, silent
+        error, seconds = _update_in_thread(ranks, batch.samples)
+        assert isinstance(error, TrainerError), error
+        assert ("died" in str(error)) if fault == "dies" else ("did not answer within 10 s" in str(error))
+        assert seconds < 60
+    finally:
+        ranks.close(timeout=2)
+    assert not any(p.is_alive() for p in procs)  # close() killed what was left, the stopped rank included

@@ -1,5 +1,7 @@
 """The per-token objective: PG direction, clip-higher, truncated IS per token, k3 KL."""
 
+import math
+
 import pytest
 import torch
 
@@ -54,3 +56,17 @@ def test_k3_kl_is_zero_at_the_reference_and_positive_away_from_it():
     _, away = _loss(ref + 0.3, ref + 0.3, ref + 0.3, [0.0], ref=ref, beta=0.1)
     assert float(at_ref["kl_sum"]) == pytest.approx(0.0, abs=1e-7)
     assert float(away["kl_sum"]) > 0
+
+
+@pytest.mark.parametrize("delta", [0.3, -0.7, 1.5])
+def test_the_kl_term_is_k3_with_its_gradient_scaled_by_beta(delta):
+    # k3(x) = e^x - x - 1 with x = log π_ref − log π (Schulman's estimator); k1 would be -x, k2 x²/2
+    ref = torch.tensor([[-1.0, -2.0]])
+    logp = (ref - delta).requires_grad_(True)  # so x = delta
+    loss, stats = _loss(logp, logp.detach(), logp.detach(), [0.0], ref=ref, beta=0.25)  # A = 0: only the KL
+    loss.backward()
+    k3 = math.exp(delta) - delta - 1
+    assert float(stats["kl_sum"]) == pytest.approx(2 * k3, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(0.25 * k3, rel=1e-5)  # weights 1/2 each: the mean
+    # d/dlogp of β·k3 = β·(1 − e^x), times the token weight 1/2
+    assert logp.grad[0].tolist() == pytest.approx([0.25 * (1 - math.exp(delta)) / 2] * 2, rel=1e-5)

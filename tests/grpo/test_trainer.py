@@ -20,7 +20,8 @@ def test_a_step_trains_syncs_and_logs(lab, restore_weights, tmp_path):
         assert m["policy_version"] == version + 1 and m["trained_version"] == version
         assert m["tokens"] == sum(s.num_tokens for s in trainer.last_batch.samples) > 0
         assert m["staleness_max"] == 0  # sync mode is on-policy
-        assert 0.5 < m["is_ratio_p05"] <= m["is_ratio_p95"] < 2.0  # engine and trainer agree token by token
+        # on-policy fp32: engine and trainer agree token by token (measured |ratio - 1| ~1e-4)
+        assert 1 - 1e-2 < m["is_ratio_p05"] <= m["is_ratio_p95"] < 1 + 1e-2
         assert 0.0 < m["engine_busy_frac"] <= 1.0
         ckpt = trainer.save_checkpoint()
         sample = trainer.last_batch.samples[0]

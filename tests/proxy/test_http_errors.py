@@ -156,3 +156,47 @@ def test_one_sessions_key_cannot_write_into_another(scripted_lab):
     # a key that is a prefix or a near miss of a real one is just unknown
     for guess in (a.key[:-1], a.key + "x", a.key.upper(), a.id):
         _assert_openai_error(_post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=guess), 401)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_byte_of_a_response_leaves_before_its_record_is_written(scripted_lab, monkeypatch, stream):
+    import select
+    import socket
+    import threading
+
+    import orjson
+
+    s = scripted_lab.session()
+    writing, release = threading.Event(), threading.Event()
+    append = scripted_lab.store.append_call
+
+    def held_append(call):  # the record's write, held until the test lets it go
+        writing.set()
+        release.wait(30)
+        append(call)
+
+    monkeypatch.setattr(scripted_lab.store, "append_call", held_append)
+    body = orjson.dumps({"messages": MSG, "stream": stream})
+    with socket.create_connection(("127.0.0.1", scripted_lab.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + s.key.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert writing.wait(30), "the call never reached the store"
+        readable, _, _ = select.select([sock], [], [], 1.0)
+        assert not readable, "response bytes left the proxy before the call was recorded"
+        release.set()
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200") and scripted_lab.store.num_calls == 1
+
+
+def test_a_record_that_cannot_be_written_is_an_error_to_the_caller_not_an_answer(scripted_lab, monkeypatch):
+    from polar_lab.errors import StoreError
+
+    def failing_append(call):
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(scripted_lab.store, "append_call", failing_append)
+    s = scripted_lab.session()
+    r = _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key)
+    _assert_openai_error(r, 500)
+    assert "disk full" in r.json()["error"]["message"] and "choices" not in r.text

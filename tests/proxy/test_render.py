@@ -21,16 +21,18 @@ def _tip(renderer, messages, output_text, call_id="c0"):
 
 def test_a_continued_prompt_reuses_the_sampled_ids_verbatim(tokenizer):
     r = Renderer(tokenizer)
-    tip = _tip(r, [SYSTEM, USER], "The answer is 5.")
-    # make the "sampled" ids deliberately non-canonical: re-tokenising the text would not give them back
-    odd = tip.ids[:-1]
-    odd_ids = odd[:len(odd) - 3] + r.encode(r.decode(odd[len(odd) - 3:])[0]) \
-        + r.encode(r.decode(odd[len(odd) - 3:])[1:]) + tip.ids[-1:]
-    tip = Tip("c0", r.decode(odd_ids[: len(odd_ids)]), odd_ids)
-    follow = [SYSTEM, USER, {"role": "assistant", "content": "The answer is 5."}, {"role": "user", "content": "And 2*3?"}]
+    first = r.render([SYSTEM, USER], [])
+    # "sampled" ids that are provably not the canonical tokenisation of their text: one token per character,
+    # as a model may sample them; re-tokenising the text (what continuity must never do) merges them
+    answer = "The answer is 5."
+    sampled = [i for ch in answer for i in r.encode(ch)] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert r.encode(r.decode(sampled)) != sampled
+    tip = Tip("c0", first.text + r.decode(sampled), first.prompt_ids + sampled)
+    follow = [SYSTEM, USER, {"role": "assistant", "content": answer}, {"role": "user", "content": "And 2*3?"}]
     rendered = r.render(follow, [], tips=[tip])
     assert rendered.info["mode"] == "continued" and rendered.info["from_call"] == "c0"
-    assert rendered.prompt_ids[:len(tip.ids)] == tip.ids
+    assert rendered.prompt_ids[:len(tip.ids)] == tip.ids  # the sampled ids, verbatim
+    assert rendered.prompt_ids != r.encode(rendered.text)  # (the whole-text tokenisation differs)
     assert r.decode(rendered.prompt_ids) == rendered.text
 
 
