@@ -14,7 +14,6 @@ from typing import Any
 from polar_lab.errors import ConfigError
 
 DEFAULT_MODEL = "data/models/tiny-calc"
-DEFAULT_PORT = 8765
 
 
 def _f(default: Any, help: str) -> Any:
@@ -64,7 +63,9 @@ class ProxyConfig:
     """The HTTP proxy the harnesses talk to."""
 
     host: str = _f("127.0.0.1", "bind address; anything but loopback exposes session keys to the network")
-    port: int = _f(DEFAULT_PORT, "TCP port; 0 picks a free one (then re-running a cell starts a new Lab)")
+    port: int | None = _f(None, "TCP port. None: a free port, chosen once per process, so re-running a cell "
+                                "returns the running Lab and a JupyterLab on a fixed port never collides; "
+                                "0: a new free port (and a new Lab) every time; N: that port")
     auto_sessions: bool = _f(False, "unknown keys create a session instead of getting 401")
     default_max_tokens: int = _f(1024, "max_tokens when a request sets none (clipped to the context)")
     max_body_bytes: int = _f(32 * 1024 * 1024, "larger request bodies get 413")
@@ -75,7 +76,7 @@ class ProxyConfig:
                                      "it gets a 503")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
+        if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")

@@ -9,8 +9,9 @@ The vLLM engine itself runs in a child process the Lab starts and stops; its log
 dies, the Lab starts another by itself, at the same weights and policy version (`EngineConfig.max_restarts`).
 
 One live Lab per (host, port): constructing a Lab with the same config again returns the running one,
-so re-running a notebook cell never starts a second server or engine. A different config on the same
-port closes the old Lab first. `close()` is idempotent and frees the port, the engine and the files.
+so re-running a notebook cell never starts a second server or engine. The default port (None) is a free
+port chosen by the first Lab of the process and stands for "this kernel's Lab". A different config on the
+same port closes the old Lab first. `close()` is idempotent and frees the port, the engine and the files.
 """
 
 from __future__ import annotations
@@ -55,17 +56,17 @@ T = TypeVar("T")
 
 
 class Lab:
-    _live: ClassVar[dict[tuple[str, int], Lab]] = {}
+    _live: ClassVar[dict[tuple[str, int | None], Lab]] = {}  # port 0 (always a new Lab) never in it
     _live_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __new__(cls, model: str | None = None, *, config: LabConfig | None = None, engine=None, **overrides: Any):
         cfg = _make_config(model, config, overrides)
         with cls._live_lock:
-            existing = cls._live.get((cfg.proxy.host, cfg.proxy.port)) if cfg.proxy.port else None
+            existing = cls._live.get((cfg.proxy.host, cfg.proxy.port)) if cfg.proxy.port != 0 else None
             if existing is not None and existing._same_setup(cfg):
                 return existing
         if existing is not None:
-            warnings.warn(f"closing the Lab on port {cfg.proxy.port} (model {existing.config.engine.model}) "
+            warnings.warn(f"closing the Lab on port {existing.port} (model {existing.config.engine.model}) "
                           f"to start one with a different config", stacklevel=2)
             existing.close()
         lab = super().__new__(cls)
@@ -110,7 +111,7 @@ class Lab:
             self.close()
             raise
         with self._live_lock:
-            if cfg.proxy.port:
+            if cfg.proxy.port != 0:
                 self._live[(cfg.proxy.host, cfg.proxy.port)] = self
         atexit.register(self.close)
 
@@ -146,11 +147,11 @@ class Lab:
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((cfg.host, cfg.port))
+            sock.bind((cfg.host, cfg.port or 0))
         except OSError as exc:
             sock.close()
             raise LabError(f"cannot bind {cfg.host}:{cfg.port} ({exc}); is another Lab or server on it? "
-                           f"pass port=0 for a free port") from exc
+                           f"leave port unset for a free one") from exc
         self.port = sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
         self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions)

@@ -153,7 +153,7 @@ class Session:
     closed_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)  # free-form facts: harness name, error, output...
     reward_parts: dict[str, float] = field(default_factory=dict)  # the evaluator's components ("total" included)
-    base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:8765
+    base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:41234
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)

@@ -60,6 +60,24 @@ def test_a_different_config_on_the_same_port_replaces_the_old_lab(tokenizer, mod
         second.close()
 
 
+def test_the_default_port_is_free_and_stands_for_this_kernels_lab(tokenizer, model_path, tmp_path):
+    # Notebooks leave the port unset: a JupyterLab (or anything) holding a fixed port must not break them,
+    # and re-running the cell must still return the running Lab.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        first = Lab(engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), run_name="k")
+        try:
+            again = Lab(engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), run_name="k")
+            assert again is first
+            assert first.config.proxy.port is None and first.port not in (0, taken)
+            assert first.url.endswith(f":{first.port}")
+        finally:
+            first.close()
+    assert _port_is_free(first.port)
+
+
 def test_close_is_idempotent_and_a_closed_lab_refuses_work(tokenizer, model_path, tmp_path):
     lab = Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path))
     lab.close()
