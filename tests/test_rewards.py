@@ -71,3 +71,23 @@ def test_the_deadline_kills_a_grandchild_the_tests_started(tmp_path):
     while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(grandchild), f"grandchild {grandchild} outlived the tests' deadline"
+
+
+@pytest.mark.parametrize("answer, text, parts", [
+    (23, "3*7+2 = 23", {"total": 1.0, "has_number": 1.0, "correct": 1.0}),
+    (23, "23 is not it; the answer is 24", {"total": 0.0, "has_number": 1.0, "correct": 0.0}),  # the LAST integer
+    (-5, "it comes to -5.", {"total": 1.0, "has_number": 1.0, "correct": 1.0}),  # negatives
+    (5, "five", {"total": 0.0, "has_number": 0.0, "correct": 0.0}),  # no integer at all
+    (5, None, {"total": 0.0, "has_number": 0.0, "correct": 0.0}),  # a run with no final text
+    (12, "1,2", {"total": 0.0, "has_number": 1.0, "correct": 0.0}),  # digits are not joined across a comma
+])
+def test_numeric_match_table(answer, text, parts):
+    from polar_lab.rewards.numeric import numeric_match
+
+    assert numeric_match({"answer": answer}, text) == parts
+
+
+def test_final_answer_reads_the_harness_result_or_its_text():
+    assert final_answer({"answer": 5}, {"final": "It is 5."})["total"] == 1.0
+    assert final_answer({"answer": 5}, "It is 5.")["total"] == 1.0  # a harness that returns its text
+    assert final_answer({"answer": 5}, {"final": None})["total"] == 0.0

@@ -20,7 +20,7 @@ _TEMPLATE_SHAPE = re.compile(r'^\{"name": "(?P<name>[^"\\]*)", "arguments": (?P<
 
 
 def parse_output(text: str, *, parse_tools: bool = True) -> ParsedOutput:
-    """Split generated text into reasoning, content and tool calls.
+    r"""Split generated text into reasoning, content and tool calls.
 
     Content is everything before the first tool call that parses (less the one "\n" the template puts
     there), so botched blocks before it stay in the content and the message re-renders to the same text.

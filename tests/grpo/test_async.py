@@ -87,12 +87,16 @@ def test_a_second_async_trainer_stops_the_first_producer_and_closing_the_lab_sto
     """Re-running a notebook cell must not leave two producers feeding one engine."""
     config = GRPOConfig(async_mode=True, tasks_per_step=1, num_generations=2, output_dir=str(tmp_path))
     first = GRPOTrainer(lab, config)
-    first.step()
-    producer = first._rollouts
-    second = GRPOTrainer(lab, config)
-    with pytest.warns(UserWarning, match="stopping the async rollouts of an earlier trainer"):
-        second.step()
-    assert producer._stopped and not second._rollouts._stopped
-    second.close()
-    first.close()
+    second = None
+    try:
+        first.step()
+        producer = first._rollouts
+        second = GRPOTrainer(lab, config)
+        with pytest.warns(UserWarning, match="stopping the async rollouts of an earlier trainer"):
+            second.step()
+        assert producer._stopped and not second._rollouts._stopped
+    finally:  # even when an assert fails: no producer may outlive this test on the shared Lab
+        if second is not None:
+            second.close()
+        first.close()
     assert not lab.owned(GRPOTrainer) and not lab.owned(AsyncRollouts)

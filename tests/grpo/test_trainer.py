@@ -39,7 +39,9 @@ def test_a_step_trains_syncs_and_logs(lab, restore_weights, tmp_path):
 
 
 def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path):
-    trainer = GRPOTrainer(lab, GRPOConfig(output_dir=str(tmp_path), eval_limit=24))
+    # one run at a time: CPU kernels' sums depend on which requests share an engine step, so concurrent runs
+    # are not bit-reproducible (docs/grpo.md); alone, each seeded run is
+    trainer = GRPOTrainer(lab, GRPOConfig(output_dir=str(tmp_path), eval_limit=12, concurrency=1))
     try:
         first = trainer.evaluate()
         first_ids = _sampled_ids(trainer.last_eval_groups)
@@ -49,7 +51,7 @@ def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path
         other_ids = _sampled_ids(trainer.last_eval_groups)
     finally:
         trainer.close()
-    assert first["eval_runs"] == 24 and first["eval_failed"] == 0
+    assert first["eval_runs"] == 12 and first["eval_failed"] == 0
     assert first_ids == second_ids and first["eval_reward"] == second["eval_reward"]  # token for token
     assert other_ids != first_ids
     assert {"eval_correct", "eval_has_number"} <= set(first)  # the evaluator's components, averaged

@@ -1,6 +1,8 @@
 """Program harnesses: real subprocesses against a session, with their own workdir, env, limits and deadline."""
 
+import json
 import os
+import tempfile
 import time
 
 from polar_lab.tasks import load_tasks
@@ -23,12 +25,16 @@ def test_a_cli_agent_runs_unmodified_and_every_call_is_recorded(lab):
 
 def test_the_environment_is_built_from_scratch_in_a_private_workdir(lab, monkeypatch):
     monkeypatch.setenv("POLAR_TEST_SECRET", "kernel-only")
-    probe = Command(["{python}", "-c", "import os; print(os.environ.get('POLAR_TEST_SECRET', 'absent'));"
-                     "print(os.getcwd() == os.environ['HOME']); print(os.environ['OPENAI_BASE_URL'])"],
-                    name="probe")
+    probe = Command(["{python}", "-c", "import json, os; print(json.dumps([dict(os.environ), os.getcwd()]))"],
+                    env={"EXTRA": "asked-for"}, name="probe")
     s = lab.session()
-    out = lab.run(probe(s, {}), timeout=60)["stdout"].split()
-    assert out == ["absent", "True", s.openai_base_url]
+    env, cwd = json.loads(lab.run(probe(s, {}), timeout=60)["stdout"])
+    # an allow-list, not a probe for one secret: everything in it is named here
+    allowed = {"PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ", "HOME", "TMPDIR", "EXTRA", *s.env(),
+               "PWD", "SHLVL", "_"}  # the last three: what /bin/sh adds when it joins the pids cgroup
+    assert set(env) <= allowed, set(env) - allowed
+    assert env["HOME"] == env["TMPDIR"] == cwd and cwd.startswith(tempfile.gettempdir())
+    assert env["OPENAI_BASE_URL"] == s.openai_base_url and env["EXTRA"] == "asked-for"
 
 
 def test_a_memory_hog_is_contained_and_the_lab_keeps_serving(lab):

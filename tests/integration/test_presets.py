@@ -60,8 +60,10 @@ def test_openai_agents_sdk_runs_unmodified_over_the_responses_surface(lab):
     sessions = [s for g in groups for s in g.sessions]
     calls = [c for s in sessions for c in session_calls(lab, s)]
     assert calls and all(c.api == "openai.responses" for c in calls)
-    # the SDK either finishes or stops at its turn limit; either way every call is recorded with exact ids
-    assert all(s.status in ("closed", "error") for s in sessions)
+    # the SDK finishes (or, rarely, stops at its turn limit); either way every call is recorded with exact ids
+    assert all(s.status == "closed" or "MaxTurnsExceeded" in s.info.get("error", "") for s in sessions), \
+        [s.info.get("error") for s in sessions]
+    assert any(s.status == "closed" for s in sessions)
     assert all(len(c.output_logprobs) == len(c.output_ids) > 0 for c in calls)
     tool_results = [i for c in calls for i in c.request["input"] if i.get("type") == "function_call_output"]
     assert tool_results, "the SDK never executed a calculator call"

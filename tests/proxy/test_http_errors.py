@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.shapes import SURFACES, provider_error
+
 
 def _post(lab, path, body=None, *, content=None, key=None, headers=None):
     headers = dict(headers or {})
@@ -108,12 +110,47 @@ def test_max_tokens_beyond_the_context_is_clipped_not_refused(scripted_lab):
     assert call.sampling["max_tokens"] == scripted_lab.engine.max_model_len - len(call.prompt_ids)
 
 
-def test_engine_failure_is_503_and_the_proxy_keeps_serving(scripted_lab):
+@pytest.mark.parametrize("api", list(SURFACES))
+def test_engine_failure_is_503_in_each_apis_shape_and_the_proxy_keeps_serving(scripted_lab, api):
     s = scripted_lab.session()
+    path, body = SURFACES[api]
+    headers = {"x-api-key": s.key, "x-goog-api-key": s.key}
     scripted_lab.engine.fail_with = RuntimeError("boom")
-    _assert_openai_error(_post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key), 503)
+    r = _post(scripted_lab, path, body, key=s.key, headers=headers)
+    assert r.status_code == 503 and "boom" in provider_error(api, r)
+    error = r.json()["error"]
+    if api == "anthropic.messages":
+        assert error["type"] == "overloaded_error"  # what the SDK retries
+    elif api == "google.generate_content":
+        assert error["status"] == "UNAVAILABLE"
+    else:
+        assert error["type"] == "server_error" and error["code"] == "engine_unavailable"
     scripted_lab.engine.fail_with = None
-    assert _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key).status_code == 200
+    assert _post(scripted_lab, path, body, key=s.key, headers=headers).status_code == 200
+
+
+def test_the_proxy_binds_loopback_by_default(scripted_lab):
+    from polar_lab.config import ProxyConfig
+
+    assert ProxyConfig().host == "127.0.0.1" and scripted_lab.url.startswith("http://127.0.0.1:")
+
+
+def test_a_sync_whose_drain_times_out_loads_anyway_and_says_so(scripted_lab):
+    import threading
+
+    lab = scripted_lab
+    lab.engine.delay_s = 1.5  # a call that outlives the drain timeout
+    s = lab.session()
+    answered = []
+    call = threading.Thread(target=lambda: answered.append(
+        _post(lab, "/v1/chat/completions", {"messages": MSG}, key=s.key).status_code))
+    call.start()
+    while lab.proxy_state["in_flight"] == 0:
+        pass
+    sync = lab.sync_weights({}, drain_timeout=0.1)
+    call.join()
+    assert sync.undrained == 1 and sync.policy_version == 1 and sync.drain_s < 1.0  # it did not wait 1.5 s
+    assert answered == [200] and lab.proxy_state["undrained"] == 1
 
 
 def test_health_and_models(scripted_lab):

@@ -169,7 +169,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
                 for tc in c.parsed.tool_calls]
         choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
         if req.logprobs:
-            choice["logprobs"] = {"content": _logprobs(c.generation, tokenizer)}
+            choice["logprobs"] = {"content": _logprobs(c.generation, tokenizer, req.top_logprobs)}
         choices.append(choice)
     prompt_tokens = len(call.prompt_ids)
     return {
@@ -182,15 +182,18 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
     }
 
 
-def _logprobs(gen, tokenizer) -> list[dict[str, Any]]:
+def _logprobs(gen, tokenizer, top_k: int) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content`: each sampled token with its logprob and the `top_k` most likely tokens at
+    that position (the sampled one among them when it is one of the k; vLLM adds it to its top k otherwise)."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
     out = []
-    for i, (tid, lp) in enumerate(zip(gen.output_ids, gen.output_logprobs)):
-        token = tokenizer.decode([tid])
-        tops = (gen.top_logprobs or [{}] * len(gen.output_ids))[i]
-        out.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
-                    "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v,
-                                      "bytes": list(tokenizer.decode([t]).encode())}
-                                     for t, v in sorted(tops.items(), key=lambda kv: -kv[1]) if t != tid]})
+    tops = gen.top_logprobs or [{}] * len(gen.output_ids)
+    for tid, lp, alternatives in zip(gen.output_ids, gen.output_logprobs, tops):
+        best = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top_k]
+        out.append({**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in best]})
     return out
 
 
