@@ -73,8 +73,7 @@ def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4) -
     for runs in scored:
         rewards = [r for _, r in runs]
         mean = sum(rewards) / len(rewards)
-        scale = {"group": _std(rewards), "batch": batch_std, "none": 1.0}[scale_rewards]
-        scale = scale + eps if scale_rewards != "none" else 1.0
+        scale = 1.0 if scale_rewards == "none" else {"group": _std(rewards), "batch": batch_std}[scale_rewards] + eps
         out.update({sid: (r - mean) / scale for sid, r in runs})
     return out
 
@@ -107,9 +106,9 @@ def _token_weights(trajs: list[Trajectory], config: GRPOConfig) -> list[float]:
     run_tokens: dict[str, int] = {}
     for t in trajs:
         run_tokens[t.session_id] = run_tokens.get(t.session_id, 0) + sum(t.loss_mask)
-    runs = max(len(run_tokens), 1)
+    runs = len(run_tokens)  # every trajectory here trains at least one token, so no count below is 0
     if config.loss_type == "dapo":
-        total = max(sum(run_tokens.values()), 1)
+        total = sum(run_tokens.values())
         return [1.0 / total for _ in trajs]
     if config.loss_type == "dr_grpo":
         return [1.0 / (runs * config.max_completion_length) for _ in trajs]

@@ -62,9 +62,6 @@ class TipCache:
         while len(self._tips) > self.sessions:
             self._tips.popitem(last=False)
 
-    def drop(self, session_id: str) -> None:
-        self._tips.pop(session_id, None)
-
 
 class PieceEncoder:
     """Tokenises text piece by piece between added tokens, caching long pieces (system prompts, tool lists).
@@ -82,7 +79,9 @@ class PieceEncoder:
         added = self.backend.get_added_tokens_decoder() if self.backend is not None else {}
         self.exact = bool(added) and not any(t.lstrip or t.rstrip or t.single_word for t in added.values())
         self._ids = {t.content: i for i, t in added.items()}
-        longest_first = sorted(self._ids, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
+        # Descending order puts every added token before its own prefixes, so the alternation matches the
+        # longest token at a position, as the tokenizer does (leftmost-longest).
+        longest_first = sorted(self._ids, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split if self.exact else None
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._lock = threading.Lock()  # the loop and worker threads (large bodies) render concurrently

@@ -35,7 +35,8 @@ MAX_CHOICES = 128
 
 
 def _number(**bounds: float) -> type[float]:
-    return Annotated[float, Strict(), Field(allow_inf_nan=False, **bounds)]
+    """A float between bounds; the bounds also refuse inf and NaN (every comparison with NaN is false)."""
+    return Annotated[float, Strict(), Field(**bounds)]
 
 
 def _integer(**bounds: int) -> type[int]:

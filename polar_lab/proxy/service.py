@@ -23,10 +23,11 @@ from polar_lab.errors import ContextLengthError, RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ToolArgs
 from polar_lab.proxy.parse import TOOL_OPEN, parse_output
 from polar_lab.proxy.pause import PauseState
+from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
-from polar_lab.types import ModelCall, SamplingSpec, Session, derived_seed
+from polar_lab.types import SamplingSpec, Session, derived_seed
 
 
 class CallService:
@@ -104,23 +105,9 @@ class CallService:
 
     def record(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
         """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded."""
-        responded = time.time()
-        total_s = responded - call.timings["received"]
-        timings = {**call.timings, "responded": responded, "total_s": total_s,
-                   "proxy_s": total_s - call.timings["engine_s"] - call.timings.get("paused_s", 0.0)}
-        for choice in call.choices:
-            gen = choice.generation
-            self.store.append_call(ModelCall(
-                call_id=call_id(call.session.id, call.call_index, choice.index),
-                session_id=call.session.id, call_index=call.call_index, request_id=call.request_id,
-                choice_index=choice.index, api=call.api, model=call.model, prompt_ids=call.prompt_ids,
-                output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
-                output_versions=gen.output_versions,
-                policy_version=gen.output_versions[0] if gen.output_versions else self.engine.policy_version,
-                finish_reason=choice.finish_reason, stop_reason=gen.stop_reason,
-                sampling=_nth_sampling(call.sampling, choice.index),
-                request=request, response=response, render=call.render, parse=choice.parsed.info(),
-                timings=timings))
+        for record in model_calls(call, request, response, responded=time.time(),
+                                  engine_version=self.engine.policy_version):
+            self.store.append_call(record)
 
     def _check_tool_choice(self, req: CanonicalRequest) -> None:
         if isinstance(req.tool_choice, dict):
@@ -147,10 +134,6 @@ class CallService:
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
 
 
-def call_id(session_id: str, call_index: int, choice_index: int) -> str:
-    return f"{session_id}-{call_index:04d}-{choice_index}"
-
-
 def _override(spec: SamplingSpec, forced: dict[str, Any]) -> SamplingSpec:
     """Apply a session's forced sampling (RL rollouts and evaluations fix temperature/seed whatever the
     harness asks). `max_tokens` there is a cap, never a raise."""
@@ -168,13 +151,6 @@ def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
     if spec.seed is None or i == 0:
         return spec
     return replace(spec, seed=derived_seed(spec.seed, i))
-
-
-def _nth_sampling(sampling: dict[str, Any], i: int) -> dict[str, Any]:
-    """The recorded sampling of choice i: its own seed (see `_nth_seed`)."""
-    if sampling.get("seed") is None or i == 0:
-        return sampling
-    return {**sampling, "seed": derived_seed(sampling["seed"], i)}
 
 
 def _spec_dict(spec: SamplingSpec) -> dict[str, Any]:

@@ -98,3 +98,50 @@ def test_truncated_runs_are_masked_when_asked():
     off = build_batch([g], GRPOConfig(mask_truncated_completions=False), 0)
     assert g.sessions[0].id not in {s.session_id for s in on.samples}
     assert g.sessions[0].id in {s.session_id for s in off.samples}
+
+
+def test_the_batch_statistics_by_hand():
+    import math
+    import statistics
+
+    import torch
+
+    informative, alike, crashed = _group([1.0, 0.0]), _group([1.0, 1.0]), _group([1.0, None, 0.0])
+    stale = _group([1.0, 0.0], version=-1)
+    batch = build_batch([informative, alike, crashed, stale], GRPOConfig(max_staleness=1, scale_rewards="none"),
+                        trainer_version=1)
+    rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # every scored run, stale ones included
+    assert batch.stats == pytest.approx({
+        "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs": 4, "trajectories": 4, "tokens": 16,
+        "reward_mean": statistics.mean(rewards), "reward_std": statistics.stdev(rewards),
+        "staleness_mean": 1.0, "staleness_max": 1})
+    sample = batch.samples[0]
+    assert (sample.input_ids.dtype, sample.versions.dtype) == (torch.long, torch.long)
+    assert (sample.weights.dtype, sample.behavior_logprobs.dtype) == (torch.float32, torch.float32)
+    assert sample.temperature == 1.0 and isinstance(sample.temperature, float)
+
+    empty = build_batch([_group([1.0, None])], GRPOConfig(), trainer_version=0)  # nothing to train on
+    assert empty.samples == [] and empty.stats["tokens"] == 0 and empty.stats["reward_std"] == 0.0
+    assert empty.stats["staleness_max"] == 0 and math.isnan(empty.stats["staleness_mean"])
+    assert math.isnan(build_batch([], GRPOConfig(), trainer_version=0).stats["reward_mean"])
+
+
+def test_a_group_without_sampled_tokens_is_never_stale():
+    from polar_lab.grpo.batch import group_staleness
+
+    nothing = Group(task={}, sessions=[Session(id="x", key="", reward=None)], trajectories=[])
+    assert group_staleness(nothing, trainer_version=5) == 0
+    assert split_stale([nothing], trainer_version=5, max_staleness=0) == ([nothing], [])
+
+
+def test_group_scaled_advantages_divide_by_the_std_plus_eps_exactly():
+    import math
+
+    g = _group([1.0, 0.0])
+    adv = run_advantages([g], "group", eps=1e-4)
+    assert adv[g.sessions[0].id] == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), rel=1e-12)
+
+
+def test_zero_advantage_groups_are_counted():
+    groups = [_group([1.0, 0.0]), _group([1.0, 1.0]), _group([0.0, 0.0])]
+    assert build_batch(groups, GRPOConfig(), trainer_version=0).stats["groups_zero_advantage"] == 2

@@ -70,3 +70,81 @@ def test_the_kl_term_is_k3_with_its_gradient_scaled_by_beta(delta):
     assert float(loss.detach()) == pytest.approx(0.25 * k3, rel=1e-5)  # weights 1/2 each: the mean
     # d/dlogp of β·k3 = β·(1 − e^x), times the token weight 1/2
     assert logp.grad[0].tolist() == pytest.approx([0.25 * (1 - math.exp(delta)) / 2] * 2, rel=1e-5)
+
+
+def _by_hand_batch():
+    """Two samples, three positions; every number of the loss worked out below."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -2.2]])
+    ratio = torch.tensor([[1.0, 1.5, 0.5], [2.0, 1.0, 1.0]])
+    pi_old_over_mu = torch.tensor([[1.0, 3.0, 1.0], [0.5, 1.0, 1.0]])
+    weights = torch.tensor([[0.5, 0.25, 0.0], [1.0, 0.0, 0.5]])  # 0 = not trained (prompt, padding)
+    return old + ratio.log(), old, old - pi_old_over_mu.log(), torch.tensor([1.0, -1.0]), weights
+
+
+def test_policy_loss_and_its_statistics_match_the_numbers_by_hand():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, GRPOConfig(epsilon=0.2, epsilon_high=0.28,
+                                                                                  tis_cap=2.0))
+    # pg = -min(r·A, clip(r, 0.8, 1.28)·A):   row 0 (A=+1): -1, -1.28, -0.5   row 1 (A=-1): 2, 1, 1
+    # TIS weight min(π_old/μ, 2):           row 0: 1, 2, 1                     row 1: 0.5, 1, 1
+    # Σ pg·w_IS·c = (-0.5 - 0.64 + 0) + (1.0 + 0 + 0.5) = 0.36
+    assert loss.item() == pytest.approx(0.36) and stats["pg_loss"].item() == pytest.approx(0.36)
+    assert stats["loss"].item() == pytest.approx(0.36) and not stats["loss"].requires_grad
+    assert stats["tokens"].item() == 4  # positions with weight > 0
+    assert stats["clipped"].item() == 1  # r = 1.5 > 1.28 with A > 0; r = 0.5 < 0.8 has A > 0, r = 2 has A < 0
+    assert stats["is_capped"].item() == 1  # π_old/μ = 3 > 2
+    assert stats["kl_sum"].item() == 0 and stats["kl_weighted"].item() == 0
+    assert torch.allclose(stats["log_is"], torch.tensor([0.0, math.log(3.0), math.log(0.5), 0.0]))
+
+
+def test_without_a_tis_cap_tokens_are_not_reweighted_and_a_zero_beta_ignores_the_reference():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    ref = logp + 0.3
+    loss, stats = policy_loss(logp, old, behavior, ref, adv, weights, GRPOConfig(tis_cap=None, beta=0.0))
+    # Σ pg·c without TIS weights: (-0.5 - 0.32 + 0) + (2.0 + 0 + 0.5) = 1.68
+    assert loss.item() == pytest.approx(1.68) and stats["is_capped"].item() == 0
+    assert stats["kl_sum"].item() == 0 and stats["kl_weighted"].item() == 0
+
+
+def test_the_kl_statistics_sum_k3_over_trained_tokens():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    delta = torch.tensor([[0.1, -0.2, 5.0], [0.3, 7.0, -0.4]])  # large values at untrained positions
+    loss, stats = policy_loss(logp, old, behavior, logp + delta, adv, weights, GRPOConfig(beta=0.5))
+    k3 = delta.exp() - delta - 1
+    assert stats["kl_sum"].item() == pytest.approx(k3[weights > 0].sum().item())
+    assert stats["kl_weighted"].item() == pytest.approx((k3 * weights).sum().item())
+    assert loss.item() == pytest.approx(stats["pg_loss"].item() + 0.5 * stats["kl_weighted"].item())
+
+
+@pytest.mark.parametrize("adv", [0.0, -1.0])
+def test_a_token_is_counted_clipped_only_where_the_clip_bites(adv):
+    logp, old = torch.tensor([[0.0, math.log(2.0)]]), torch.zeros(1, 2)  # ratios 1 and 2
+    _, stats = policy_loss(logp, old, old, None, torch.tensor([adv]), torch.ones(1, 2), GRPOConfig())
+    assert stats["clipped"].item() == 0  # ratio 1 never; ratio 2 only with a positive advantage
+
+
+def test_token_logprobs_are_the_tempered_log_softmax_of_the_next_token():
+    from types import SimpleNamespace
+
+    from polar_lab.grpo.loss import token_logprobs
+
+    torch.manual_seed(0)
+    table = torch.randn(11, 11)
+
+    def model(input_ids, attention_mask):  # logits depend on the token and on the mask, as a real model's do
+        return SimpleNamespace(logits=table[input_ids] * (1.0 + attention_mask[..., None]))
+
+    ids = torch.tensor([[1, 5, 2, 7], [3, 3, 9, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    temps = torch.tensor([1.0, 0.5])
+    got = token_logprobs(model, ids, mask, temps)
+    logits = (table[ids] * (1.0 + mask[..., None]))[:, :-1] / temps[:, None, None]
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert got.shape == (2, 3) and torch.allclose(got, want, atol=1e-6)
+
+
+def test_a_low_ratio_counts_as_clipped_only_with_a_negative_advantage():
+    logp, old = torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1)  # ratio 0.5 < 1 - epsilon
+    for adv, clipped in ((0.5, 0), (0.0, 0), (-0.5, 1)):
+        _, stats = policy_loss(logp, old, old, None, torch.tensor([adv]), torch.ones(1, 1), GRPOConfig())
+        assert stats["clipped"].item() == clipped

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache
+from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache, common_prefix_len
 from polar_lab.templates import with_empty_think
 
 SYSTEM = {"role": "system", "content": "You are careful."}
@@ -78,6 +78,7 @@ def test_tip_cache_is_bounded_per_session_and_in_sessions():
     cache.add("b", Tip("b", "", []))
     cache.add("c", Tip("c", "", []))
     assert cache.get("a") == [] and cache.get("c")[0].call_id == "c"
+    assert [t.call_id for t in cache.get("b")] == ["b"]  # the two newest sessions stay
 
 
 # Piece-wise tokenisation must give exactly the ids of whole-text tokenisation. The texts mix the model's
@@ -109,12 +110,156 @@ def test_piece_encoder_equals_whole_text_tokenisation(tokenizer, which):
     assert any(len(piece) >= pieces.min_cached_chars for piece in pieces._cache)  # the system prompt + tools
 
 
-def test_piece_encoder_refuses_tokenizers_whose_added_tokens_strip_whitespace(model_path):
+@pytest.mark.parametrize("strip", ["lstrip", "rstrip", "single_word"])
+def test_piece_encoder_refuses_tokenizers_whose_added_tokens_strip_whitespace(model_path, strip):
+    from tokenizers import AddedToken
+
+    tokenizer = _with_bos(model_path)  # and a BOS the post-processor adds: never inside a prompt
+    tokenizer.add_tokens([AddedToken("<mask>", **{strip: True})])
+    assert not PieceEncoder(tokenizer).exact  # then every text is tokenised whole
+    renderer = Renderer(tokenizer)
+    assert renderer.encode("a <mask> b") == tokenizer.encode("a <mask> b", add_special_tokens=False)
+
+
+def _with_bos(model_path):
+    """The model's tokenizer with a post-processor that adds a BOS token, as Llama-family tokenizers do."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    bos = "<|endoftext|>"
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    assert tokenizer.encode("hi")[0] == tokenizer.convert_tokens_to_ids(bos)  # the BOS is really added
+    return tokenizer
+
+
+def test_pieces_never_carry_the_bos_a_post_processor_adds(model_path):
+    tokenizer = _with_bos(model_path)
+    text = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n" + "long system prompt " * 20
+    assert PieceEncoder(tokenizer).encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_piece_encoder_matches_the_longest_added_token_like_the_tokenizer(model_path):
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.add_tokens([AddedToken("<mask>", lstrip=True)])
-    assert not PieceEncoder(tokenizer).exact  # then every text is tokenised whole
-    renderer = Renderer(tokenizer)
-    assert renderer.encode("a <mask> b") == tokenizer.encode("a <mask> b", add_special_tokens=False)
+    tokenizer.add_tokens([AddedToken("<x>", normalized=False), AddedToken("<x>y", normalized=False)])
+    pieces = PieceEncoder(tokenizer)  # one added token is a prefix of the other: the longer one wins
+    assert pieces.exact
+    for text in ["<x>y", "a<x>yb<x>", "<x><x>y", "<x>"]:
+        assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False), text
+    assert tokenizer.encode("<x>y", add_special_tokens=False) == [pieces._ids["<x>y"]]
+
+
+def test_pieces_split_at_added_tokens_and_long_ones_come_from_a_bounded_cache(tokenizer):
+    pieces = PieceEncoder(tokenizer, min_cached_chars=5, max_entries=2)
+    encoded, backend = [], pieces.backend
+
+    class Counting:  # the real backend, recording what it is asked to tokenise
+        def encode(self, text, add_special_tokens):
+            encoded.append(text)
+            return backend.encode(text, add_special_tokens=add_special_tokens)
+
+    pieces.backend = Counting()
+    text = "<|im_start|>abcd<|im_end|>abcde<|im_end|>"
+    assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert encoded == ["abcd", "abcde"]  # split at the added tokens, never across them
+    assert list(pieces._cache) == ["abcde"]  # 5 characters and more are cached, 4 are not
+    encoded.clear()
+    assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert encoded == ["abcd"]  # the long piece came from the cache
+    pieces.encode("fghij")
+    pieces.encode("klmno")
+    assert list(pieces._cache) == ["fghij", "klmno"]  # at most 2 entries; the least recently used goes
+
+
+def test_a_tokenizer_without_a_fast_backend_is_tokenised_whole():
+    class Plain:  # a slow (pure-Python) tokenizer has no backend_tokenizer
+        def encode(self, text, add_special_tokens):
+            return [ord(c) for c in text] if not add_special_tokens else [0] + [ord(c) for c in text]
+
+    pieces = PieceEncoder(Plain())
+    assert not pieces.exact and pieces.encode("ab") == [97, 98]
+
+
+def test_a_continued_render_says_what_it_reused_and_what_it_appended(tokenizer):
+    r = Renderer(tokenizer)
+    tip = _tip(r, [SYSTEM, USER], "The answer is 5.")
+    follow = [SYSTEM, USER, {"role": "assistant", "content": "The answer is 5."}, {"role": "user", "content": "x"}]
+    rendered = r.render(follow, [], prefill="<tool_call>\n", tips=[tip])
+    info = rendered.info
+    assert info["mode"] == "continued" and info["reused_tokens"] == len(tip.ids)
+    assert rendered.text.endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert info["prompt_chars"] == len(rendered.text) and info["prefill"] == "<tool_call>\n"
+    assert 0 <= info["render_s"] < 5
+
+
+def test_tools_reach_the_template_and_a_template_error_is_the_callers(tokenizer):
+    from polar_lab.errors import RequestError
+    from polar_lab.harness import CALC_TOOL
+
+    r = Renderer(tokenizer)
+    assert '"calculator"' in r.render([SYSTEM, USER], [CALC_TOOL]).text
+    assert '"calculator"' not in r.render([SYSTEM, USER], []).text
+    with pytest.raises(RequestError, match="chat template cannot render these messages: no") as caught:
+        r.render([USER], [], chat_template="{{ raise_exception('no') }}")
+    assert caught.value.param == "messages"
+
+
+def test_forced_prefill_opens_a_tool_call_in_the_templates_shape(tokenizer):
+    import copy
+
+    r = Renderer(tokenizer)
+    assert r.supports_tool_calls
+    assert r.forced_prefill({"name": "calculator"}) == '<tool_call>\n{"name": "calculator", "arguments":'
+    assert r.forced_prefill("required") == '<tool_call>\n{"name": "'
+    assert r.forced_prefill("auto") == "" and r.forced_prefill("none") == ""
+    plain = copy.copy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert not Renderer(plain).supports_tool_calls and Renderer(plain).forced_prefill("required") == ""
+
+
+def test_the_divergence_is_measured_from_the_closest_tip(tokenizer):
+    r = Renderer(tokenizer)
+    far = _tip(r, [SYSTEM, USER], "Nothing alike.", call_id="far")
+    near = _tip(r, [SYSTEM, USER], "The answer is 5.", call_id="near")
+    edited = [SYSTEM, USER, {"role": "assistant", "content": "The answer is 6."}, {"role": "user", "content": "ok"}]
+    for tips in ([far, near], [near, far]):
+        div = r.render(edited, [], tips=tips).info["divergence"]
+        assert div["from_call"] == "near" and div["tip_chars"] == len(near.text)
+
+
+def test_a_divergence_near_the_start_keeps_the_context_there_is(tokenizer):
+    r = Renderer(tokenizer)
+    tip = _tip(r, [SYSTEM, USER], "5")
+    other = r.render([{"role": "system", "content": "Zzz."}, USER], [], tips=[tip])
+    div = other.info["divergence"]
+    at = div["char"]
+    assert 0 < at < 40 and other.text[:at] == tip.text[:at] != other.text[:at + 1]
+    assert div["prompt_context"] == other.text[:at + 40] and div["tip_context"] == tip.text[:at + 40]
+
+
+def test_token_at_finds_the_token_that_holds_each_character(tokenizer):
+    r = Renderer(tokenizer)
+    ids = r.encode("<|im_start|>user\nWhat is 12*7+5?")
+    ends = [len(r.decode(ids[:i + 1])) for i in range(len(ids))]  # where each token's text ends
+    for char in range(ends[-1]):
+        assert r._token_at(ids, char) == next(i for i, end in enumerate(ends) if end > char), char
+
+
+@pytest.mark.parametrize("a, b, n", [("", "", 0), ("abc", "xyz", 0), ("abc", "abd", 2), ("abc", "abc", 3),
+                                     ("ab", "abc", 2), ("abc", "ab", 2), ("a" * 999 + "x", "a" * 999 + "y", 999)])
+def test_common_prefix_len(a, b, n):
+    assert common_prefix_len(a, b) == n
+
+
+def test_decode_is_exact_whatever_the_tokenizers_cleanup_default(model_path):
+    from transformers import AutoTokenizer
+
+    text = "a , b . c 's d ! <|im_end|>"
+    for cleanup in (False, True):
+        tokenizer = AutoTokenizer.from_pretrained(model_path, clean_up_tokenization_spaces=cleanup)
+        r = Renderer(tokenizer)
+        assert r.decode(r.encode(text)) == text

@@ -153,3 +153,34 @@ def test_a_500_is_in_the_callers_shape_and_the_connection_stays_usable(scripted_
         assert err["type"] == "server_error" and "ZeroDivisionError" in err["message"]
         status, _, payload = _http(sock, body, s.key)  # the same connection, the next request
     assert status == 200 and orjson.loads(payload)["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("kind, bad, good", [
+    ("Temperature", [-0.01, float("nan"), float("inf")], [0.0, 2.0]),
+    ("AnthropicTemperature", [1.01, -0.5], [0.0, 1.0]),
+    ("TopP", [0.0, 1.01, float("nan")], [1e-9, 1.0]),
+    ("Penalty", [-2.01, 2.01], [-2.0, 2.0]),
+    ("WholeTopK", [-1, -1.0, 2.0**53 + 2], [0, 40, 40.0]),
+])
+def test_each_sampling_type_holds_its_bounds(kind, bad, good):
+    from pydantic import TypeAdapter, ValidationError
+
+    from polar_lab.proxy import sampling
+
+    adapter = TypeAdapter(getattr(sampling, kind))
+    for value in good:
+        assert adapter.validate_python(value) == value
+    for value in bad:
+        with pytest.raises(ValidationError):
+            adapter.validate_python(value)
+
+
+def test_stop_and_whole_numbers_as_the_engine_takes_them():
+    from polar_lab.errors import RequestError
+    from polar_lab.proxy.sampling import stop_tuple, whole
+
+    assert stop_tuple("ab") == ("ab",) and stop_tuple(["x", "", "y"]) == ("x", "y") and stop_tuple(None) == ()
+    assert whole(40.0, param="topK") == 40 and whole(None, param="topK") is None
+    with pytest.raises(RequestError, match="topK must be a whole number, got 2.5") as caught:
+        whole(2.5, param="topK")
+    assert caught.value.param == "topK"

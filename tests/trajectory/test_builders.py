@@ -60,3 +60,74 @@ def test_longest_matching_chain_wins():
 
 def test_sessions_never_merge_with_each_other():
     assert len(prefix_merging([TURN1, call("t", 0, [1, 2, 3, 4, 5, 6], [7])])) == 2
+
+
+def _with(record, **fields):
+    for name, value in fields.items():
+        setattr(record, name, value)
+    return record
+
+
+def test_every_trajectory_knows_its_session_chain_and_sampling_temperature():
+    hot = _with(call("s", 0, [1, 2], [3]), sampling={"temperature": 0.7})
+    unset = _with(call("t", 0, [1], [2]), sampling={})  # a harness that sent none: the engine's 1.0
+    merged = prefix_merging([hot, unset])  # chains are numbered within their session
+    assert [(t.session_id, t.chain_index, t.temperature) for t in merged] == [("s", 0, 0.7), ("t", 0, 1.0)]
+    one_each = per_request([hot, unset])  # one sample per call, numbered in order
+    assert [(t.session_id, t.chain_index, t.temperature) for t in one_each] == [("s", 0, 0.7), ("t", 1, 1.0)]
+
+
+def test_a_call_cut_by_max_tokens_marks_its_chain_truncated():
+    cut = _with(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), finish_reason="length")
+    (chain,) = prefix_merging([TURN1, cut])
+    assert chain.truncated is True
+    (whole,) = prefix_merging([TURN1, TURN2])
+    assert whole.truncated is False
+
+
+def test_a_chain_sampled_at_two_temperatures_says_so():
+    cooler = _with(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), sampling={"temperature": 0.5})
+    (mixed,) = prefix_merging([TURN1, cooler])
+    assert mixed.temperature == 1.0 and mixed.info.get("mixed_temperatures") is True
+    (same,) = prefix_merging([TURN1, TURN2])
+    assert "mixed_temperatures" not in same.info
+
+
+def test_a_prompt_equal_to_the_whole_chain_extends_it():
+    again = call("s", 1, [1, 2, 3, 4, 5], [6])  # the template added nothing after the model's turn
+    (chain,) = prefix_merging([TURN1, again])
+    assert chain.token_ids == [1, 2, 3, 4, 5, 6] and chain.loss_mask == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_break_names_its_session_the_new_chain_and_the_closest_chain():
+    first = call("s", 0, [1, 2, 3], [4, 5])  # chain 0: 1 2 3 4 5
+    other = call("s", 1, [1, 9], [9])  # chain 1: 1 9 9 (shares 1 token with chain 0)
+    third = call("s", 2, [1, 9, 8, 7], [3])  # shares 2 tokens with chain 1, 1 with chain 0: a break
+    breaks = []
+    chains = prefix_merging([first, other, third], on_break=breaks.append)
+    assert len(chains) == 3
+    closest = breaks[-1]
+    assert (closest.session_id, closest.call_id, closest.new_chain) == ("s", "s-2", 2)
+    assert (closest.closest_chain, closest.common_tokens, closest.chain_tokens) == (1, 2, 3)
+
+
+def test_calls_without_a_temperature_are_all_at_the_engines_default():
+    first = _with(call("s", 0, [1, 2, 3], [4, 5]), sampling={})
+    second = _with(call("s", 1, [1, 2, 3, 4, 5, 6], [7]), sampling={})
+    (chain,) = prefix_merging([first, second])
+    assert chain.temperature == 1.0 and "mixed_temperatures" not in chain.info
+
+
+def test_a_retry_that_sampled_further_is_the_chain_later_turns_extend():
+    short = call("s", 0, [1], [2, 3])  # chain 0: 1 2 3
+    retry = call("s", 1, [1], [2, 3, 4])  # the same prompt sampled again, further: chain 1: 1 2 3 4
+    later = call("s", 2, [1, 2, 3, 4, 5], [6])  # both chains are prefixes of it: the longer one wins
+    chains = prefix_merging([short, retry, later])
+    assert [c.token_ids for c in chains] == [[1, 2, 3], [1, 2, 3, 4, 5, 6]]
+
+
+def test_a_break_with_two_equally_close_chains_names_the_first():
+    breaks = []
+    prefix_merging([call("s", 0, [1, 2], [3]), call("s", 1, [1, 5], [6]), call("s", 2, [1, 7], [8])],
+                   on_break=breaks.append)
+    assert [(b.new_chain, b.closest_chain, b.common_tokens) for b in breaks] == [(1, 0, 1), (2, 0, 1)]

@@ -1,0 +1,51 @@
+"""What is written for one served call: one ModelCall per choice, the token-level record training reads.
+
+Pure (no I/O): `CallService.record` writes what `model_calls` returns, before the response leaves the proxy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polar_lab.proxy.canonical import CompletedCall
+from polar_lab.types import ModelCall, derived_seed
+
+
+def call_id(session_id: str, call_index: int, choice_index: int) -> str:
+    """`<session>-<call index, 4 digits>-<choice>`: sorts in arrival order within a session.
+
+    >>> call_id("s1", 7, 2)
+    's1-0007-2'
+    """
+    return f"{session_id}-{call_index:04d}-{choice_index}"
+
+
+def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str, Any], *, responded: float,
+                engine_version: int) -> list[ModelCall]:
+    """The records of `call`, answered at unix time `responded`. A choice that sampled no token carries
+    `engine_version` (the engine's version when it answered) as its policy version."""
+    total_s = responded - call.timings["received"]
+    timings = {**call.timings, "responded": responded, "total_s": total_s,
+               "proxy_s": total_s - call.timings["engine_s"] - call.timings.get("paused_s", 0.0)}
+    records = []
+    for choice in call.choices:
+        gen = choice.generation
+        records.append(ModelCall(
+            call_id=call_id(call.session.id, call.call_index, choice.index),
+            session_id=call.session.id, call_index=call.call_index, request_id=call.request_id,
+            choice_index=choice.index, api=call.api, model=call.model, prompt_ids=call.prompt_ids,
+            output_ids=gen.output_ids, output_logprobs=gen.output_logprobs, output_versions=gen.output_versions,
+            policy_version=gen.output_versions[0] if gen.output_versions else engine_version,
+            finish_reason=choice.finish_reason, stop_reason=gen.stop_reason,
+            sampling=nth_sampling(call.sampling, choice.index),
+            request=request, response=response, render=call.render, parse=choice.parsed.info(),
+            timings=timings))
+    return records
+
+
+def nth_sampling(sampling: dict[str, Any], i: int) -> dict[str, Any]:
+    """The recorded sampling of choice i: choice 0 keeps the request's seed, choice i > 0 its derived seed
+    (what the engine sampled it with, see `types.derived_seed`)."""
+    if sampling.get("seed") is None or i == 0:
+        return sampling
+    return {**sampling, "seed": derived_seed(sampling["seed"], i)}

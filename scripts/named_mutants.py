@@ -1,0 +1,95 @@
+"""Named mutants: the broken builds that once passed the suite (issue 14), each applied to the source for a
+moment to show that the test named for it now fails. `make mutants` runs mutmut's generated mutants; these are
+the hand-written ones it cannot generate (a record moved after the response, a deadline deleted...).
+
+    .venv/bin/python scripts/named_mutants.py            # all of them (~5 min on 2 cores)
+    .venv/bin/python scripts/named_mutants.py versions   # the ones whose name contains "versions"
+
+Each mutant edits files in place and restores them in a `finally`, so do not run it beside other work on the
+checkout. Exit status 1 when any mutant survives.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str
+    edits: list[tuple[str, str]]  # (exact old text, new text), each must occur once
+    tests: list[str]  # pytest node ids that must fail on it
+
+
+MUTANTS = [
+    Mutant("continuity re-tokenises the whole prompt", "polar_lab/proxy/render.py",
+           [("ids = tip.ids + self.encode(text[len(tip.text):])", "ids = self.encode(text)")],
+           ["tests/proxy/test_render.py::test_a_continued_prompt_reuses_the_sampled_ids_verbatim"]),
+    Mutant("versions of a call spanning a sync are all the default", "polar_lab/engine/base.py",
+           [("    for version, start, end in spans:\n", "    for version, start, end in []:\n")],
+           ["tests/engine/test_base.py"]),
+    Mutant("record written after the response (a background task)", "polar_lab/proxy/http.py",
+           [("    service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded\n",
+             "    from starlette.background import BackgroundTask\n"
+             "    later = BackgroundTask(service.record, call, raw, response)\n"),
+            ('media_type="text/event-stream")', 'media_type="text/event-stream", background=later)'),
+            ('return Response(orjson.dumps(response), media_type="application/json")',
+             'return Response(orjson.dumps(response), media_type="application/json", background=later)')],
+           ["tests/proxy/test_http_errors.py::test_no_byte_of_a_response_leaves_before_its_record_is_written"]),
+    Mutant("a trainer rank's deadline deleted", "polar_lab/grpo/distributed.py",
+           [("            if time.monotonic() > deadline:\n", "            if False:\n")],
+           ["tests/grpo/test_distributed.py::test_a_rank_that_dies_or_hangs_is_an_error_not_a_hang[hangs]"]),
+    Mutant("the loss without beta * kl", "polar_lab/grpo/loss.py",
+           [("        per_token = per_token + config.beta * kl\n", "")],
+           ["tests/grpo/test_loss.py::test_the_kl_term_is_k3_with_its_gradient_scaled_by_beta"]),
+    Mutant("k1 instead of k3", "polar_lab/grpo/loss.py",
+           [("kl = delta.exp() - delta - 1", "kl = -delta")],
+           ["tests/grpo/test_loss.py"]),
+    Mutant("OpenAI top_logprobs the least likely, not the most", "polar_lab/proxy/apis/openai_chat.py",
+           [("key=lambda kv: -kv[1])[:top_k]", "key=lambda kv: kv[1])[:top_k]")],
+           ["tests/integration/test_openai_sdk.py::test_logprobs_and_top_logprobs_are_the_samplers_own"]),
+]
+
+
+def run(mutant: Mutant) -> tuple[bool, float, str]:
+    path = ROOT / mutant.file
+    original = path.read_text()
+    text = original
+    for old, new in mutant.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{mutant.name}: {old!r} occurs {text.count(old)} times in {mutant.file}; "
+                             f"update this script to the code")
+        text = text.replace(old, new)
+    t0 = time.monotonic()
+    try:
+        path.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "--timeout=300", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR", "E  "))]
+    return proc.returncode != 0, time.monotonic() - t0, (lines[:2] or proc.stdout.splitlines()[-1:])[0] \
+        if (lines or proc.stdout) else ""
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not argv or any(a in m.name for a in argv)]
+    survived = 0
+    for mutant in chosen:
+        killed, seconds, evidence = run(mutant)
+        survived += not killed
+        print(f"{'killed  ' if killed else 'SURVIVED'} {seconds:6.1f} s  {mutant.name}  ({mutant.file})")
+        print(f"         {evidence[:160]}")
+    print(f"{len(chosen) - survived} of {len(chosen)} named mutants killed")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
