@@ -9,6 +9,7 @@ weighs as much as one that did not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,20 +56,23 @@ def split_stale(groups: list[Group], trainer_version: int, max_staleness: int) -
     return fresh, stale
 
 
-def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4) -> dict[str, float]:
+def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4,
+                   masked: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
     """session id → advantage (reward minus its group's mean, optionally over a std).
 
-    Runs with reward None (crashed, timed out) are left out. Groups with fewer than two scored runs or
-    with all rewards equal carry no signal and are skipped (absent from the result).
+    Runs with reward None (crashed, timed out) and the `masked` ones are left out. Groups with fewer than two
+    scored runs or with all rewards equal carry no signal and are skipped (absent from the result). The "batch"
+    std is TRL's: over every scored reward of the groups, those without spread too.
 
     >>> from polar_lab.types import Session
     >>> g = Group(task={}, sessions=[Session(id=i, key="", reward=r) for i, r in (("a", 1.0), ("b", 0.0))])
     >>> run_advantages([g], "none")
     {'a': 0.5, 'b': -0.5}
     """
-    scored = [[(s.id, s.reward) for s in g.sessions if s.reward is not None] for g in groups]
-    scored = [runs for runs in scored if len(runs) >= 2 and _std([r for _, r in runs]) > 0]
+    scored = [[(s.id, s.reward) for s in g.sessions if s.reward is not None and s.id not in masked]
+              for g in groups]
     batch_std = _std([r for runs in scored for _, r in runs])
+    scored = [runs for runs in scored if len(runs) >= 2 and _std([r for _, r in runs]) > 0]
     out = {}
     for runs in scored:
         rewards = [r for _, r in runs]
@@ -79,20 +83,27 @@ def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4) -
 
 
 def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -> Batch:
-    """Stale groups out, advantages in, one Sample per trajectory of an informative run."""
+    """Stale groups out, advantages in, one Sample per trajectory of an informative run.
+
+    The loss normaliser is TRL's: it counts every scored run of the step's fresh groups (and its tokens),
+    the runs of groups without reward spread included, though only informative runs get samples. A run
+    masked for truncation counts as a run with no tokens, as a fully masked completion does in TRL."""
     fresh, stale = split_stale(groups, trainer_version, config.max_staleness)
-    advantages = run_advantages(fresh, config.scale_rewards)
-    trajs = [t for g in fresh for t in g.trajectories if t.session_id in advantages and any(t.loss_mask)]
-    if config.mask_truncated_completions:
-        truncated = {t.session_id for t in trajs if t.truncated}
-        trajs = [t for t in trajs if t.session_id not in truncated]
-    weights = _token_weights(trajs, config)
-    samples = [_sample(t, advantages[t.session_id], w) for t, w in zip(trajs, weights)]
+    nonfinite = {t.session_id for g in fresh for t in g.trajectories if not _finite_behaviour(t)}
+    advantages = run_advantages(fresh, config.scale_rewards, masked=nonfinite)
+    scored = {s.id for g in fresh for s in g.sessions if s.reward is not None and s.id not in nonfinite}
+    population = [t for g in fresh for t in g.trajectories if t.session_id in scored]
+    truncated = {t.session_id for t in population if t.truncated} if config.mask_truncated_completions else set()
+    weight = _normaliser(scored, [t for t in population if t.session_id not in truncated], config)
+    trajs = [t for t in population
+             if t.session_id in advantages and t.session_id not in truncated and any(t.loss_mask)]
+    samples = [_sample(t, advantages[t.session_id], weight(t.session_id)) for t in trajs]
     staleness = [trainer_version - v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
     rewards = [s.reward for g in groups for s in g.sessions if s.reward is not None]
     stats = {
         "groups": len(groups), "groups_stale": len(stale),
         "groups_zero_advantage": sum(not any(s.id in advantages for s in g.sessions) for g in fresh),
+        "runs_nonfinite": len(nonfinite), "runs_scored": len(scored),
         "runs": len({t.session_id for t in trajs}), "trajectories": len(trajs),
         "tokens": sum(s.num_tokens for s in samples),
         "reward_mean": _mean(rewards), "reward_std": _std(rewards),
@@ -101,18 +112,27 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
     return Batch(samples=samples, stats=stats)
 
 
-def _token_weights(trajs: list[Trajectory], config: GRPOConfig) -> list[float]:
-    """The per-token normalisation coefficient of each trajectory, by loss_type (see config help)."""
-    run_tokens: dict[str, int] = {}
-    for t in trajs:
-        run_tokens[t.session_id] = run_tokens.get(t.session_id, 0) + sum(t.loss_mask)
-    runs = len(run_tokens)  # every trajectory here trains at least one token, so no count below is 0
+def _finite_behaviour(t: Trajectory) -> bool:
+    """Every trained token has a finite sampler logprob. A NaN or inf one would make its TIS weight, the loss
+    and every gradient non-finite: such a run is masked (like a crashed one) and counted."""
+    return all(math.isfinite(lp) for lp, m in zip(t.behavior_logprobs, t.loss_mask) if m)
+
+
+def _normaliser(scored: set[str], counted: list[Trajectory], config: GRPOConfig) -> Callable[[str], float]:
+    """session id → the per-token coefficient of its trained tokens, by loss_type (TRL's definitions):
+        dapo      1 / (sampled tokens of every scored run)
+        dr_grpo   1 / (scored runs × max_completion_length)
+        grpo      1 / (scored runs × sampled tokens of this run)
+    `counted` are the trajectories whose tokens count. Only runs with a trained token ask, so no count is 0."""
+    run_tokens = dict.fromkeys(scored, 0)
+    for t in counted:
+        run_tokens[t.session_id] += sum(t.loss_mask)
+    runs, total = len(scored), sum(run_tokens.values())
     if config.loss_type == "dapo":
-        total = sum(run_tokens.values())
-        return [1.0 / total for _ in trajs]
+        return lambda sid: 1.0 / total
     if config.loss_type == "dr_grpo":
-        return [1.0 / (runs * config.max_completion_length) for _ in trajs]
-    return [1.0 / (runs * run_tokens[t.session_id]) for t in trajs]  # grpo
+        return lambda sid: 1.0 / (runs * config.max_completion_length)
+    return lambda sid: 1.0 / (runs * run_tokens[sid])  # grpo
 
 
 def _sample(t: Trajectory, advantage: float, weight: float) -> Sample:

@@ -44,12 +44,22 @@ class GRPOConfig:
                                     "pi_behaviour, cap) using the engine's logprobs; None = off")
     mask_truncated_completions: bool = _f(False, "leave runs with a call cut by max_tokens out of the loss")
     num_iterations: int = _f(1, "optimiser steps per batch (PPO epochs); >1 makes the clip active")
+    fidelity_warn_nats: float = _f(0.1, "warn when a fully on-policy batch's mean |log pi_old - log mu| (trainer "
+                                        "vs engine logprob of the same token) exceeds this: the two are not "
+                                        "computing the same distribution (truncated sampling, dtype, template)")
+    max_nonfinite_updates: int = _f(3, "updates in a row whose gradient norm is NaN/inf (steps skipped, nothing "
+                                       "synced) before training stops with an error")
 
     # ---- optimiser -------------------------------------------------------------------------------
     learning_rate: float = _f(1e-4, "AdamW learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    weight_decay: float = _f(0.0, "AdamW weight decay (never on biases, norms and embeddings)")
     adam_beta1: float = _f(0.9, "AdamW beta1")
-    adam_beta2: float = _f(0.99, "AdamW beta2")
+    adam_beta2: float = _f(0.999, "AdamW beta2 (TRL's default)")
+    lr_scheduler_type: str = _f("constant", "learning-rate schedule over max_steps x num_iterations optimiser "
+                                            "steps: constant, linear, cosine (TRL's names; TRL defaults to "
+                                            "linear, we to constant so that interactive steps beyond max_steps "
+                                            "keep learning)")
+    warmup_ratio: float = _f(0.0, "fraction of those steps the learning rate warms up from 0")
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm; None = no clipping")
     micro_batch_size: int = _f(32, "sequences per forward/backward (gradient accumulation over the batch)")
 
@@ -91,10 +101,14 @@ class GRPOConfig:
         _check(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), "
                                           f"got {self.num_generations}")
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
+                     "max_nonfinite_updates",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}")
         _check(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        _check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
+               f"lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
+        _check(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _check(0 < self.epsilon < 1, f"epsilon must be in (0, 1), got {self.epsilon}")
         _check(self.epsilon_high >= self.epsilon,
                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")

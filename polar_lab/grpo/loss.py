@@ -34,15 +34,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
     """Loss (a scalar) and detached per-batch sums for metrics. All tensors (B, T-1) except advantages (B,)."""
     trained = weights > 0
     adv = advantages[:, None]
-    ratio = torch.exp(logp - old_logp)
+    # Log-ratios are zeroed where nothing is trained *before* exp: a padded or prompt position whose log-ratio
+    # overflows would otherwise give exp = inf, and inf · weight 0 = NaN in every gradient.
+    ratio = torch.exp(torch.where(trained, logp - old_logp, 0.0))
     clipped = ratio.clamp(1 - config.epsilon, 1 + config.epsilon_high)
     pg = -torch.minimum(ratio * adv, clipped * adv)
-    log_is = (old_logp - behavior_logp).detach()
+    log_is = torch.where(trained, old_logp - behavior_logp, 0.0).detach()
     is_weight = torch.ones_like(log_is) if config.tis_cap is None else log_is.exp().clamp(max=config.tis_cap)
     per_token = pg * is_weight
     kl = torch.zeros_like(logp)
     if ref_logp is not None and config.beta > 0:
-        delta = ref_logp - logp
+        delta = torch.where(trained, ref_logp - logp, 0.0)
         kl = delta.exp() - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + config.beta * kl
     loss = (per_token * weights).sum()

@@ -32,24 +32,27 @@ def resolve_device(device: str) -> str:
 
 class Policy:
     def __init__(self, model_path: str, config: GRPOConfig, *, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, get_scheduler
 
-        torch.manual_seed(config.seed)
-        self.config = config
+        self.config = config  # nothing here draws random numbers: the kernel's torch RNG is left alone
         self.device = torch.device(device)
         # weights and optimizer state stay fp32 (bf16 weights would round Adam's ~lr-sized steps away);
         # dtype=bfloat16 runs the forward/backward under autocast
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self._autocast_dtype = _DTYPES[config.dtype]
         self.model.train()
+        disable_dropout(self.model)  # the sampler had none: with it, π_old ≠ μ before any step
         self.train_model = self.model  # DDP wraps this one (distributed.py)
         self.world_size = 1
         self.ref_model = None
         if config.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
-                                           betas=(config.adam_beta1, config.adam_beta2),
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(_param_groups(self.model, config.weight_decay), lr=config.learning_rate,
+                                           betas=(config.adam_beta1, config.adam_beta2))
+        total = config.max_steps * config.num_iterations
+        warmup = "_with_warmup" if config.lr_scheduler_type == "constant" and config.warmup_ratio else ""
+        self.scheduler = get_scheduler(config.lr_scheduler_type + warmup, self.optimizer,
+                                       num_warmup_steps=round(config.warmup_ratio * total), num_training_steps=total)
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps = 0
 
@@ -72,6 +75,7 @@ class Policy:
                 else:
                     totals.clipped += float(stats["clipped"])  # ratios move away from 1 only after a step
             totals.grad_norm = self._clip_and_step()
+            totals.skipped += not math.isfinite(totals.grad_norm)
         totals.iterations = self.config.num_iterations
         self.steps += 1
         return totals
@@ -144,13 +148,19 @@ class Policy:
         return contextlib.nullcontext()
 
     def _clip_and_step(self) -> float:
+        """Clip and step; a non-finite gradient norm skips the step (the weights stay as they were) and is
+        returned as NaN. Every rank sees the same norm after the all-reduce, so every rank skips together."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.)
+        if not math.isfinite(float(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float("nan")
         self.optimizer.step()
-        return float(norm) if math.isfinite(float(norm)) else float("nan")
+        self.scheduler.step()
+        return float(norm)
 
 
 @dataclass
@@ -167,6 +177,12 @@ class UpdateStats:
     log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
     iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
+    skipped: int = 0  # of those passes, the ones whose optimiser step was skipped (non-finite gradient norm)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether any optimiser step changed the weights (else there is nothing to sync)."""
+        return self.skipped < self.iterations
 
     def add(self, stats: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's `policy_loss` statistics."""
@@ -176,9 +192,9 @@ class UpdateStats:
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
-                if f.name not in ("log_is", "grad_norm", "iterations")}
+                if f.name not in ("log_is", "grad_norm", "iterations", "skipped")}
         return UpdateStats(**sums, log_is=torch.cat([self.log_is, other.log_is]), grad_norm=self.grad_norm,
-                           iterations=self.iterations)
+                           iterations=self.iterations, skipped=self.skipped)  # the same on every rank
 
     def metrics(self) -> dict[str, float]:
         """The logged metrics: means over trained tokens, importance-ratio quantiles."""
@@ -193,4 +209,25 @@ class UpdateStats:
             "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
             "is_ratio_max": float("nan") if empty else float(ratio.max()), "is_capped_frac": self.is_capped / tokens,
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
+            "skipped_steps": self.skipped,
         }
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices only, never on biases, norms (1-D) or embeddings."""
+    decay, keep = [], []
+    for name, param in model.named_parameters():
+        (keep if param.ndim < 2 or "embed" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in every pass (TRL's `disable_dropout`), while the model stays in train mode (gradient
+    checkpointing needs it): `nn.Dropout` modules get p=0, and attention modules' functional dropout rates
+    (`attention_dropout`, `dropout`, read only in train mode) are set to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)

@@ -165,5 +165,10 @@ class AsyncRollouts:
 
 
 def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
-    """What every rollout call is forced to: the training temperature and the completion cap."""
-    return {"temperature": config.temperature, "max_tokens": config.max_completion_length}
+    """What every training and evaluation call is forced to, whatever the harness sends: the distribution the
+    loss assumes. The trainer computes the full softmax at the training temperature, so the sampler must draw
+    from it too: no top-p/top-k truncation and no banned strings (each renormalises over fewer tokens, and the
+    engine's logprobs then belong to another distribution: a systematic TIS bias, not noise). A harness's own
+    values are kept in the call's record (`sampling["overridden"]`), not applied."""
+    return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
+            "top_p": 1.0, "top_k": -1, "banned_strings": ()}

@@ -24,12 +24,14 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 
+from polar_lab.errors import TrainerError
 from polar_lab.grpo.batch import Batch, build_batch
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.policy import Policy, resolve_device
@@ -72,6 +74,7 @@ class GRPOTrainer:
         self.last_batch: Batch | None = None
         self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
+        self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
         lab.adopt(self)  # closing the Lab stops this trainer's producer and rank processes
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -84,9 +87,11 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         batch = build_batch(groups, self.config, version)
         update = self.policy.update(batch.samples) if batch.samples else None
+        self._check_finite(update)
+        self._check_fidelity(batch, update)
         t2 = time.perf_counter()
         sync = self.lab.sync_weights(self.policy.state_dict(), drain_timeout=self.config.drain_timeout_s) \
-            if batch.samples else None
+            if update is not None and update.stepped else None  # weights a NaN step never touched stay unsynced
         t3 = time.perf_counter()
         self.last_groups, self.last_batch = groups, batch
         self.reward_log += reward_rows(groups, step=len(self.history) + 1)
@@ -100,6 +105,29 @@ class GRPOTrainer:
                    "time": time.time()}
         self._log(metrics)
         return metrics
+
+    def _check_finite(self, update) -> None:
+        """Count updates in a row that stepped nothing (non-finite gradient norm); too many is an error."""
+        if update is None:
+            return
+        self._nonfinite_in_a_row = 0 if update.stepped else self._nonfinite_in_a_row + 1
+        if self._nonfinite_in_a_row >= self.config.max_nonfinite_updates:
+            raise TrainerError(
+                f"{self._nonfinite_in_a_row} updates in a row had a non-finite gradient norm (no step taken, "
+                f"nothing synced; the weights are the last finite ones). Look for NaN/inf in the batch "
+                f"(trainer.last_batch) or lower learning_rate; max_nonfinite_updates sets this limit")
+
+    def _check_fidelity(self, batch: Batch, update) -> None:
+        """On-policy, trainer and engine logprobs of a token agree to ~1e-5 (fp32 on CPU); far more means the
+        trainer is correcting for a distribution it does not compute, and TIS weights carry that bias."""
+        if update is None or batch.stats["staleness_max"] != 0:
+            return
+        gap = update.metrics()["logprob_abs_diff_mean"]
+        if gap > self.config.fidelity_warn_nats:
+            warnings.warn(f"engine and trainer disagree on an on-policy batch: mean |log pi_old - log mu| = "
+                          f"{gap:.3f} nats > fidelity_warn_nats={self.config.fidelity_warn_nats}. Check that the "
+                          f"engine samples the full distribution at the training temperature (no top_p/top_k), "
+                          f"in the trainer's dtype and chat template", stacklevel=3)
 
     def train(self, num_steps: int | None = None, *, progress: bool = True) -> pd.DataFrame:
         """Run `num_steps` steps (default config.max_steps); evaluates every eval_steps; checkpoints every

@@ -57,7 +57,8 @@ class CallService:
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template)
-        spec = _override(self._sampling(req, len(rendered.prompt_ids)), session.sampling)
+        requested = self._sampling(req, len(rendered.prompt_ids))
+        spec = _override(requested, session.sampling)
         call_index = self.registry.next_call_index(session)
         t_gate = time.perf_counter()
         await self._await_replacement()
@@ -78,7 +79,7 @@ class CallService:
         return CompletedCall(
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
-            sampling=_spec_dict(spec), choices=choices,
+            sampling=_spec_dict(spec, requested), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
 
@@ -153,5 +154,9 @@ def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
     return replace(spec, seed=derived_seed(spec.seed, i))
 
 
-def _spec_dict(spec: SamplingSpec) -> dict[str, Any]:
-    return asdict(spec)
+def _spec_dict(spec: SamplingSpec, requested: SamplingSpec) -> dict[str, Any]:
+    """The recorded sampling: what the engine applied, and under "overridden" what the request asked for where
+    a session's forced sampling replaced it."""
+    applied, asked = asdict(spec), asdict(requested)
+    overridden = {name: asked[name] for name in applied if asked[name] != applied[name]}
+    return {**applied, "overridden": overridden} if overridden else applied

@@ -18,7 +18,7 @@ from polar_lab.store import RunStore
 from polar_lab.types import SamplingSpec, Session
 
 
-_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens"}
+_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings"}
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:

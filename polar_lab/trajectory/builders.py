@@ -76,6 +76,11 @@ def _new_chain(session_id: str, index: int, first: ModelCall) -> Trajectory:
 
 def _extend(chain: Trajectory, call: ModelCall) -> None:
     """Append the call's new prompt tokens (loss 0) and its sampled tokens (loss 1, with logprobs)."""
+    n = len(call.output_ids)
+    if len(call.output_logprobs) != n or len(call.output_versions) != n:
+        # one short list would shift every later token's logprob and version, and with them its TIS weight
+        raise ValueError(f"call {call.call_id}: {n} output ids but {len(call.output_logprobs)} logprobs and "
+                         f"{len(call.output_versions)} versions; the record is corrupt")
     new_prompt = list(call.prompt_ids[len(chain.token_ids):])
     chain.token_ids += new_prompt + list(call.output_ids)
     chain.loss_mask += [0] * len(new_prompt) + [1] * len(call.output_ids)

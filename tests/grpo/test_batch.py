@@ -4,6 +4,7 @@ the staleness bound. Hand-made trajectories: this layer is pure data (real ones 
 import itertools
 
 import pytest
+import torch
 
 from polar_lab.grpo import GRPOConfig, build_batch, run_advantages, split_stale
 from polar_lab.types import Group, Session, Trajectory
@@ -112,7 +113,7 @@ def test_the_batch_statistics_by_hand():
                         trainer_version=1)
     rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # every scored run, stale ones included
     assert batch.stats == pytest.approx({
-        "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs": 4, "trajectories": 4, "tokens": 16,
+        "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs_nonfinite": 0, "runs_scored": 6, "runs": 4, "trajectories": 4, "tokens": 16,
         "reward_mean": statistics.mean(rewards), "reward_std": statistics.stdev(rewards),
         "staleness_mean": 1.0, "staleness_max": 1})
     sample = batch.samples[0]
@@ -145,3 +146,58 @@ def test_group_scaled_advantages_divide_by_the_std_plus_eps_exactly():
 def test_zero_advantage_groups_are_counted():
     groups = [_group([1.0, 0.0]), _group([1.0, 1.0]), _group([0.0, 0.0])]
     assert build_batch(groups, GRPOConfig(), trainer_version=0).stats["groups_zero_advantage"] == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_run_with_a_non_finite_behaviour_logprob_is_masked_and_counted(bad):
+    g = _group([1.0, 0.0, 0.5])
+    g.trajectories[0].behavior_logprobs[-1] = bad  # one trained token of run 0
+    batch = build_batch([g], GRPOConfig(scale_rewards="none"), trainer_version=0)
+    assert batch.stats["runs_nonfinite"] == 1
+    assert [s.session_id for s in batch.samples] == [g.sessions[1].id, g.sessions[2].id]
+    assert [s.advantage for s in batch.samples] == pytest.approx([-0.25, 0.25])  # the baseline leaves run 0 out
+
+
+def test_a_non_finite_logprob_where_nothing_is_trained_is_harmless():
+    g = _group([1.0, 0.0])
+    g.trajectories[0].behavior_logprobs[0] = float("nan")  # a prompt position (mask 0)
+    assert build_batch([g], GRPOConfig(), trainer_version=0).stats["runs_nonfinite"] == 0
+
+
+def _trl_objective(groups, loss_type, scale_rewards, max_completion_length):
+    """TRL's GRPO objective written out from its definition, for per-token losses ℓ_t = A·t (t = 1..n, the
+    token's place in its completion; any values that differ along a completion would do): one completion per
+    run, A = (r - group mean) / (std + 1e-4) with the std of the group or of the whole batch, then Σ_t ℓ_t
+    normalised per sequence and averaged (grpo), over all tokens (dapo), or by sequences × L (dr_grpo)."""
+    import torch
+
+    rewards = torch.tensor([[s.reward for s in g.sessions] for g in groups])
+    lengths = torch.tensor([[sum(t.loss_mask) for t in g.trajectories] for g in groups], dtype=torch.float32)
+    std = rewards.std(1, keepdim=True) if scale_rewards == "group" else rewards.flatten().std()
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (std + 1e-4)).flatten()
+    n = lengths.flatten()
+    per_sequence = adv * n * (n + 1) / 2  # Σ_{t=1..n} A·t
+    if loss_type == "grpo":
+        return (per_sequence / n).mean().item()
+    if loss_type == "dapo":
+        return (per_sequence.sum() / n.sum()).item()
+    return (per_sequence.sum() / (len(n) * max_completion_length)).item()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("scale_rewards", ["group", "batch"])
+def test_a_batch_with_saturated_groups_is_normalised_as_trl_does(loss_type, scale_rewards):
+    groups = [_group([1.0, 0.0, 0.0, 1.0]), _group([1.0, 1.0, 1.0, 1.0]), _group([0.0, 0.0, 0.0, 0.0]),
+              _group([1.0, 0.0, 0.0, 0.5])]
+    for i, t in enumerate(t for g in groups for t in g.trajectories):  # completions of 1 to 7 tokens
+        n = 1 + (i * 5) % 7
+        t.token_ids, t.loss_mask = list(range(3 + n)), [0] * 3 + [1] * n
+        t.behavior_logprobs, t.policy_versions = [0.0] * 3 + [-0.5] * n, [-1] * 3 + [0] * n
+    config = GRPOConfig(loss_type=loss_type, scale_rewards=scale_rewards, max_completion_length=16)
+    batch = build_batch(groups, config, trainer_version=0)
+    assert batch.stats["groups_zero_advantage"] == 2 and batch.stats["runs_scored"] == 16
+    objective = 0.0
+    for s in batch.samples:  # Σ_t c_t · A · t over each sample's trained tokens, c_t = the batch's weights
+        trained = s.weights[s.weights > 0]
+        objective += float((trained * s.advantage * (1 + torch.arange(len(trained)))).sum())
+    assert objective == pytest.approx(_trl_objective(groups, loss_type, scale_rewards, 16), rel=1e-6)

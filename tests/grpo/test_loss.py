@@ -148,3 +148,15 @@ def test_a_low_ratio_counts_as_clipped_only_with_a_negative_advantage():
     for adv, clipped in ((0.5, 0), (0.0, 0), (-0.5, 1)):
         _, stats = policy_loss(logp, old, old, None, torch.tensor([adv]), torch.ones(1, 1), GRPOConfig())
         assert stats["clipped"].item() == clipped
+
+
+def test_a_masked_position_whose_log_ratios_overflow_leaves_loss_and_gradient_finite():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -2000.0]])  # position 1 is not trained: its log-ratio 1998 overflows exp
+    behavior = torch.tensor([[-1.0, -5000.0]])
+    ref = torch.tensor([[-1.0, 3000.0]])
+    weights = torch.tensor([[1.0, 0.0]])
+    loss, stats = policy_loss(logp, old, behavior, ref, torch.tensor([1.0]), weights, GRPOConfig(beta=0.1))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert torch.isfinite(stats["kl_weighted"]) and stats["log_is"].tolist() == [0.0]

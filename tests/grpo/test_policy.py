@@ -1,4 +1,7 @@
-"""Policy.update on real rollouts: a second pass over the batch meets the clip, a reference model adds KL."""
+"""Policy.update: a second pass clips and a reference model adds KL (real rollouts); a NaN step is skipped; dropout
+off; the optimiser's groups and schedule; training samples the distribution the loss assumes."""
+
+import pytest
 
 from polar_lab.grpo import GRPOConfig, build_batch
 from polar_lab.grpo.policy import Policy
@@ -18,3 +21,113 @@ def test_a_second_pass_over_the_batch_clips_and_the_reference_model_adds_kl(lab,
     second = policy.update(batch.samples)
     assert second.kl_sum > 0 and second.metrics()["kl"] > 0  # the policy has moved away from the reference
     assert second.loss != second.pg_loss  # the KL term is in the loss (β > 0)
+
+
+def _hand_batch(n_runs=2, sampled=4):
+    """A batch of hand-made trajectories (prompt 3 tokens, `sampled` generated) with rewards 1, 0, ..."""
+    from polar_lab.types import Group, Session, Trajectory
+
+    sessions = [Session(id=f"r{i}", key="", reward=float(i % 2 == 0)) for i in range(n_runs)]
+    trajs = [Trajectory(session_id=s.id, chain_index=0, token_ids=[5 + i for i in range(3 + sampled)],
+                        loss_mask=[0] * 3 + [1] * sampled, behavior_logprobs=[0.0] * 3 + [-2.0] * sampled,
+                        policy_versions=[-1] * 3 + [0] * sampled) for s in sessions]
+    return build_batch([Group(task={}, sessions=sessions, trajectories=trajs)], GRPOConfig(), trainer_version=0)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_as_they_were(model_path):
+    import torch
+
+    policy = Policy(model_path, GRPOConfig(learning_rate=1e-2))
+    samples = _hand_batch().samples
+    samples[0].behavior_logprobs[-1] = float("nan")  # past the batch's own guard: the policy must hold too
+    before = policy.state_dict()
+    stats = policy.update(samples)
+    assert (stats.skipped, stats.stepped) == (1, False) and stats.metrics()["skipped_steps"] == 1
+    after = policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    samples[0].behavior_logprobs[-1] = -2.0  # the same batch, finite: the step is taken
+    stats = policy.update(samples)
+    assert stats.stepped and not torch.equal(before["lm_head.weight"], policy.state_dict()["lm_head.weight"])
+
+
+def test_dropout_is_off_in_every_logprob_pass(model_path, tmp_path):
+    import json
+    import shutil
+
+    import torch
+
+    folder = tmp_path / "with-dropout"
+    shutil.copytree(model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    policy = Policy(str(folder), GRPOConfig())
+    assert policy.model.training  # train mode stays (gradient checkpointing needs it)
+    samples = _hand_batch().samples
+    first, second = policy.logprobs(samples), policy.logprobs(samples)
+    policy.model.eval()
+    reference = policy.logprobs(samples)
+    assert all(torch.equal(a, b) and torch.allclose(a, r, atol=1e-6) for a, b, r in zip(first, second, reference))
+
+
+async def _truncating_agent(session, task):
+    """A harness with its own sampling habits: nucleus and top-k truncation."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key)
+    reply = await client.chat.completions.create(
+        model="tiny-calc", messages=[{"role": "user", "content": task["question"]}], max_tokens=48, top_p=0.8,
+        extra_body={"top_k": 20})
+    return {"text": reply.choices[0].message.content}
+
+
+def test_training_sessions_sample_the_full_distribution_whatever_the_harness_asks(lab, model_path, shipped_weights,
+                                                                                 restore_weights, train_tasks):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polar_lab.grpo.rollouts import rollout_sampling
+    from polar_lab.trajectory import fidelity
+
+    lab.sync_weights(shipped_weights)  # the engine samples with the weights the trainer model holds
+    groups = lab.rollout(train_tasks[:2], _truncating_agent, num_generations=4, evaluator="final_answer",
+                         sampling=rollout_sampling(GRPOConfig()), progress=False)
+    calls = lab.call_records(session_ids=[s.id for g in groups for s in g.sessions])
+    assert len(calls) == 8
+    for call in calls:  # applied: the full distribution; recorded: what the harness asked for
+        assert (call.sampling["top_p"], call.sampling["top_k"]) == (1.0, -1)
+        assert call.sampling["overridden"] == {"top_p": 0.8, "top_k": 20}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    check = fidelity([t for g in groups for t in g.trajectories], model)
+    # on-policy, num_iterations=1: the TIS weight exp(log π_old − log μ) is 1 for every token
+    assert (check.trained_tokens > 0).all() and check.max_abs_diff.max() < 1e-4, check
+
+
+def test_weight_decay_spares_biases_norms_and_embeddings_and_the_kernels_rng_is_left_alone(model_path):
+    import torch
+
+    state = torch.get_rng_state()
+    policy = Policy(model_path, GRPOConfig(weight_decay=0.1))
+    assert torch.equal(torch.get_rng_state(), state)
+    decay, keep = policy.optimizer.param_groups
+    assert (decay["weight_decay"], keep["weight_decay"]) == (0.1, 0.0)
+    names = {id(p): n for n, p in policy.model.named_parameters()}
+    assert decay["params"] and all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])
+    kept = {names[id(p)] for p in keep["params"]}
+    assert any("norm" in n for n in kept) and any("embed" in n for n in kept)
+    assert len(decay["params"]) + len(keep["params"]) == len(names)
+
+
+def test_the_learning_rate_warms_up_then_follows_its_schedule(model_path):
+    policy = Policy(model_path, GRPOConfig(learning_rate=1e-3, lr_scheduler_type="linear", warmup_ratio=0.25,
+                                           max_steps=8))
+    samples = _hand_batch().samples
+    lrs = []
+    for _ in range(8):
+        lrs.append(policy.optimizer.param_groups[0]["lr"])
+        policy.update(samples)
+    # 2 warm-up steps from 0, then linear decay to 0 over the remaining 6
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 1e-3 * 5 / 6, 1e-3 * 4 / 6, 1e-3 * 3 / 6, 1e-3 * 2 / 6, 1e-3 / 6])
+    constant = Policy(model_path, GRPOConfig(learning_rate=1e-3))
+    constant.update(samples)
+    assert constant.optimizer.param_groups[0]["lr"] == 1e-3

@@ -71,3 +71,54 @@ def test_closing_the_lab_stops_a_trainers_async_producer(scripted_lab, tmp_path)
     assert len(groups) == 1
     scripted_lab.close()
     assert producer._stopped and not scripted_lab._owned
+
+
+class _HandMadeGroups:
+    """A rollout source that returns the same two-run group every step (rewards 1 and 0)."""
+
+    def next_groups(self, trainer_version, *, progress=False):
+        from polar_lab.types import Group, Session, Trajectory
+
+        sessions = [Session(id=f"v{trainer_version}-{i}", key="", reward=float(i == 0)) for i in range(2)]
+        trajs = [Trajectory(session_id=s.id, chain_index=0, token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 0, 0, 1, 1],
+                            behavior_logprobs=[0.0, 0.0, 0.0, -2.0, -2.0], policy_versions=[-1, -1, -1, trainer_version,
+                                                                                             trainer_version])
+                 for s in sessions]
+        return [Group(task={}, sessions=sessions, trajectories=trajs)], {}
+
+
+def test_an_update_that_steps_nothing_is_never_synced_and_too_many_in_a_row_stop_training(scripted_lab, tmp_path,
+                                                                                            monkeypatch):
+    import pytest
+
+    from polar_lab.errors import TrainerError
+    from polar_lab.grpo.policy import UpdateStats
+
+    trainer = GRPOTrainer(scripted_lab, GRPOConfig(output_dir=str(tmp_path), max_nonfinite_updates=2))
+    monkeypatch.setattr(trainer, "_source", lambda: _HandMadeGroups())
+    assert trainer.step(progress=False)["policy_version"] == 1  # a real update steps and syncs
+    real_update = trainer.policy.update
+    monkeypatch.setattr(trainer.policy, "update", lambda samples: UpdateStats(iterations=1, skipped=1))
+    skipped = trainer.step(progress=False)
+    assert (skipped["policy_version"], skipped["skipped_steps"], skipped["load_s"]) == (1, 1, 0.0)
+    assert scripted_lab.policy_version == 1  # nothing was synced
+    with pytest.raises(TrainerError, match="2 updates in a row had a non-finite gradient norm"):
+        trainer.step(progress=False)
+    monkeypatch.setattr(trainer.policy, "update", real_update)
+    assert trainer.step(progress=False)["policy_version"] == 2  # a finite update resets the count
+
+
+def test_an_on_policy_batch_the_trainer_disagrees_with_is_a_warning(scripted_lab, tmp_path, monkeypatch):
+    import warnings
+
+    import pytest
+
+    trainer = GRPOTrainer(scripted_lab, GRPOConfig(output_dir=str(tmp_path)))
+    monkeypatch.setattr(trainer, "_source", lambda: _HandMadeGroups())  # behaviour logprobs -2.0: not the model's
+    with pytest.warns(UserWarning, match="engine and trainer disagree on an on-policy batch"):
+        m = trainer.step(progress=False)
+    assert m["logprob_abs_diff_mean"] > trainer.config.fidelity_warn_nats
+    trainer.config.fidelity_warn_nats = m["logprob_abs_diff_mean"] * 10  # the control: under the threshold
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.step(progress=False)

@@ -189,6 +189,7 @@ def test_a_sessions_forced_temperature_overrides_the_harnesss(lab):
                                        seed=seed)
     calls = _records_of(lab, s)
     assert {c.sampling["temperature"] for c in calls} == {0.0}
+    assert all(c.sampling["overridden"] == {"temperature": 1.5} for c in calls)  # what the harness asked for
     assert len({tuple(c.output_ids) for c in calls}) == 1  # greedy: the seeds do not matter
     free = lab.session()  # the control: the same requests without the forced value differ
     client = openai.OpenAI(base_url=free.openai_base_url, api_key=free.api_key)
@@ -196,6 +197,7 @@ def test_a_sessions_forced_temperature_overrides_the_harnesss(lab):
         client.chat.completions.create(model="tiny-calc", messages=QUESTION, max_tokens=24, temperature=1.5,
                                        seed=seed)
     assert len({tuple(c.output_ids) for c in _records_of(lab, free)}) > 1
+    assert not any("overridden" in c.sampling for c in _records_of(lab, free))
 
 
 def test_a_session_key_in_the_authorization_header_alone_is_enough(lab):

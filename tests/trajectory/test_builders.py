@@ -131,3 +131,12 @@ def test_a_break_with_two_equally_close_chains_names_the_first():
     prefix_merging([call("s", 0, [1, 2], [3]), call("s", 1, [1, 5], [6]), call("s", 2, [1, 7], [8])],
                    on_break=breaks.append)
     assert [(b.new_chain, b.closest_chain, b.common_tokens) for b in breaks] == [(1, 0, 1), (2, 0, 1)]
+
+
+def test_a_record_whose_per_token_lists_disagree_is_refused_by_name():
+    import pytest
+
+    short = _with(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8, 9]), output_logprobs=[-0.1])  # one logprob missing
+    for build in (per_request, prefix_merging):
+        with pytest.raises(ValueError, match="call s-1: 2 output ids but 1 logprobs"):
+            build([TURN1, short])
