@@ -246,7 +246,8 @@ class Lab:
         """A new session (one harness run) with its own secret key.
 
         chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
-        sampling: forced on every call whatever the harness asks: temperature, top_p, top_k, seed, and
+        sampling: forced on every call whatever the harness asks: temperature, top_p, top_k, banned_strings,
+            seed (the run's: call k samples with `types.call_seed(seed, k)`, its own random stream) and
             max_tokens (a cap). RL rollouts and evaluations use it to fix the sampling distribution.
         info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
         """
@@ -267,20 +268,26 @@ class Lab:
     def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
                 evaluator: str | Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
                 builder: str = "prefix_merging", progress: bool = True,
-                failed_reward: float | None = None, sampling: dict[str, Any] | None = None,
+                failed_reward: float | None = None, timeout_reward: float | None = None,
+                overflow_reward: float | None = None, sampling: dict[str, Any] | None = None,
                 seed: int | None = None) -> list[Group]:
         """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
         evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
-        Crashed or timed-out runs keep their calls, are marked in `session.status`, and get `failed_reward`:
-        None by default, i.e. masked out of training (fail-closed); pass 0.0 to score them 0 instead.
+        Crashed or timed-out runs keep their calls, are marked in `session.status` and, with their cause, in
+        `session.info["failure"]` (rollout.failure_cause). Their reward is `timeout_reward` (ran past the
+        deadline), `overflow_reward` (overflowed the context) or `failed_reward` (crashed): None by default,
+        i.e. masked out of training (fail-closed); the GRPO trainer scores timeouts and overflows 0.0.
+        Infrastructure failures (engine/proxy errors, no call served) are always masked.
         sampling: forced on every call of every run (see `session`); seed: run i gets sampling seed seed+i,
-        so a rollout is reproducible whatever seeds the harness sends.
+        and its call k `types.call_seed(seed + i, k)`, so a rollout is reproducible whatever seeds the
+        harness sends.
         """
         return self.run(rollout_async(self, tasks, harness, num_generations=num_generations,
                                       evaluator=get_evaluator(evaluator), concurrency=concurrency,
                                       deadline_s=deadline_s, builder=builder, progress=progress,
-                                      failed_reward=failed_reward, sampling=sampling, seed=seed))
+                                      failed_reward=failed_reward, timeout_reward=timeout_reward,
+                                      overflow_reward=overflow_reward, sampling=sampling, seed=seed))
 
     # ---- reading the run (one implementation: polar_lab.run.Run over this Lab's folder) ----------
     def call_records(self, session_ids: list[str] | None = None) -> list[ModelCall]:

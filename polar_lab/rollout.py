@@ -3,8 +3,10 @@
 A harness here is an async callable `harness(session, task) -> result` (any program that talks to the
 session's endpoints; `harness/command.py::Command` runs a program in the sandbox). Each run gets a deadline;
 a run that raises or times out keeps every call it made (they are already in the store), is marked, and gets
-reward None — fail-closed: it is masked out of training rather than scored 0. The rest of its group still
-completes. Typed against `Host`, the two Lab methods it needs, so it sits below the Lab (`lab.rollout` calls it).
+the reward of its failure's cause (`failure_cause`): a failure the policy may have caused (it kept going past
+the deadline, it overflowed the context) can be scored to teach it not to; one the infrastructure caused is
+always masked (reward None). The rest of its group still completes. Typed against `Host`, the two Lab methods
+it needs, so it sits below the Lab (`lab.rollout` calls it).
 """
 
 from __future__ import annotations
@@ -33,29 +35,62 @@ class Host(Protocol):
         ...
 
 
+def failure_cause(session: Session, status: str) -> str | None:
+    """Why a run ended in `status` ("closed" is no failure): the policy's doing or the infrastructure's.
+
+    infrastructure  an engine or proxy error on one of its calls, or no model call ever served (the harness
+                    failed to start, or hung before asking): the policy cannot have caused it
+    overflow        a call was refused as too long for the model's context, and the run then failed
+    timeout         it was still going at the deadline (looping, never finishing)
+    crash           the harness raised after the model answered, for no reason seen here
+
+    >>> failure_cause(Session(id="s", key="", calls=3), "timeout")
+    'timeout'
+    >>> failure_cause(Session(id="s", key="", calls=0), "timeout")
+    'infrastructure'
+    """
+    if status == "closed":
+        return None
+    errors = session.call_errors
+    if errors.get("engine") or errors.get("proxy") or session.calls == 0:
+        return "infrastructure"
+    if errors.get("context_length"):
+        return "overflow"
+    return "timeout" if status == "timeout" else "crash"
+
+
 async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_id: str,
                   evaluator: Evaluator | None, deadline_s: float, name: str, failed_reward: float | None = None,
+                  timeout_reward: float | None = None, overflow_reward: float | None = None,
                   sampling: dict[str, Any] | None = None) -> Session:
     """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
 
-    failed_reward: reward of crashed/timed-out runs; None (default) masks them out of training.
+    A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`):
+    timeout_reward, overflow_reward, failed_reward (a crash); None (the default of each) masks the run out of
+    training. Infrastructure failures, and an evaluator that fails, are always masked.
     sampling: forced on every call of the run (see Lab.session).
     """
     session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
+    rewards = {"timeout": timeout_reward, "overflow": overflow_reward, "crash": failed_reward,
+               "infrastructure": None}
     t0 = time.perf_counter()
+
+    def fail(status: str, cause: str | None = None, **info: Any) -> Session:
+        cause = cause or failure_cause(session, status)
+        return session.close(reward=rewards[cause], status=status, failure=cause,
+                             duration_s=time.perf_counter() - t0, **info)
+
     try:
         result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
     except asyncio.TimeoutError:
-        return session.close(reward=failed_reward, status="timeout", duration_s=time.perf_counter() - t0)
+        return fail("timeout")
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
-        return session.close(reward=failed_reward, status="error", error=repr(exc), output=output,
-                             duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
+        return fail("error", error=repr(exc), output=output, traceback=traceback.format_exc(limit=5))
     try:  # the evaluator may run tests in subprocesses: keep it off the loop
         parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
     except Exception as exc:
-        session.close(reward=failed_reward, status="error", error=f"evaluator failed: {exc!r}",
-                      duration_s=time.perf_counter() - t0, traceback=traceback.format_exc(limit=5))
+        fail("error", "infrastructure", error=f"evaluator failed: {exc!r}", traceback=traceback.format_exc(limit=5))
         if isinstance(exc, SandboxError):
             raise  # the machine cannot score any run (no prlimit): stop the rollout, not just this run
         return session
@@ -65,10 +100,12 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
 async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
                         evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
                         progress: bool = True, failed_reward: float | None = None,
+                        timeout_reward: float | None = None, overflow_reward: float | None = None,
                         sampling: dict[str, Any] | None = None, seed: int | None = None) -> list[Group]:
     """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task.
 
-    seed: run i (task-major order) gets the forced sampling seed `derived_seed(seed, i)` (seed + i).
+    seed: run i (task-major order) gets the forced sampling seed `derived_seed(seed, i)` (seed + i); its calls
+    then sample with `call_seed(that seed, k)`.
     """
     gate = asyncio.Semaphore(concurrency)
     name = harness_name(harness)
@@ -79,7 +116,7 @@ async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harnes
         async with gate:
             session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator,
                                     deadline_s=deadline_s, name=name, failed_reward=failed_reward,
-                                    sampling=forced)
+                                    timeout_reward=timeout_reward, overflow_reward=overflow_reward, sampling=forced)
         bar.update(1)
         return session
 
@@ -92,8 +129,11 @@ async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harnes
 
 def make_groups(host: Host, tasks: list[dict[str, Any]], group_ids: list[str], sessions: list[Session],
                 builder: str) -> list[Group]:
-    """One Group per task: its sessions and the trajectories rebuilt from their calls."""
+    """One Group per task: its sessions (in run order) and the trajectories rebuilt from their calls, in the
+    order of their sessions (not of the calls' arrival), so the same runs make the same group."""
     trajectories = host.trajectories(builder, session_ids=[s.id for s in sessions])
+    order = {s.id: i for i, s in enumerate(sessions)}
+    trajectories.sort(key=lambda t: (order[t.session_id], t.chain_index))
     groups = []
     for task, gid in zip(tasks, group_ids):
         members = [s for s in sessions if s.group_id == gid]

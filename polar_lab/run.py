@@ -111,12 +111,14 @@ class Run:
         return pd.DataFrame(list(self._sessions.values()))
 
     def rewards(self) -> pd.DataFrame:
-        """One row per closed session: group, task id, session id, reward, status (the table reward plots draw).
+        """One row per closed session: group, task id, session id, reward, status, failure cause (the table reward
+        plots draw).
         `step` is 0: a run folder keeps no step boundaries (a trainer's steps are in `trainer.rewards`)."""
         groups: dict[str | None, int] = {}
         rows = [{"step": 0, "group": groups.setdefault(s.group_id, len(groups)),
                  "task_id": (s.task or {}).get("id", s.group_id), "session_id": s.id, "reward": s.reward,
-                 "status": s.status} for s in self.session_records() if s.status != "open"]
+                 "status": s.status, "failure": s.info.get("failure")}
+                for s in self.session_records() if s.status != "open"]
         return pd.DataFrame(rows, columns=REWARD_COLUMNS)
 
     # ---- what is built from them -------------------------------------------------------------

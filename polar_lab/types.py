@@ -17,6 +17,7 @@ Records are plain dataclasses so they serialise to JSON lines and pandas rows wi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
 import time
@@ -95,6 +96,32 @@ def _normalised(spec: SamplingSpec) -> dict[str, Any]:
     return out
 
 
+def call_seed(seed: int, call_index: int) -> int:
+    """The seed call `call_index` of a session samples with when the session forces `seed`: the first call
+    uses `seed` itself, each later one a seed hashed from (seed, call index). Every turn of a run then draws
+    from its own random stream (one seed for every turn would reuse the same noise at each position), and
+    no two calls of different runs collide the way seed + k would (run i's call 1 = run i+1's call 0).
+
+    >>> call_seed(7, 0)
+    7
+    >>> call_seed(7, 1) == call_seed(7, 1) != call_seed(8, 0)
+    True
+    """
+    return seed if call_index == 0 else mix_seed(seed, call_index)
+
+
+def mix_seed(seed: int, *keys: int | str) -> int:
+    """A seed hashed from `seed` and `keys` (e.g. a training seed and a step number): reproducible, in the
+    sampler's signed 64-bit range, never -1, and unrelated to the seeds of any other keys.
+
+    >>> mix_seed(0, "rollout", 3) == mix_seed(0, "rollout", 3) != mix_seed(0, "rollout", 4)
+    True
+    """
+    text = "/".join(str(part) for part in (seed, *keys))
+    out = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    return INT64_MIN if out == -1 else out
+
+
 def derived_seed(seed: int, i: int) -> int:
     """The i-th seed derived from `seed` (run i of a rollout, choice i of a request): seed + i, wrapped into the
     signed 64-bit range the sampler takes, and never -1 (vLLM's "unseeded")."""
@@ -139,6 +166,9 @@ class Generation:
     engine_seconds: float = 0.0  # from submission to the final output, queueing included
 
 
+FAILURE_CAUSES = ("timeout", "overflow", "crash", "infrastructure")  # why a run failed (rollout.failure_cause)
+
+
 @dataclass
 class Session:
     """One harness run. The key is a secret: whoever holds it writes calls into this session."""
@@ -156,6 +186,8 @@ class Session:
     base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:41234
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
+    calls: int = 0  # model calls served (answered and recorded)
+    call_errors: dict[str, int] = field(default_factory=dict)  # calls that failed: context_length | engine | proxy
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     def close(self, reward: float | None = None, *, status: str = "closed",

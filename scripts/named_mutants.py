@@ -55,6 +55,25 @@ MUTANTS = [
     Mutant("OpenAI top_logprobs the least likely, not the most", "polar_lab/proxy/apis/openai_chat.py",
            [("key=lambda kv: -kv[1])[:top_k]", "key=lambda kv: kv[1])[:top_k]")],
            ["tests/integration/test_openai_sdk.py::test_logprobs_and_top_logprobs_are_the_samplers_own"]),
+    # issue 15: the sampling the loss assumes, no NaN in the weights, failures that teach, seeded rollouts
+    Mutant("training sessions keep the harness's top_p/top_k", "polar_lab/grpo/rollouts.py",
+           [('"top_p": 1.0, "top_k": -1, "banned_strings": ()}', '}')],
+           ["tests/grpo/test_policy.py::test_training_sessions_sample_the_full_distribution_whatever_the_harness_asks"]),
+    Mutant("a non-finite gradient norm steps anyway", "polar_lab/grpo/policy.py",
+           [("        if not math.isfinite(float(norm)):\n", "        if False:\n")],
+           ["tests/grpo/test_policy.py::test_a_non_finite_gradient_skips_the_step_and_leaves_the_weights_as_they_were"]),
+    Mutant("every call of a run samples with the run's seed", "polar_lab/proxy/service.py",
+           [('        forced["seed"] = call_seed(forced["seed"], call_index)\n', "        pass\n")],
+           ["tests/grpo/test_rollouts.py::test_two_rollouts_with_the_same_seed_give_the_same_groups"]),
+    Mutant("training rollouts unseeded", "polar_lab/grpo/rollouts.py",
+           [("sampling=rollout_sampling(c), seed=seed,", "sampling=rollout_sampling(c), seed=None,")],
+           ["tests/grpo/test_rollouts.py::test_two_rollouts_with_the_same_seed_give_the_same_groups"]),
+    Mutant("a run that hangs to the deadline is masked", "polar_lab/rollout.py",
+           [('rewards = {"timeout": timeout_reward,', 'rewards = {"timeout": None,')],
+           ["tests/grpo/test_rollouts.py::test_a_run_that_hangs_to_the_deadline_gets_timeout_reward"]),
+    Mutant("an engine error on a call is not counted", "polar_lab/proxy/http.py",
+           [("        note_call_error(session, exc)  #", "        pass  #")],
+           ["tests/grpo/test_rollouts.py::test_failures_the_infrastructure_caused_stay_masked_whatever_the_rewards"]),
 ]
 
 

@@ -1,8 +1,8 @@
 """A scripted stand-in for the engine, for unit tests of the HTTP layer only (never acceptance tests).
 
-It "samples" the next scripted reply, tokenised with the model's own tokenizer, with logprob -1.0
-per token; it can also be told to fail. No vLLM, no weights, no process (`pid` is None). It implements the
-whole `Engine` protocol (engine/base.py).
+It "samples" the next scripted reply (a seeded call: the one its seed picks), tokenised with the model's own
+tokenizer, with logprob -1.0 per token; it can also be told to fail. No vLLM, no weights, no process (`pid` is
+None). It implements the whole `Engine` protocol (engine/base.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class ScriptedEngine:
             fut.set_exception(EngineError(str(self.fail_with or "engine closed")))
             return fut
         self.prompts.append(list(prompt_ids))
-        text = self.replies[self._turn % len(self.replies)]
+        # a seeded call "samples" the reply its seed picks (reproducible, like vLLM's seeded sampling); an
+        # unseeded one the next in turn
+        text = self.replies[(self._turn if spec.seed is None else spec.seed) % len(self.replies)]
         self._turn += 1
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: spec.max_tokens]
         finish = "length" if len(ids) == spec.max_tokens else "stop"

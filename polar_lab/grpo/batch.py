@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.types import Group, Trajectory
+from polar_lab.types import FAILURE_CAUSES, Group, Trajectory
 
 
 @dataclass
@@ -108,8 +108,19 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
         "tokens": sum(s.num_tokens for s in samples),
         "reward_mean": _mean(rewards), "reward_std": _std(rewards),
         "staleness_mean": _mean(staleness), "staleness_max": max(staleness, default=0),
+        **failure_stats(groups),
     }
     return Batch(samples=samples, stats=stats)
+
+
+def failure_stats(groups: list[Group]) -> dict[str, float]:
+    """Failed runs by cause (rollout.failure_cause) as fractions of the step's runs, and the largest fraction of
+    failed runs in one group (a task every run of which hangs or overflows shows up here)."""
+    runs = [s for g in groups for s in g.sessions]
+    causes = [s.info.get("failure") for s in runs]
+    stats = {f"fail_{cause}_frac": causes.count(cause) / max(len(runs), 1) for cause in FAILURE_CAUSES}
+    failed = [sum(s.status != "closed" for s in g.sessions) / len(g.sessions) for g in groups if g.sessions]
+    return {**stats, "group_fail_frac_max": max(failed, default=0.0)}
 
 
 def _finite_behaviour(t: Trajectory) -> bool:

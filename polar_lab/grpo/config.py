@@ -29,8 +29,15 @@ class GRPOConfig:
     max_completion_length: int = _f(128, "cap on each call's max_tokens; also dr_grpo's per-run normaliser")
     builder: str = _f("prefix_merging", "trajectory builder: prefix_merging or per_request")
     concurrency: int = _f(64, "harness runs in flight at once")
-    deadline_s: float = _f(120.0, "a run still going after this long is stopped and masked")
-    failed_reward: float | None = _f(None, "reward of crashed/timed-out runs; None masks them out of the loss")
+    deadline_s: float = _f(120.0, "a run still going after this long is stopped (and gets timeout_reward)")
+    timeout_reward: float | None = _f(0.0, "reward of a run the policy kept going past deadline_s (looping, "
+                                           "never finishing); None masks it out of the loss")
+    overflow_reward: float | None = _f(0.0, "reward of a run that failed after its context overflowed (a call "
+                                            "refused as too long for the model); None masks it")
+    failed_reward: float | None = _f(None, "reward of a run whose harness crashed after the model answered "
+                                           "(cause unknown); None masks it. Infrastructure failures (an engine "
+                                           "or proxy error, no model call served, a failing evaluator) are "
+                                           "always masked")
 
     # ---- loss ------------------------------------------------------------------------------------
     loss_type: str = _f("dapo", "grpo: mean over each run's tokens, then over runs; dr_grpo: sum / "
@@ -65,9 +72,13 @@ class GRPOConfig:
 
     # ---- async rollouts --------------------------------------------------------------------------
     async_mode: bool = _f(False, "keep rollouts running while the trainer steps (else: rollout, train, sync)")
-    max_staleness: int = _f(1, "a group whose oldest trained token is more than this many policy versions "
-                               "behind the trainer never reaches the loss")
+    async_window_steps: int = _f(1, "groups admitted ahead of the trainer, in steps: at most tasks_per_step x "
+                                    "this are running or waiting")
+    max_staleness: int = _f(4, "a group whose oldest trained token is more than this many policy versions "
+                               "behind the trainer never reaches the loss (TRL's async default); below it, TIS "
+                               "corrects, so long rollouts are kept rather than dropped")
     stale_groups: str = _f("drop", "what happens to a too-stale group: drop, or rerun its task")
+    max_reruns: int = _f(2, "stale_groups='rerun': times in a row a task is re-queued before it is dropped")
     drain_timeout_s: float = _f(30.0, "weight sync waits this long for in-flight calls before loading anyway")
 
     # ---- trainer placement -----------------------------------------------------------------------
@@ -101,7 +112,7 @@ class GRPOConfig:
         _check(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), "
                                           f"got {self.num_generations}")
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
-                     "max_nonfinite_updates",
+                     "max_nonfinite_updates", "async_window_steps",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}")
@@ -116,6 +127,10 @@ class GRPOConfig:
         _check(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap must be >= 1 or None, got {self.tis_cap}")
         _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(self.max_reruns >= 0, f"max_reruns must be >= 0, got {self.max_reruns}")
+        _check(not self.async_mode or self.async_window_steps <= self.max_staleness,
+               f"async_window_steps ({self.async_window_steps}) must be <= max_staleness ({self.max_staleness}): "
+               f"groups admitted that far ahead would be dropped")
         _check(not (self.async_mode and self.max_staleness < 1),
                f"async_mode=True needs max_staleness >= 1 (got {self.max_staleness}): rollouts made while "
                f"the trainer steps are one version old when they are trained on")

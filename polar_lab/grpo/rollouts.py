@@ -2,11 +2,16 @@
 
 SyncRollouts   each step runs `tasks_per_step` fresh groups on the current weights and waits for them.
 AsyncRollouts  a producer coroutine on the Lab's loop keeps groups running all the time; the trainer
-               takes finished ones. Admission is bounded: at most `tasks_per_step × max_staleness`
+               takes finished ones. Admission is bounded: at most `tasks_per_step × async_window_steps`
                groups are running or waiting, so the producer cannot run far ahead of the trainer.
                A group whose oldest trained token is more than `max_staleness` versions behind the
-               trainer when it is taken is dropped or its task re-queued (`stale_groups`); it never
-               reaches the loss.
+               trainer when it is taken is dropped or its task re-queued (`stale_groups`, at most
+               `max_reruns` times in a row); it never reaches the loss. The default bound (4) is wider than
+               the window (1): a long group a few versions old is kept and corrected by TIS rather than dropped,
+               since dropping favours short rollouts.
+
+Every rollout is seeded from `GRPOConfig.seed` (sync: per step, async: per group), and within a run each
+call has its own seed (`types.call_seed`): the same config gives the same groups on the same weights.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from polar_lab.grpo.batch import group_staleness
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.rollout import harness_name, make_groups, run_one
-from polar_lab.types import Evaluator, Group, Harness
+from polar_lab.types import Evaluator, Group, Harness, derived_seed, mix_seed
 
 if TYPE_CHECKING:
     from polar_lab.lab import Lab
@@ -39,6 +44,7 @@ class TaskStream:
         self._rng = random.Random(seed)
         self._queue: deque[dict[str, Any]] = deque()
         self._lock = threading.Lock()
+        self._reruns: dict[int, int] = {}  # id(task) → re-queues in a row (tasks are this stream's own dicts)
         self.epoch = 0
 
     def take(self, n: int) -> list[dict[str, Any]]:
@@ -53,23 +59,39 @@ class TaskStream:
                 out.append(self._queue.popleft())
             return out
 
-    def requeue(self, task: dict[str, Any]) -> None:
+    def requeue(self, task: dict[str, Any], max_reruns: int) -> bool:
+        """Put `task` first in line again, unless it was re-queued `max_reruns` times in a row already (a task
+        that never fits the staleness window would otherwise come back forever). Returns whether it was."""
         with self._lock:
+            reruns = self._reruns.get(id(task), 0)
+            if reruns >= max_reruns:
+                self._reruns.pop(id(task), None)
+                return False
+            self._reruns[id(task)] = reruns + 1
             self._queue.appendleft(task)
+            return True
+
+    def settled(self, task: dict[str, Any]) -> None:
+        """`task`'s group reached the loss: its rerun count starts again."""
+        with self._lock:
+            self._reruns.pop(id(task), None)
 
 
 class SyncRollouts:
     def __init__(self, lab: Lab, config: GRPOConfig, harness: Harness, evaluator: Evaluator | None,
                  tasks: TaskStream):
         self.lab, self.config, self.harness, self.evaluator, self.tasks = lab, config, harness, evaluator, tasks
+        self.rollouts = 0  # rollouts so far: the k-th is seeded mix_seed(config.seed, "rollout", k)
 
     def next_groups(self, trainer_version: int, *, progress: bool = False) -> tuple[list[Group], dict[str, float]]:
         c = self.config
+        seed = mix_seed(c.seed, "rollout", self.rollouts)
+        self.rollouts += 1
         groups = self.lab.rollout(self.tasks.take(c.tasks_per_step), self.harness, num_generations=c.num_generations,
                                   evaluator=self.evaluator, concurrency=c.concurrency, deadline_s=c.deadline_s,
-                                  builder=c.builder, progress=progress, failed_reward=c.failed_reward,
-                                  sampling=rollout_sampling(c))
-        return groups, {"groups_dropped_stale": 0}
+                                  builder=c.builder, progress=progress, sampling=rollout_sampling(c), seed=seed,
+                                  **failure_rewards(c))
+        return groups, dropped_stats([])
 
     def close(self) -> None:
         pass
@@ -79,7 +101,7 @@ class AsyncRollouts:
     def __init__(self, lab: Lab, config: GRPOConfig, harness: Harness, evaluator: Evaluator | None,
                  tasks: TaskStream):
         self.lab, self.config, self.harness, self.evaluator, self.tasks = lab, config, harness, evaluator, tasks
-        self.capacity = config.tasks_per_step * config.max_staleness
+        self.capacity = config.tasks_per_step * config.async_window_steps
         self.ready: queue.Queue[Group | BaseException] = queue.Queue()  # producer (loop) → trainer thread
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task] = set()
@@ -95,17 +117,19 @@ class AsyncRollouts:
                     progress: bool = False) -> tuple[list[Group], dict[str, float]]:
         """Block until `tasks_per_step` groups within the staleness bound are ready (no bar: runs are
         already under way when this is called)."""
+        c = self.config
         fresh: list[Group] = []
-        dropped = 0
-        while len(fresh) < self.config.tasks_per_step:
+        dropped: list[Group] = []
+        reruns = 0
+        while len(fresh) < c.tasks_per_step:
             group = self._take(timeout)
-            if group_staleness(group, trainer_version) > self.config.max_staleness:
-                dropped += 1
-                if self.config.stale_groups == "rerun":
-                    self.tasks.requeue(group.task)
+            if group_staleness(group, trainer_version) > c.max_staleness:
+                dropped.append(group)
+                reruns += c.stale_groups == "rerun" and self.tasks.requeue(group.task, c.max_reruns)
                 continue
+            self.tasks.settled(group.task)
             fresh.append(group)
-        return fresh, {"groups_dropped_stale": dropped}
+        return fresh, dropped_stats(dropped, reruns=reruns)
 
     def close(self) -> None:
         """Stop producing; cancel running groups (their completed calls stay recorded)."""
@@ -120,10 +144,12 @@ class AsyncRollouts:
     async def _produce(self) -> None:
         self._slots = asyncio.Semaphore(self.capacity)
         try:
+            groups = 0
             while not self._stopped:
                 await self._slots.acquire()
                 task = self.tasks.take(1)[0]
-                job = asyncio.create_task(self._one_group(task))
+                job = asyncio.create_task(self._one_group(task, mix_seed(self.config.seed, "group", groups)))
+                groups += 1
                 self._running.add(job)
                 job.add_done_callback(self._running.discard)
         except asyncio.CancelledError:
@@ -131,15 +157,15 @@ class AsyncRollouts:
         except BaseException as exc:  # noqa: BLE001 - surfaced to the trainer thread
             self.ready.put(exc)
 
-    async def _one_group(self, task: dict[str, Any]) -> None:
+    async def _one_group(self, task: dict[str, Any], seed: int) -> None:
         c = self.config
         group_id = uuid.uuid4().hex[:8]
         try:
             sessions = await asyncio.gather(*(
                 run_one(self.lab, task, self.harness, group_id=group_id, evaluator=self.evaluator,
-                        deadline_s=c.deadline_s, name=harness_name(self.harness), failed_reward=c.failed_reward,
-                        sampling=rollout_sampling(c))
-                for _ in range(c.num_generations)))
+                        deadline_s=c.deadline_s, name=harness_name(self.harness),
+                        sampling=rollout_sampling(c) | {"seed": derived_seed(seed, i)}, **failure_rewards(c))
+                for i in range(c.num_generations)))
             groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions), c.builder)
             self.ready.put(groups[0])
         except asyncio.CancelledError:
@@ -172,3 +198,21 @@ def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     values are kept in the call's record (`sampling["overridden"]`), not applied."""
     return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
             "top_p": 1.0, "top_k": -1, "banned_strings": ()}
+
+
+def failure_rewards(config: GRPOConfig) -> dict[str, float | None]:
+    """The rewards of failed runs, by cause (see rollout.failure_cause); infrastructure failures stay masked."""
+    return {"timeout_reward": config.timeout_reward, "overflow_reward": config.overflow_reward,
+            "failed_reward": config.failed_reward}
+
+
+def dropped_stats(dropped: list[Group], *, reruns: int = 0) -> dict[str, float]:
+    """What the staleness filter threw away this step: how many groups, how many of their tasks were re-queued,
+    and their runs' mean sampled tokens and reward (compare with the batch's: dropping that favours short or
+    easy rollouts shows up here first)."""
+    runs = [s for g in dropped for s in g.sessions]
+    tokens = sum(sum(t.loss_mask) for g in dropped for t in g.trajectories)
+    rewards = [s.reward for s in runs if s.reward is not None]
+    return {"groups_dropped_stale": len(dropped), "groups_rerun": reruns,
+            "dropped_tokens_mean": tokens / len(runs) if runs else float("nan"),
+            "dropped_reward_mean": sum(rewards) / len(rewards) if rewards else float("nan")}

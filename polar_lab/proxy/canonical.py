@@ -57,6 +57,7 @@ class Choice:
     generation: Generation
     parsed: ParsedOutput
     finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+    seed: int | None = None  # the seed the engine sampled this choice with (see service._nth_seed)
 
 
 @dataclass

@@ -15,8 +15,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from polar_lab.errors import RequestError
+from polar_lab.errors import ContextLengthError, EngineError, RequestError
 from polar_lab.proxy.service import CallService
+from polar_lab.types import Session
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -65,12 +66,25 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
     raw, size = await json_body(request, service.config.max_body_bytes)
     body = validate(schema, raw)
     req = canonical(to_canonical, body)
-    call = await service.complete(session, req, api=api, inline=size <= service.config.inline_render_bytes)
-    response = build(call, req, body)
-    service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
+    try:
+        call = await service.complete(session, req, api=api, inline=size <= service.config.inline_render_bytes)
+        response = build(call, req, body)
+        service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
+    except Exception as exc:
+        note_call_error(session, exc)  # why a run failed decides its reward (rollout.failure_cause)
+        raise
     if req.stream:
         return StreamingResponse(stream(response, body), media_type="text/event-stream")
     return Response(orjson.dumps(response), media_type="application/json")
+
+
+def note_call_error(session: Session, exc: Exception) -> None:
+    """Count a failed call on its session: a prompt too long for the model (the policy's doing), or an engine or
+    proxy failure (the infrastructure's). Other refusals are the harness's own malformed requests."""
+    kind = ("context_length" if isinstance(exc, ContextLengthError) else "engine" if isinstance(exc, EngineError)
+            else None if isinstance(exc, RequestError) else "proxy")
+    if kind is not None:
+        session.call_errors[kind] = session.call_errors.get(kind, 0) + 1
 
 
 def canonical(to_canonical, body):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from polar_lab.proxy.canonical import CompletedCall
-from polar_lab.types import ModelCall, derived_seed
+from polar_lab.types import ModelCall
 
 
 def call_id(session_id: str, call_index: int, choice_index: int) -> str:
@@ -37,15 +37,8 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
             output_ids=gen.output_ids, output_logprobs=gen.output_logprobs, output_versions=gen.output_versions,
             policy_version=gen.output_versions[0] if gen.output_versions else engine_version,
             finish_reason=choice.finish_reason, stop_reason=gen.stop_reason,
-            sampling=nth_sampling(call.sampling, choice.index),
+            sampling={**call.sampling, "seed": choice.seed},  # each choice's own seed (n > 1: derived)
             request=request, response=response, render=call.render, parse=choice.parsed.info(),
             timings=timings))
     return records
 
-
-def nth_sampling(sampling: dict[str, Any], i: int) -> dict[str, Any]:
-    """The recorded sampling of choice i: choice 0 keeps the request's seed, choice i > 0 its derived seed
-    (what the engine sampled it with, see `types.derived_seed`)."""
-    if sampling.get("seed") is None or i == 0:
-        return sampling
-    return {**sampling, "seed": derived_seed(sampling["seed"], i)}

@@ -27,7 +27,7 @@ from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
-from polar_lab.types import SamplingSpec, Session, derived_seed
+from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed
 
 
 class CallService:
@@ -58,21 +58,21 @@ class CallService:
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template)
         requested = self._sampling(req, len(rendered.prompt_ids))
-        spec = _override(requested, session.sampling)
         call_index = self.registry.next_call_index(session)
+        spec = _override(requested, session.sampling, call_index)
+        specs = [_nth_seed(spec, i) for i in range(req.n)]
         t_gate = time.perf_counter()
         await self._await_replacement()
         async with self.gate.admit():
             t_engine = time.perf_counter()
-            generations = await asyncio.gather(*(
-                self.engine.generate(rendered.prompt_ids, _nth_seed(spec, i)) for i in range(req.n)))
+            generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = []
         for i, gen in enumerate(generations):
             parsed = parse_output(prefill + gen.text, parse_tools=parse_tools)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
-            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish))
+            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=specs[i].seed))
             self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i),
                                           text=rendered.text + self.renderer.decode(gen.output_ids),
                                           ids=rendered.prompt_ids + gen.output_ids))
@@ -109,6 +109,7 @@ class CallService:
         for record in model_calls(call, request, response, responded=time.time(),
                                   engine_version=self.engine.policy_version):
             self.store.append_call(record)
+        call.session.calls += 1
 
     def _check_tool_choice(self, req: CanonicalRequest) -> None:
         if isinstance(req.tool_choice, dict):
@@ -135,14 +136,17 @@ class CallService:
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
 
 
-def _override(spec: SamplingSpec, forced: dict[str, Any]) -> SamplingSpec:
+def _override(spec: SamplingSpec, forced: dict[str, Any], call_index: int) -> SamplingSpec:
     """Apply a session's forced sampling (RL rollouts and evaluations fix temperature/seed whatever the
-    harness asks). `max_tokens` there is a cap, never a raise."""
+    harness asks). `max_tokens` there is a cap, never a raise; a forced seed is the run's, and call k samples
+    with `call_seed(seed, k)`."""
     if not forced:
         return spec
     forced = dict(forced)
     if "max_tokens" in forced:
         forced["max_tokens"] = min(spec.max_tokens, forced["max_tokens"])
+    if forced.get("seed") is not None:
+        forced["seed"] = call_seed(forced["seed"], call_index)
     return replace(spec, **forced)
 
 

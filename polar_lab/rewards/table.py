@@ -8,13 +8,13 @@ import pandas as pd
 
 from polar_lab.types import Group
 
-COLUMNS = ["step", "group", "task_id", "session_id", "reward", "status"]
+COLUMNS = ["step", "group", "task_id", "session_id", "reward", "status", "failure"]
 
 
 def reward_rows(groups: list[Group], step: int = 0) -> list[dict[str, Any]]:
-    """step, group index, task id, session id, reward (None = masked failure), status — per run."""
+    """step, group index, task id, session id, reward (None = masked failure), status, failure cause — per run."""
     return [{"step": step, "group": g, "task_id": group.task.get("id", str(g)), "session_id": s.id,
-             "reward": s.reward, "status": s.status}
+             "reward": s.reward, "status": s.status, "failure": s.info.get("failure")}
             for g, group in enumerate(groups) for s in group.sessions]
 
 

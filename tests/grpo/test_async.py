@@ -74,13 +74,19 @@ def test_async_trainer_overlaps_rollouts_within_the_staleness_bound(lab, restore
     assert torch.get_num_threads() == threads  # restored on close
 
 
-def test_task_stream_cycles_in_a_seeded_order_and_reruns_come_first():
+def test_task_stream_cycles_in_a_seeded_order_and_reruns_come_first_up_to_the_cap():
     tasks = [{"q": i} for i in range(5)]
     a, b = TaskStream(tasks, seed=1), TaskStream(tasks, seed=1)
     assert a.take(7) == b.take(7)
     assert sorted(t["q"] for t in TaskStream(tasks, seed=2).take(5)) == [0, 1, 2, 3, 4]  # each once per epoch
-    a.requeue({"q": "again"})
-    assert a.take(1) == [{"q": "again"}]
+    again = {"q": "again"}
+    for _ in range(2):
+        assert a.requeue(again, max_reruns=2)
+        assert a.take(1) == [again]
+    assert not a.requeue(again, max_reruns=2)  # a third stale group in a row: given up, not re-queued forever
+    assert a.take(1) != [again]
+    a.settled(again)  # a group of it reached the loss: the count starts again
+    assert a.requeue(again, max_reruns=2) and a.take(1) == [again]
 
 
 def test_a_second_async_trainer_stops_the_first_producer_and_closing_the_lab_stops_all(lab, restore_weights, tmp_path):

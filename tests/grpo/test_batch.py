@@ -22,7 +22,9 @@ _ids = itertools.count()
 
 
 def _group(rewards, sampled=4, version=0):
-    sessions = [Session(id=f"s{next(_ids)}", key="", reward=r) for r in rewards]
+    """Closed runs with these rewards; a None reward is a run that crashed (masked)."""
+    sessions = [Session(id=f"s{next(_ids)}", key="", reward=r, status="closed" if r is not None else "error",
+                        info={} if r is not None else {"failure": "crash"}) for r in rewards]
     return Group(task={}, sessions=sessions, trajectories=[_traj(s.id, sampled, version) for s in sessions])
 
 
@@ -113,9 +115,13 @@ def test_the_batch_statistics_by_hand():
                         trainer_version=1)
     rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # every scored run, stale ones included
     assert batch.stats == pytest.approx({
-        "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs_nonfinite": 0, "runs_scored": 6, "runs": 4, "trajectories": 4, "tokens": 16,
+        "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs_nonfinite": 0, "runs_scored": 6,
+        "runs": 4, "trajectories": 4, "tokens": 16,
         "reward_mean": statistics.mean(rewards), "reward_std": statistics.stdev(rewards),
-        "staleness_mean": 1.0, "staleness_max": 1})
+        "staleness_mean": 1.0, "staleness_max": 1,
+        # 9 runs, one crashed, in a group of 3
+        "fail_crash_frac": 1 / 9, "fail_timeout_frac": 0.0, "fail_overflow_frac": 0.0,
+        "fail_infrastructure_frac": 0.0, "group_fail_frac_max": 1 / 3})
     sample = batch.samples[0]
     assert (sample.input_ids.dtype, sample.versions.dtype) == (torch.long, torch.long)
     assert (sample.weights.dtype, sample.behavior_logprobs.dtype) == (torch.float32, torch.float32)

@@ -15,6 +15,9 @@ BAD = [  # (fields, words the error must contain)
     ({"tis_cap": 0.5}, ["tis_cap", "0.5"]),
     ({"world_size": 2, "trainer_devices": ["cpu"]}, ["1", "2"]),
     ({"stale_groups": "keep"}, ["keep"]),
+    ({"async_mode": True, "async_window_steps": 3, "max_staleness": 2}, ["async_window_steps", "3", "2"]),
+    ({"max_reruns": -1}, ["max_reruns", "-1"]),
+    ({"async_window_steps": 0}, ["async_window_steps", "0"]),
 ]
 
 

@@ -12,17 +12,18 @@ def _call(choices, sampling):
         timings={"received": 100.0, "render_s": 0.25, "engine_s": 2.0, "paused_s": 0.5})
 
 
-def _choice(index, ids, versions, *, finish="stop", stop_reason=None, parsed=None):
+def _choice(index, ids, versions, *, finish="stop", stop_reason=None, parsed=None, seed=None):
     gen = Generation(output_ids=ids, output_logprobs=[-0.5 * (i + 1) for i in range(len(ids))],
                      output_versions=versions, text="t", finish_reason=finish, stop_reason=stop_reason)
-    return Choice(index=index, generation=gen, parsed=parsed or ParsedOutput(content="t"), finish_reason=finish)
+    return Choice(index=index, generation=gen, parsed=parsed or ParsedOutput(content="t"), finish_reason=finish,
+                  seed=seed)
 
 
 def test_each_choice_is_one_record_with_the_calls_shared_fields_and_its_own_tokens():
     parsed = ParsedOutput(content=None, reasoning="r", tool_calls=[{"id": "c", "name": "f", "arguments": "{}"}],
                           errors=["x"])
-    choices = [_choice(0, [1, 2, 3], [4, 4, 5], stop_reason="</s>"),
-               _choice(1, [9], [5], finish="tool_calls", parsed=parsed)]
+    choices = [_choice(0, [1, 2, 3], [4, 4, 5], stop_reason="</s>", seed=3),
+               _choice(1, [9], [5], finish="tool_calls", parsed=parsed, seed=derived_seed(3, 1))]
     request, response = {"messages": []}, {"id": "msg"}
     first, second = model_calls(_call(choices, {"seed": 3, "temperature": 0.7}), request, response,
                                 responded=104.0, engine_version=99)
@@ -40,7 +41,7 @@ def test_each_choice_is_one_record_with_the_calls_shared_fields_and_its_own_toke
     assert (second.output_ids, second.policy_version, second.finish_reason) == ([9], 5, "tool_calls")
     assert first.parse == {"num_tool_calls": 0, "errors": [], "has_reasoning": False}
     assert second.parse == {"num_tool_calls": 1, "errors": ["x"], "has_reasoning": True}
-    # choice 0 keeps the request's seed; choice 1 records the seed the engine sampled it with
+    # each choice records the seed the engine sampled it with (the service derives choice 1's)
     assert first.sampling == {"seed": 3, "temperature": 0.7}
     assert second.sampling == {"seed": derived_seed(3, 1), "temperature": 0.7} and derived_seed(3, 1) != 3
 

@@ -1,0 +1,135 @@
+"""Where training groups come from, on a scripted engine (this layer's logic, not the engine's): rollouts seeded
+from the config per step, run and call; failed runs rewarded by cause; what the staleness filter drops."""
+
+import asyncio
+import itertools
+
+import openai
+import pytest
+
+from polar_lab import Lab
+from polar_lab.engine import ScriptedEngine
+from polar_lab.grpo import GRPOConfig, GRPOTrainer
+from polar_lab.grpo.rollouts import SyncRollouts, TaskStream, dropped_stats
+from polar_lab.types import Group, Session, Trajectory, call_seed
+
+REPLIES = [f"reply {c}" for c in "ABCDEFG"]  # a seeded call gets REPLIES[seed % 7]
+TASKS = [{"id": f"t{i}", "q": f"question {i}"} for i in range(4)]
+
+
+@pytest.fixture
+def replies_lab(model_path, tokenizer, tmp_path):
+    engine = ScriptedEngine(tokenizer, REPLIES, model_path=model_path)
+    with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="replies") as lab:
+        yield lab
+
+
+def _client(session):
+    return openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
+
+
+async def two_turns(session, task):
+    """Two calls, each asking for its own seed and a truncated distribution (both overridden in training)."""
+    messages, texts = [{"role": "user", "content": task["q"]}], []
+    for _ in range(2):
+        reply = await _client(session).chat.completions.create(model="m", messages=messages, seed=42, top_p=0.5)
+        texts.append(reply.choices[0].message.content)
+        messages += [{"role": "assistant", "content": texts[-1]}, {"role": "user", "content": "again"}]
+    return texts
+
+
+def ends_early(task, texts):
+    return {"total": float(texts[-1][-1] in "ABC")}
+
+
+def test_two_rollouts_with_the_same_seed_give_the_same_groups(replies_lab):
+    def two_steps(seed):
+        config = GRPOConfig(seed=seed, tasks_per_step=2, num_generations=4)
+        rollouts = SyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=seed))
+        steps = [rollouts.next_groups(0)[0] for _ in range(2)]
+        return [[(g.task["id"], [s.reward for s in g.sessions], [t.token_ids for t in g.trajectories])
+                 for g in groups] for groups in steps]
+
+    first = two_steps(3)
+    assert first == two_steps(3)  # on the same engine, after other calls: nothing depends on arrival order
+    assert first != two_steps(4)
+    assert first[0] != first[1]  # step 2 is not step 1 again
+
+    calls = replies_lab.recorded.call_records()
+    seeds = [c.sampling["seed"] for c in calls]
+    per_config = 2 * 8 * 2  # steps x runs x calls: every call its own seed, the same ones again for seed 3
+    assert (len(seeds), len(set(seeds))) == (3 * per_config, 2 * per_config)
+    by_session = {}
+    for c in calls:
+        by_session.setdefault(c.session_id, []).append(c)
+    for session_calls in by_session.values():
+        run_seed = session_calls[0].sampling["seed"]
+        assert [c.sampling["seed"] for c in session_calls] == [call_seed(run_seed, k) for k in (0, 1)]
+    # what the harness asked is recorded, not applied (max_tokens: the proxy's default, capped at 128)
+    assert all(c.sampling["overridden"] == {"seed": 42, "top_p": 0.5, "max_tokens": 1024} for c in calls)
+    assert all((c.sampling["top_p"], c.sampling["max_tokens"]) == (1.0, 128) for c in calls)
+
+
+async def hangs_every_other_run(session, task, _runs=itertools.count()):
+    await _client(session).chat.completions.create(model="m", messages=[{"role": "user", "content": task["q"]}])
+    if next(_runs) % 2 == 0:
+        await asyncio.sleep(3600)  # a policy that never finishes: the deadline stops it
+    return ["reply A"]
+
+
+@pytest.mark.parametrize("timeout_reward", [0.0, None])
+def test_a_run_that_hangs_to_the_deadline_gets_timeout_reward(replies_lab, tmp_path, timeout_reward):
+    config = GRPOConfig(tasks_per_step=1, num_generations=4, deadline_s=1.0, timeout_reward=timeout_reward,
+                        output_dir=str(tmp_path))
+    with GRPOTrainer(replies_lab, config, harness=hangs_every_other_run, evaluator=ends_early, tasks=TASKS) as t:
+        m = t.step(progress=False)
+    (group,) = t.last_groups
+    hung = [s for s in group.sessions if s.status == "timeout"]
+    assert len(hung) == 2 and all(s.info["failure"] == "timeout" and s.reward == timeout_reward for s in hung)
+    assert (m["fail_timeout_frac"], m["group_fail_frac_max"]) == (0.5, 0.5)
+    trained = {s.session_id for s in t.last_batch.samples}
+    if timeout_reward is None:  # masked: the policy learns nothing from its hangs
+        assert m["runs_scored"] == 2 and not trained & {s.id for s in hung}
+    else:  # scored 0 beside two runs scored 1: the hangs get a negative advantage
+        assert m["runs_scored"] == 4 and trained == {s.id for s in group.sessions}
+        assert all(s.advantage < 0 for s in t.last_batch.samples if s.session_id in {h.id for h in hung})
+
+
+async def calls_then_crashes(session, task):
+    await _client(session).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("the harness fell over")
+
+
+async def hangs_before_asking(session, task):
+    await asyncio.sleep(3600)
+
+
+def test_failures_the_infrastructure_caused_stay_masked_whatever_the_rewards(replies_lab):
+    rewards = dict(timeout_reward=0.0, overflow_reward=0.0, failed_reward=0.0)
+    (hung,) = replies_lab.rollout(TASKS[:1], hangs_before_asking, num_generations=2, deadline_s=0.5,
+                                  progress=False, **rewards)
+    replies_lab.engine.fail_with = RuntimeError("engine gone")  # every call a 503
+    (broken,) = replies_lab.rollout(TASKS[:1], calls_then_crashes, num_generations=2, progress=False, **rewards)
+    replies_lab.engine.fail_with = None
+    (crashed,) = replies_lab.rollout(TASKS[:1], calls_then_crashes, num_generations=2, progress=False, **rewards)
+    for group, cause, reward in ((hung, "infrastructure", None), (broken, "infrastructure", None),
+                                 (crashed, "crash", 0.0)):
+        assert [(s.info["failure"], s.reward) for s in group.sessions] == [(cause, reward)] * 2
+    assert all(s.call_errors == {"engine": 1} and s.calls == 0 for s in broken.sessions)
+    assert all(s.call_errors == {} and s.calls == 1 for s in crashed.sessions)
+    stored = replies_lab.recorded.rewards().set_index("session_id")  # the run folder says why, too
+    assert stored.loc[crashed.sessions[0].id, "failure"] == "crash"
+
+
+def test_dropped_groups_report_their_length_and_reward():
+    def group(reward, sampled):
+        s = Session(id=f"s{sampled}", key="", reward=reward, status="closed")
+        t = Trajectory(session_id=s.id, chain_index=0, token_ids=list(range(2 + sampled)),
+                       loss_mask=[0, 0] + [1] * sampled, behavior_logprobs=[0.0] * (2 + sampled),
+                       policy_versions=[0] * (2 + sampled))
+        return Group(task={}, sessions=[s], trajectories=[t])
+
+    stats = dropped_stats([group(1.0, 30), group(0.0, 10)], reruns=1)
+    assert stats == {"groups_dropped_stale": 2, "groups_rerun": 1, "dropped_tokens_mean": 20.0,
+                     "dropped_reward_mean": 0.5}
+    assert dropped_stats([])["groups_dropped_stale"] == 0
