@@ -77,6 +77,7 @@ async def hangs_every_other_run(session, task, _runs=itertools.count()):
     return ["reply A"]
 
 
+@pytest.mark.filterwarnings("ignore:engine and trainer disagree")  # the scripted engine's logprobs are all -1
 @pytest.mark.parametrize("timeout_reward", [0.0, None])
 def test_a_run_that_hangs_to_the_deadline_gets_timeout_reward(replies_lab, tmp_path, timeout_reward):
     config = GRPOConfig(tasks_per_step=1, num_generations=4, deadline_s=1.0, timeout_reward=timeout_reward,
