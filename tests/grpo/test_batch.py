@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from polar_lab.grpo import GRPOConfig, build_batch, run_advantages, split_stale
+from polar_lab.grpo.batch import failure_stats
 from polar_lab.types import Group, Session, Trajectory
 
 
@@ -207,3 +208,12 @@ def test_a_batch_with_saturated_groups_is_normalised_as_trl_does(loss_type, scal
         trained = s.weights[s.weights > 0]
         objective += float((trained * s.advantage * (1 + torch.arange(len(trained)))).sum())
     assert objective == pytest.approx(_trl_objective(groups, loss_type, scale_rewards, 16), rel=1e-6)
+
+
+def test_failure_fractions_by_cause_and_the_worst_group():
+    alone = Group(task={}, sessions=[Session(id="x", key="", status="timeout", info={"failure": "timeout"})])
+    stats = failure_stats([alone, _group([1.0, 0.0, None, None])])  # 5 runs: 1 timeout, 2 crashes
+    assert stats == pytest.approx({"fail_timeout_frac": 1 / 5, "fail_crash_frac": 2 / 5, "fail_overflow_frac": 0.0,
+                                   "fail_infrastructure_frac": 0.0, "group_fail_frac_max": 1.0})
+    assert failure_stats([alone])["fail_timeout_frac"] == 1.0  # one run, and it failed
+    assert failure_stats([]) == dict.fromkeys(stats, 0.0)  # a step without runs: no failures, not NaN
