@@ -30,6 +30,7 @@ import threading
 import warnings
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, ClassVar, TypeVar
 
 import pandas as pd
@@ -268,16 +269,17 @@ class Lab:
     def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
                 evaluator: str | Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
                 builder: str = "prefix_merging", progress: bool = True,
-                failed_reward: float | None = None, timeout_reward: float | None = None,
-                overflow_reward: float | None = None, sampling: dict[str, Any] | None = None,
+                failed_reward: float | None = None, timeout_reward: float | None | EllipsisType = ...,
+                overflow_reward: float | None | EllipsisType = ..., sampling: dict[str, Any] | None = None,
                 seed: int | None = None) -> list[Group]:
         """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
         evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
         Crashed or timed-out runs keep their calls, are marked in `session.status` and, with their cause, in
         `session.info["failure"]` (rollout.failure_cause). Their reward is `timeout_reward` (ran past the
-        deadline), `overflow_reward` (overflowed the context) or `failed_reward` (crashed): None by default,
-        i.e. masked out of training (fail-closed); the GRPO trainer scores timeouts and overflows 0.0.
+        deadline), `overflow_reward` (overflowed the context) or `failed_reward` (crashed); the first two default
+        to `failed_reward`, which defaults to None, i.e. masked out of training (fail-closed). The GRPO trainer
+        scores timeouts and overflows 0.0 and masks crashes.
         Infrastructure failures (engine/proxy errors, no call served) are always masked.
         sampling: forced on every call of every run (see `session`); seed: run i gets sampling seed seed+i,
         and its call k `types.call_seed(seed + i, k)`, so a rollout is reproducible whatever seeds the
@@ -286,8 +288,10 @@ class Lab:
         return self.run(rollout_async(self, tasks, harness, num_generations=num_generations,
                                       evaluator=get_evaluator(evaluator), concurrency=concurrency,
                                       deadline_s=deadline_s, builder=builder, progress=progress,
-                                      failed_reward=failed_reward, timeout_reward=timeout_reward,
-                                      overflow_reward=overflow_reward, sampling=sampling, seed=seed))
+                                      failed_reward=failed_reward,
+                                      timeout_reward=failed_reward if timeout_reward is ... else timeout_reward,
+                                      overflow_reward=failed_reward if overflow_reward is ... else overflow_reward,
+                                      sampling=sampling, seed=seed))
 
     # ---- reading the run (one implementation: polar_lab.run.Run over this Lab's folder) ----------
     def call_records(self, session_ids: list[str] | None = None) -> list[ModelCall]:

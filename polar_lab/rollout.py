@@ -15,6 +15,7 @@ import asyncio
 import time
 import traceback
 import uuid
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -40,7 +41,7 @@ def failure_cause(session: Session, status: str) -> str | None:
 
     infrastructure  an engine or proxy error on one of its calls, or no model call ever served (the harness
                     failed to start, or hung before asking): the policy cannot have caused it
-    overflow        a call was refused as too long for the model's context, and the run then failed
+    overflow        its last call was refused as too long for the model's context, and the run then failed
     timeout         it was still going at the deadline (looping, never finishing)
     crash           the harness raised after the model answered, for no reason seen here
 
@@ -53,8 +54,8 @@ def failure_cause(session: Session, status: str) -> str | None:
         return None
     errors = session.call_errors
     if errors.get("engine") or errors.get("proxy") or session.calls == 0:
-        return "infrastructure"
-    if errors.get("context_length"):
+        return "infrastructure"  # any engine or proxy error in the run: masking is the safe reading
+    if session.last_call_error == "context_length":  # an overflow the harness recovered from does not count
         return "overflow"
     return "timeout" if status == "timeout" else "crash"
 
@@ -81,9 +82,9 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
                              duration_s=time.perf_counter() - t0, **info)
 
     try:
-        result = await asyncio.wait_for(harness(session, task), timeout=deadline_s)
-    except asyncio.TimeoutError:
-        return fail("timeout")
+        result = await _within_deadline(harness(session, task), session, deadline_s)
+    except _Deadline:
+        return fail("timeout", waited_s=session.waited_s)
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
         return fail("error", error=repr(exc), output=output, traceback=traceback.format_exc(limit=5))
@@ -95,6 +96,30 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
             raise  # the machine cannot score any run (no prlimit): stop the rollout, not just this run
         return session
     return session.close(reward=parts.get("total"), reward_parts=parts, duration_s=time.perf_counter() - t0)
+
+
+class _Deadline(Exception):
+    """The run's deadline passed (a TimeoutError the harness raises itself is a crash, not this)."""
+
+
+async def _within_deadline(run: Coroutine[Any, Any, Any], session: Session, deadline_s: float) -> Any:
+    """Await `run` for `deadline_s` of the policy's time: what its calls spent waiting for the proxy (paused for a
+    weight sync, or for a replacement engine) is added back, and a deadline never passes while one waits."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(run)
+    start = loop.time()
+    try:
+        while True:
+            remaining = start + deadline_s + session.waited_s - loop.time()
+            if remaining <= 0 and not session.waiting:
+                raise _Deadline
+            done, _ = await asyncio.wait({task}, timeout=max(remaining, 0.05))
+            if done:
+                return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=5.0)  # let it unwind (close its client) before the run closes
 
 
 async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,

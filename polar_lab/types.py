@@ -188,6 +188,9 @@ class Session:
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
     calls: int = 0  # model calls served (answered and recorded)
     call_errors: dict[str, int] = field(default_factory=dict)  # calls that failed: context_length | engine | proxy
+    last_call_error: str | None = None  # the kind of the last call's failure; None once a later call is served
+    waited_s: float = 0.0  # time its calls waited for the proxy (a weight sync, a replacement engine)
+    waiting: int = field(default=0, repr=False)  # its calls waiting for the proxy right now
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     def close(self, reward: float | None = None, *, status: str = "closed",
@@ -230,7 +233,7 @@ class Session:
 
     def record(self) -> dict[str, Any]:
         """The JSON-safe view written to the store (the key stays out of it)."""
-        skip = {"key", "base_url", "_closer"}
+        skip = {"key", "base_url", "_closer", "waiting"}
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 

@@ -108,6 +108,9 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
         "tokens": sum(s.num_tokens for s in samples),
         "reward_mean": _mean(rewards), "reward_std": _std(rewards),
         "staleness_mean": _mean(staleness), "staleness_max": max(staleness, default=0),
+        # sampled tokens per run of the fresh groups, every run counted (as rollouts.dropped_stats counts them)
+        "run_tokens_mean": _mean([sum(sum(t.loss_mask) for t in g.trajectories if t.session_id == s.id)
+                                  for g in fresh for s in g.sessions]),
         **failure_stats(groups),
     }
     return Batch(samples=samples, stats=stats)

@@ -21,6 +21,7 @@ Where this departs from the GRPO paper (Shao et al. 2024):
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -254,5 +255,7 @@ def make_policy(model_path: str, config: GRPOConfig):
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line; NaN and inf (a mean over nothing) become null, which every JSON reader takes."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with open(path, "a") as fh:
-        fh.write(json.dumps(record, default=float) + "\n")
+        fh.write(json.dumps(clean, default=float) + "\n")

@@ -85,6 +85,7 @@ def note_call_error(session: Session, exc: Exception) -> None:
             else None if isinstance(exc, RequestError) else "proxy")
     if kind is not None:
         session.call_errors[kind] = session.call_errors.get(kind, 0) + 1
+        session.last_call_error = kind
 
 
 def canonical(to_canonical, body):

@@ -37,11 +37,15 @@ class PauseState:
         self._paused_at: float | None = None
         self.paused_seconds = 0.0
 
+    async def wait_open(self) -> None:
+        """Return once the proxy is serving."""
+        while self.state != SERVING:
+            await self._open.wait()
+
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         """Wrap one call: waits while the proxy is paused, then counts the call as in flight."""
-        while self.state != SERVING:
-            await self._open.wait()
+        await self.wait_open()
         self.in_flight += 1
         self._idle.clear()
         try:

@@ -27,7 +27,7 @@ from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.store import RunStore
-from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed
+from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
 
 
 class CallService:
@@ -60,9 +60,15 @@ class CallService:
         requested = self._sampling(req, len(rendered.prompt_ids))
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
-        specs = [_nth_seed(spec, i) for i in range(req.n)]
+        specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         t_gate = time.perf_counter()
-        await self._await_replacement()
+        session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
+        try:
+            await self._await_replacement()
+            await self.gate.wait_open()
+        finally:
+            session.waiting -= 1
+            session.waited_s += time.perf_counter() - t_gate
         async with self.gate.admit():
             t_engine = time.perf_counter()
             generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
@@ -110,6 +116,7 @@ class CallService:
                                   engine_version=self.engine.policy_version):
             self.store.append_call(record)
         call.session.calls += 1
+        call.session.last_call_error = None
 
     def _check_tool_choice(self, req: CanonicalRequest) -> None:
         if isinstance(req.tool_choice, dict):
@@ -150,12 +157,13 @@ def _override(spec: SamplingSpec, forced: dict[str, Any], call_index: int) -> Sa
     return replace(spec, **forced)
 
 
-def _nth_seed(spec: SamplingSpec, i: int) -> SamplingSpec:
-    """Choice i of a seeded n>1 request uses `derived_seed(seed, i)`, so the choices differ but stay
-    reproducible."""
+def _nth_seed(spec: SamplingSpec, i: int, *, hashed: bool = False) -> SamplingSpec:
+    """Choice i of a seeded n>1 request uses `derived_seed(seed, i)` (seed + i, as vLLM does), so the choices
+    differ but stay reproducible; `hashed` (a seed the session forced): `mix_seed(seed, "choice", i)`, since
+    the runs of a rollout have consecutive seeds and seed + 1 is the next run's."""
     if spec.seed is None or i == 0:
         return spec
-    return replace(spec, seed=derived_seed(spec.seed, i))
+    return replace(spec, seed=mix_seed(spec.seed, "choice", i) if hashed else derived_seed(spec.seed, i))
 
 
 def _spec_dict(spec: SamplingSpec, requested: SamplingSpec) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def test_the_batch_statistics_by_hand():
         "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs_nonfinite": 0, "runs_scored": 6,
         "runs": 4, "trajectories": 4, "tokens": 16,
         "reward_mean": statistics.mean(rewards), "reward_std": statistics.stdev(rewards),
-        "staleness_mean": 1.0, "staleness_max": 1,
+        "staleness_mean": 1.0, "staleness_max": 1, "run_tokens_mean": 4.0,  # 7 fresh runs of 4 tokens each
         # 9 runs, one crashed, in a group of 3
         "fail_crash_frac": 1 / 9, "fail_timeout_frac": 0.0, "fail_overflow_frac": 0.0,
         "fail_infrastructure_frac": 0.0, "group_fail_frac_max": 1 / 3})

@@ -3,15 +3,18 @@ from the config per step, run and call; failed runs rewarded by cause; what the 
 
 import asyncio
 import itertools
+import threading
+import time
 
 import openai
+import orjson
 import pytest
 
 from polar_lab import Lab
 from polar_lab.engine import ScriptedEngine
 from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from polar_lab.grpo.rollouts import SyncRollouts, TaskStream, dropped_stats
-from polar_lab.types import Group, Session, Trajectory, call_seed
+from polar_lab.types import Group, Session, Trajectory, call_seed, mix_seed
 
 REPLIES = [f"reply {c}" for c in "ABCDEFG"]  # a seeded call gets REPLIES[seed % 7]
 TASKS = [{"id": f"t{i}", "q": f"question {i}"} for i in range(4)]
@@ -88,6 +91,8 @@ def test_a_run_that_hangs_to_the_deadline_gets_timeout_reward(replies_lab, tmp_p
     hung = [s for s in group.sessions if s.status == "timeout"]
     assert len(hung) == 2 and all(s.info["failure"] == "timeout" and s.reward == timeout_reward for s in hung)
     assert (m["fail_timeout_frac"], m["group_fail_frac_max"]) == (0.5, 0.5)
+    lines = [orjson.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # strict JSON
+    assert lines[0]["dropped_tokens_mean"] is None and lines[0]["fail_timeout_frac"] == 0.5  # NaN written as null
     trained = {s.session_id for s in t.last_batch.samples}
     if timeout_reward is None:  # masked: the policy learns nothing from its hangs
         assert m["runs_scored"] == 2 and not trained & {s.id for s in hung}
@@ -134,3 +139,85 @@ def test_dropped_groups_report_their_length_and_reward():
     assert stats == {"groups_dropped_stale": 2, "groups_rerun": 1, "dropped_tokens_mean": 20.0,
                      "dropped_reward_mean": 0.5}
     assert dropped_stats([])["groups_dropped_stale"] == 0
+
+
+async def ask(session, content="hi", **kw):
+    return await _client(session).chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                                          **kw)
+
+
+def test_the_cause_is_the_runs_own_doing_only_when_it_is(replies_lab):
+    """Overflow only when the last call was refused; a TimeoutError the harness raises is a crash, not the
+    deadline; a failing evaluator is the infrastructure's."""
+    too_long = "x " * (replies_lab.engine.max_model_len + 8)
+
+    async def overflows(session, task):
+        await ask(session)
+        await ask(session, too_long)  # a 400: the harness gives up
+
+    async def recovers_then_crashes(session, task):
+        with pytest.raises(openai.BadRequestError):
+            await ask(session, too_long)
+        await ask(session)  # compacted, carried on
+        raise RuntimeError("later, something else")
+
+    async def times_out_itself(session, task):
+        await ask(session)
+        await asyncio.wait_for(asyncio.sleep(10), 0.05)  # its own timeout, well inside the run's deadline
+
+    def broken_evaluator(task, result):
+        raise ValueError("cannot score")
+
+    rewards = dict(timeout_reward=-1.0, overflow_reward=-2.0, failed_reward=-3.0)
+    cases = [(overflows, None, "overflow", -2.0), (recovers_then_crashes, None, "crash", -3.0),
+             (times_out_itself, None, "crash", -3.0), (calls_then_crashes, None, "crash", -3.0),
+             (hangs_every_other_run, broken_evaluator, "infrastructure", None)]
+    for harness, evaluator, cause, reward in cases:
+        (group,) = replies_lab.rollout(TASKS[:1], harness, num_generations=2, evaluator=evaluator, deadline_s=3,
+                                       progress=False, **rewards)
+        runs = [s for s in group.sessions if s.status != "timeout"]  # hangs_every_other_run: the finishers
+        assert runs and [(s.info["failure"], s.reward) for s in runs] == [(cause, reward)] * len(runs), harness
+
+
+def test_time_spent_waiting_at_a_paused_proxy_is_not_the_policys(replies_lab):
+    async def one_call(session, task):
+        await ask(session)
+        return ["reply A"]
+
+    replies_lab.run(replies_lab.service.gate.pause())  # as a weight sync does
+    out = []
+    runner = threading.Thread(target=lambda: out.append(replies_lab.rollout(
+        TASKS[:1], one_call, num_generations=2, evaluator=ends_early, deadline_s=1.0, timeout_reward=0.0,
+        progress=False)))
+    runner.start()
+    time.sleep(2.5)  # the runs' calls wait at the gate well past their 1 s deadline
+    replies_lab.run(replies_lab.service.gate.resume())
+    runner.join(30)
+    (group,) = out[0]
+    assert [(s.status, s.reward) for s in group.sessions] == [("closed", 1.0)] * 2
+    assert all(s.waited_s > 2.0 for s in group.sessions)
+
+
+def test_a_call_answered_after_its_run_ended_is_not_part_of_the_run(model_path, tokenizer, tmp_path):
+    engine = ScriptedEngine(tokenizer, REPLIES, model_path=model_path, delay_s=1.5)
+    with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="late") as lab:
+        (group,) = lab.rollout(TASKS[:1], asks_twice, num_generations=1, deadline_s=2.0, progress=False)
+        time.sleep(1.5)  # the second call's answer is recorded after the run closed
+        (session,) = group.sessions
+        assert len([c for c in lab.recorded.call_records() if c.session_id == session.id]) == 2
+        for chains in (group.trajectories, lab.trajectories(session_ids=[session.id])):
+            assert [len(t.call_ids) for t in chains] == [1]  # only the call the harness saw
+
+
+async def asks_twice(session, task):
+    await ask(session)  # answered after 1.5 s, within the 2 s deadline
+    await ask(session, "again")  # still in the engine at the deadline
+
+
+def test_choices_of_a_forced_seed_do_not_reuse_the_next_runs_seed(replies_lab):
+    async def two_choices(session, task):
+        return await ask(session, n=2)
+
+    replies_lab.rollout(TASKS[:1], two_choices, num_generations=2, seed=100, progress=False)
+    seeds = sorted(c.sampling["seed"] for c in replies_lab.recorded.call_records())
+    assert seeds == sorted([100, mix_seed(100, "choice", 1), 101, mix_seed(101, "choice", 1)])
