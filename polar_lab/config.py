@@ -29,6 +29,11 @@ class EngineConfig:
     served_model_name: str | None = _f(None, "name reported by /v1/models; defaults to the folder name")
     dtype: str = _f("float32", "weights dtype in the engine; fp32 keeps logprobs comparable on CPU")
     max_model_len: int | None = _f(None, "context length; None = the model's max_position_embeddings")
+    tool_parser: str = _f("auto", "how tool calls are read from the output: a `vllm serve --tool-call-parser` "
+                                  "name (hermes, qwen3_coder, mistral, llama3_json...), 'auto' (from the markers "
+                                  "the chat template renders) or 'none'")
+    reasoning_parser: str = _f("auto", "how thoughts are read: a `vllm serve --reasoning-parser` name (qwen3, "
+                                       "deepseek_r1, mistral...), 'auto' or 'none'")
     # resources
     kv_cache_gib: int = _f(1, "CPU KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = _f(0.5, "GPU only: fraction of memory vLLM may take")

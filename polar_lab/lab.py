@@ -41,6 +41,8 @@ from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
+from polar_lab.proxy.formats import FORMATS, resolve_parsers
+from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PAUSED, PauseState
 from polar_lab.proxy.render import Renderer
 from polar_lab.proxy.service import CallService
@@ -156,7 +158,12 @@ class Lab:
         self.port = sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
         self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions)
-        self.service = CallService(engine, Renderer(self.tokenizer), self.registry, self.store, cfg)
+        tool, reasoning = resolve_parsers(self.config.engine.tool_parser, self.config.engine.reasoning_parser,
+                                          self.tokenizer.chat_template or "")
+        self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
+        self.store.write_json("config.json", {**self.config.to_dict(), "parsers": self.parsers})
+        self.service = CallService(engine, Renderer(self.tokenizer, FORMATS.get(tool or "")), self.registry,
+                                   self.store, cfg, parser=OutputParser(self.tokenizer, tool, reasoning))
         server_config = uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level, lifespan="off",
                                        timeout_keep_alive=30, access_log=False)
         self._server = uvicorn.Server(server_config)

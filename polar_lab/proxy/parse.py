@@ -1,17 +1,31 @@
-"""Reading tool calls and reasoning out of generated text (Hermes/Qwen format), without re-serialising.
+"""Reading tool calls and reasoning out of generated text, with the parsers of the model's family.
 
-The model writes `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`. We return the arguments
-as the exact substring the model produced whenever the block has the template's shape, because a harness
-echoes them back and the chat template re-renders them verbatim: same text, same token ids.
+`OutputParser` is the one entry point. For Hermes tool calls and `<think>` thoughts (tiny-calc, Qwen3 and
+Qwen2.5 and their Hermes-format peers) it uses polar_lab's own reader below, because vLLM's lacks two things
+the chain needs:
+- the arguments as the model wrote them: vLLM's `hermes` parser re-serialises them (`json.dumps`), so a
+  harness that echoes the call back re-renders other text, and other token ids, than were sampled whenever
+  the model's JSON was not in json.dumps' own spacing;
+- an answer without a thought: vLLM's `qwen3` reasoning parser reads output with no `</think>` as all
+  thought, right when the prompt opened the thought, wrong when the model simply did not think.
+Every other family (`qwen3_coder` XML calls, `mistral`, `llama3_json`, any name vLLM registers) is read by
+vLLM's own parsers (`vllm.parser.ParserManager`, as `vllm serve` does).
+
+The own reader: the model writes `<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`. We return the
+arguments as the exact substring the model produced whenever the block has the template's shape, because a
+harness echoes them back and the chat template re-renders them verbatim: same text, same token ids.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
+from typing import Any
 
 from polar_lab.proxy.canonical import ParsedOutput
+from polar_lab.proxy.formats import FORMATS, OWN, THINKING
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -92,3 +106,68 @@ def _is_json_object(text: str) -> bool:
 
 def _call(name: str, arguments: str) -> dict:
     return {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "arguments": arguments}
+
+
+class OutputParser:
+    """Reads one generation into content, reasoning and tool calls with the family's parsers (see above).
+
+    tool_parser / reasoning_parser: vLLM names, or None for none of that kind (formats.resolve_parsers).
+    """
+
+    def __init__(self, tokenizer, tool_parser: str | None = OWN, reasoning_parser: str | None = "qwen3"):
+        self.tokenizer = tokenizer
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.own = tool_parser in (None, OWN, "qwen3_json") and reasoning_parser in (None, "qwen3", "deepseek_r1")
+        self.thinking = THINKING.get(reasoning_parser or "")
+        if not self.own:
+            self._vllm_class(tool_parser, reasoning_parser)  # import vLLM's parsers now, not on the first call
+
+    def opens_thought(self, prompt: str) -> bool:
+        """Whether `prompt` ends inside a thought its template opened (the output then starts as reasoning)."""
+        return self.thinking is not None and prompt.rfind(self.thinking[0]) > prompt.rfind(self.thinking[1])
+
+    def parse(self, text: str, *, tools: list[dict[str, Any]] | None = None, parse_tools: bool = True,
+              in_thought: bool = False) -> ParsedOutput:
+        """in_thought: the prompt ended inside an open thought (the template opened it), so the output starts
+        as reasoning."""
+        if self.own:
+            return parse_output(text, parse_tools=parse_tools)
+        thinks = self.thinking is not None and (in_thought or text.lstrip().startswith(self.thinking[0]))
+        tool = self.tool_parser if parse_tools and tools else None
+        try:
+            reasoning, content, calls = self._vllm_parse(text, tool, self.reasoning_parser if thinks else None, tools)
+        except Exception as exc:  # noqa: BLE001 - a parser bug is a parse error on this call, never a 500
+            return ParsedOutput(content=text, errors=[f"{self.tool_parser} parser failed: {exc!r}"[:300]])
+        errors = [f"unterminated thought: no {self.thinking[1]}"] if thinks and self.thinking[1] not in text else []
+        fmt = FORMATS.get(tool or "")
+        if fmt is not None:
+            body = text.split(self.thinking[1], 1)[-1] if thinks else text  # what follows the thought
+            closed = body.count(fmt.close) if fmt.close else len(calls or [])
+            if fmt.close and body.count(fmt.open) > closed:  # vLLM reads a cut-off call as a whole one
+                errors.append(f"unterminated tool call: {body[body.rindex(fmt.open):][:80]!r}")
+                calls = (calls or [])[:closed]
+                if not calls:  # nothing usable: hand back what the model wrote, as the own reader does
+                    content = body
+            if fmt.open in (content or "") and not any(e.startswith("unterminated tool") for e in errors):
+                errors.append(f"a tool call the {tool} parser could not read: {content[content.index(fmt.open):][:80]!r}")
+        return ParsedOutput(content=content.lstrip("\n") or None if content else None,
+                            reasoning=reasoning.strip("\n") if reasoning is not None else None,
+                            tool_calls=[_call(c.name, c.arguments) for c in calls or []], errors=errors)
+
+    def _vllm_parse(self, text: str, tool: str | None, reasoning: str | None, tools):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], model="polar_lab",
+                                        tools=tools if tool else None, tool_choice="auto" if tool else "none")
+        cls = self._vllm_class(tool, reasoning)
+        if cls is None:  # neither kind asked for: the text is the content
+            return None, text, []
+        parser = cls(self.tokenizer, request.tools)  # one per call: vLLM's keep state between calls
+        return parser.parse(text, request, enable_auto_tools=tool is not None)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - one parser per Lab, a handful of (tool, reasoning) pairs
+    def _vllm_class(self, tool: str | None, reasoning: str | None):
+        from vllm.parser import ParserManager
+
+        return ParserManager.get_parser(tool_parser_name=tool, reasoning_parser_name=reasoning,
+                                        enable_auto_tools=tool is not None, tokenizer=self.tokenizer)

@@ -22,7 +22,7 @@ from typing import Any
 import jinja2
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy.parse import TOOL_OPEN
+from polar_lab.proxy.formats import FORMATS, ToolFormat
 
 _CONTEXT = 40  # characters of context on each side of a divergence
 
@@ -115,10 +115,13 @@ class PieceEncoder:
 
 
 class Renderer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tool_format: ToolFormat | None = FORMATS["hermes"]):
+        """tool_format: how the model writes a tool call (formats.py), to force or forbid one; None: it
+        cannot be forced or forbidden."""
         self.tokenizer = tokenizer
         template = tokenizer.chat_template or ""
-        self.supports_tool_calls = TOOL_OPEN in template  # Hermes-style calls we can parse and force
+        self.tool_format = tool_format if tool_format is not None and tool_format.open in template else None
+        self.supports_tool_calls = self.tool_format is not None
         self.pieces = PieceEncoder(tokenizer)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
@@ -182,12 +185,12 @@ class Renderer:
         space into the next word (` {"`), so a prompt ending in a lone space token is one the model has
         never seen, and it derails (measured on tiny-calc: 0 of 6 parseable calls with the trailing space).
         """
-        if not self.supports_tool_calls:
+        if self.tool_format is None:
             return ""
         if isinstance(tool_choice, dict):
-            return f'{TOOL_OPEN}\n{{"name": "{tool_choice["name"]}", "arguments":'
+            return self.tool_format.named.format(name=tool_choice["name"])
         if tool_choice == "required":
-            return f'{TOOL_OPEN}\n{{"name": "'
+            return self.tool_format.required
         return ""
 
 

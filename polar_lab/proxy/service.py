@@ -21,7 +21,7 @@ from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ToolArgs
-from polar_lab.proxy.parse import TOOL_OPEN, parse_output
+from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
@@ -32,9 +32,10 @@ from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_
 
 class CallService:
     def __init__(self, engine: Engine, renderer: Renderer, registry: SessionRegistry, store: RunStore,
-                 config: ProxyConfig):
+                 config: ProxyConfig, parser: OutputParser | None = None):
         self.engine = engine
         self.renderer = renderer
+        self.parser = parser or OutputParser(renderer.tokenizer)  # the model family's parsers (parse.py)
         self.registry = registry
         self.store = store
         self.config = config
@@ -74,9 +75,11 @@ class CallService:
             generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
+        in_thought = not self.parser.own and self.parser.opens_thought(rendered.text[:len(rendered.text) - len(prefill)])
         choices = []
         for i, gen in enumerate(generations):
-            parsed = parse_output(prefill + gen.text, parse_tools=parse_tools)
+            parsed = self.parser.parse(prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
+                                       in_thought=in_thought)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=specs[i].seed))
             self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i),
@@ -136,8 +139,8 @@ class CallService:
                 param="messages")
         # Harnesses often ask for more than fits (e.g. 32000); clip to the room left instead of failing.
         max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
-        banned = (TOOL_OPEN,) if req.tools and req.tool_choice == "none" and self.renderer.supports_tool_calls \
-            else ()
+        fmt = self.renderer.tool_format
+        banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
