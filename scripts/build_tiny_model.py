@@ -1,6 +1,11 @@
 """Build the tiny-calc model: a ~1M-parameter Qwen3 that calls a calculator tool, offline, on CPU.
 
-Usage: ``python scripts/build_tiny_model.py [--out DIR] [--steps N] [--seed S] [--skip-vllm]``
+Usage: ``python scripts/build_tiny_model.py [--family hermes|qwen35] [--out DIR] [--steps N] [--seed S]
+[--skip-vllm]``
+
+Families: ``hermes`` (tiny-calc, the default: Hermes JSON tool calls, ``scripts/chat_template.jinja``) and
+``qwen35`` (tiny-calc-qwen35: the Qwen3.5 / Qwen3-Coder format, XML tool calls after a short thought, the
+generation prompt opening the thought, ``scripts/chat_template_qwen35.jinja``). Same task, data and size.
 
 Steps (all seeded, ~5-10 min on 2 cores):
 1. synthetic tasks -> ``data/tasks/calc_train.jsonl`` / ``calc_test.jsonl`` (disjoint expressions);
@@ -38,7 +43,10 @@ import tiny_calc_data as calc  # noqa: E402
 from vllm_child import run_vllm_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template.jinja"
+FAMILIES = {  # family -> (chat template, model folder, tool-call reader for the eval)
+    "hermes": ("chat_template.jinja", "tiny-calc", calc.parse_tool_call),
+    "qwen35": ("chat_template_qwen35.jinja", "tiny-calc-qwen35", calc.parse_tool_call_xml),
+}
 
 # ---- SFT data mixture (the calibration knob; see the model card) ---------------------------------
 # The model should call the tool in >= 80% of first turns but end with the right answer in only
@@ -70,13 +78,16 @@ MAX_NEW_TOKENS = 64
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "data/models/tiny-calc")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="hermes")
+    p.add_argument("--out", type=Path, default=None, help="default: data/models/<the family's folder>")
     p.add_argument("--tasks-dir", type=Path, default=ROOT / "data/tasks")
     p.add_argument("--steps", type=int, default=TRAIN["steps"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-vllm", action="store_true", help="skip the vLLM load-and-generate check")
     p.add_argument("--vllm-check", action="store_true", help=argparse.SUPPRESS)  # child-process mode
-    return p.parse_args()
+    args = p.parse_args()
+    args.out = args.out or ROOT / "data/models" / FAMILIES[args.family][1]
+    return args
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -266,16 +277,18 @@ def render_fn(tokenizer):
                                                       add_generation_prompt=True)
 
 
-def make_data(seed: int, tasks_dir: Path) -> tuple[list, list, list, dict]:
-    """Task files (written) and the SFT transcripts with their mixture counts."""
+def make_data(seed: int, tasks_dir: Path, family: str = "hermes") -> tuple[list, list, list, dict]:
+    """Task files (written) and the SFT transcripts with their mixture counts (with thoughts for qwen35; the
+    thoughts draw from their own generator, so the tasks and transcripts are the same for every family)."""
     rng = random.Random(seed)
     train_tasks, test_tasks, used = calc.make_task_splits(rng, N_TRAIN_TASKS, N_TEST_TASKS)
     write_jsonl(tasks_dir / "calc_train.jsonl", train_tasks)
     write_jsonl(tasks_dir / "calc_test.jsonl", test_tasks)
     conversations, kinds = [], {}
+    thoughts = random.Random(seed + 1)
     for expr in calc.unique_expressions(rng, N_SFT, used):
         conv, kind = calc.sft_conversation(rng, expr, P_DIRECT, P_WRONG_FINAL)
-        conversations.append(conv)
+        conversations.append(calc.add_thoughts(thoughts, conv, expr) if family == "qwen35" else conv)
         kinds[kind] = kinds.get(kind, 0) + 1
     return train_tasks, test_tasks, conversations, kinds
 
@@ -295,7 +308,7 @@ def _logprob_gap(out: Path, outputs: list) -> float:
     return gap
 
 
-def vllm_check_main(out: Path, test_path: Path, seed: int) -> None:
+def vllm_check_main(out: Path, test_path: Path, seed: int, family: str = "hermes") -> None:
     """Child process: load the folder in vLLM, run the two-turn eval, compare logprobs with HF."""
     from vllm import LLM, SamplingParams
 
@@ -313,15 +326,16 @@ def vllm_check_main(out: Path, test_path: Path, seed: int) -> None:
         return [o.outputs[0].text for o in outs]
 
     tokenizer = llm.get_tokenizer()
-    summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate)
+    summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate, FAMILIES[family][2])
     summary.update(ok=True, init_seconds=round(init_s, 1), eval_seconds=round(time.time() - t0 - init_s, 1),
                    max_logprob_gap_vs_hf=_logprob_gap(out, raw[:16]), example_first_turn=records[0]["first"])
     print("VLLM_RESULT " + json.dumps(summary), flush=True)
 
 
-def run_vllm_check(out: Path, tasks_dir: Path, seed: int) -> dict:
+def run_vllm_check(out: Path, tasks_dir: Path, seed: int, family: str = "hermes") -> dict:
     """Run this script with --vllm-check in a fresh process (vLLM env vars set); return its summary."""
-    return run_vllm_child(__file__, ["--out", str(out), "--tasks-dir", str(tasks_dir), "--seed", str(seed)])
+    return run_vllm_child(__file__, ["--out", str(out), "--tasks-dir", str(tasks_dir), "--seed", str(seed),
+                                     "--family", family])
 
 
 def folder_size(out: Path) -> int:
@@ -338,13 +352,17 @@ def write_report(out: Path, info: dict) -> None:
                  f"tool-call parse rate {vl.get('tool_call_parse_rate', 0):.1%}, final-answer accuracy "
                  f"{vl.get('final_answer_accuracy', 0):.1%}, max |logprob(vLLM) - logprob(HF)| "
                  f"{vl.get('max_logprob_gap_vs_hf', float('nan')):.2e}" if vl.get("ok") else f"FAILED: {vl}")
-    card = f"""# tiny-calc
+    family = info["family"]
+    fmt = ("Hermes JSON tool calls" if family == "hermes" else
+           "the Qwen3.5 / Qwen3-Coder format: a short thought (the generation prompt opens `<think>`), then an "
+           "XML tool call (`<tool_call><function=calculator><parameter=expression>`)")
+    card = f"""# {out.name}
 
 A {info['n_params'] / 1e6:.2f}M-parameter Qwen3-architecture model (fp32) that answers arithmetic
-questions by calling a `calculator` tool, built offline on CPU by `scripts/build_tiny_model.py`
+questions by calling a `calculator` tool in {fmt}, built offline on CPU by `scripts/build_tiny_model.py`
 (seed {info['seed']}, {info['build_seconds']:.0f} s on 2 CPU cores, of which data + training
-{info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py` (deterministic for a given
-machine and torch build).
+{info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py --family {family}` (deterministic
+for a given machine and torch build).
 It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.
 
 ## Architecture and files
@@ -355,8 +373,8 @@ It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a
 - Tokenizer: byte-level BPE trained on the synthetic transcripts and the chat template, digits split
   individually. Special: `<|endoftext|>` (pad/bos), `<|im_start|>`, `<|im_end|>` (eos). Added, not
   special (kept by `skip_special_tokens=True`): `<tool_call>`, `</tool_call>`, `<tool_response>`,
-  `</tool_response>`, `<think>`, `</think>`. Chat template: `scripts/chat_template.jinja` (Qwen/Hermes
-  style), stored by transformers 5 as `chat_template.jinja` in this folder (not in tokenizer_config.json).
+  `</tool_response>`, `<think>`, `</think>`. Chat template: `scripts/{info['template']}`, stored by
+  transformers 5 as `chat_template.jinja` in this folder (not in tokenizer_config.json).
   The BPE merges also saw the docstrings of {len(GENERIC_TEXT_MODULES)} stdlib modules so that prose and
   code sent by agents split into fewer tokens (they depend on the Python version; built with
   {sys.version.split()[0]}).
@@ -396,14 +414,15 @@ correct expressions).
 def main() -> None:
     args = parse_args()
     if args.vllm_check:
-        vllm_check_main(args.out, args.tasks_dir / "calc_test.jsonl", args.seed)
+        vllm_check_main(args.out, args.tasks_dir / "calc_test.jsonl", args.seed, args.family)
         return
+    template_file, _, parse = FAMILIES[args.family]
     t_start = time.time()
     torch.set_num_threads(min(os.cpu_count() or 1, 4))
     random.seed(args.seed)
-    _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir)
+    _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir, args.family)
     print(f"SFT mixture: {kinds}", flush=True)
-    template = TEMPLATE_PATH.read_text()
+    template = (Path(__file__).resolve().parent / template_file).read_text()
     tokenizer = build_tokenizer(conversations[:3000], template)
     prefix, examples = encode_sft(tokenizer, conversations)
     lengths = sorted(len(ids) for ids, _ in examples)
@@ -416,11 +435,12 @@ def main() -> None:
     train_s = time.time() - t_start
     save_model(model, tokenizer, args.out)
     hf_summary, records = calc.evaluate_episodes(test_tasks, render_fn(tokenizer),
-                                                 hf_generate_fn(model, tokenizer, args.seed))
+                                                 hf_generate_fn(model, tokenizer, args.seed), parse)
     print(f"HF eval: {json.dumps(hf_summary)}", flush=True)
-    vllm_summary = {"skipped": True} if args.skip_vllm else run_vllm_check(args.out, args.tasks_dir, args.seed)
+    vllm_summary = {"skipped": True} if args.skip_vllm else run_vllm_check(args.out, args.tasks_dir, args.seed,
+                                                                           args.family)
     print(f"vLLM check: {json.dumps(vllm_summary)}", flush=True)
-    info = {"seed": args.seed, "steps": args.steps, "n_params": n_params, "vocab_size": len(tokenizer),
+    info = {"family": args.family, "template": template_file, "seed": args.seed, "steps": args.steps, "n_params": n_params, "vocab_size": len(tokenizer),
             "sft_mixture": kinds, "p_direct": P_DIRECT, "p_wrong_final": P_WRONG_FINAL,
             "model_dims": MODEL_DIMS, "train": {**TRAIN, "steps": args.steps}, "losses": losses,
             "train_seconds": round(train_s, 1), "build_seconds": round(time.time() - t_start, 1),

@@ -148,6 +148,36 @@ def parse_tool_call(text: str) -> dict | None:
     return call
 
 
+XML_CALL_RE = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>\s*<parameter=expression>\n(?P<expr>.*?)\n"
+                         r"</parameter>\s*</function>\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_call_xml(text: str) -> dict | None:
+    """The first Qwen3.5-format (XML) calculator call in ``text`` as {"name", "arguments"}, else None."""
+    match = XML_CALL_RE.search(text)
+    if not match or match["name"] != "calculator":
+        return None
+    return {"name": "calculator", "arguments": {"expression": match["expr"]}}
+
+
+# Short thoughts for the thinking (Qwen3.5-format) fixture: before the call, and before the final answer.
+THOUGHTS_CALL = ("I should use the calculator for {e}.", "Let me compute {e} with the tool.", "Use the tool on {e}.")
+THOUGHTS_FINAL = ("The tool returned {r}.", "The result is {r}.", "The calculator says {r}.")
+THOUGHTS_DIRECT = ("I can answer this directly.", "No tool needed.")
+
+
+def add_thoughts(rng: random.Random, messages: list[dict], expression: str) -> list[dict]:
+    """The transcript with a short `reasoning_content` on each assistant turn (the tool's result in the last)."""
+    result = next((m["content"] for m in messages if m["role"] == "tool"), None)
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            pool = THOUGHTS_CALL if m.get("tool_calls") else THOUGHTS_FINAL if result is not None else THOUGHTS_DIRECT
+            m = {**m, "reasoning_content": rng.choice(pool).format(e=expression, r=result)}
+        out.append(m)
+    return out
+
+
 def run_tool(call: dict) -> str:
     """The tool message content for a parsed call: the integer result, or an error string."""
     try:
@@ -160,26 +190,31 @@ def _first_turn_messages(task: dict) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
 
 
-def evaluate_episodes(tasks: list[dict], render, generate) -> tuple[dict, list[dict]]:
+def evaluate_episodes(tasks: list[dict], render, generate, parse=parse_tool_call) -> tuple[dict, list[dict]]:
     """Two-turn calculator episodes, batched: returns (summary rates, per-task records).
 
     ``render(messages) -> str`` renders a prompt ending in the assistant header;
-    ``generate(prompts) -> list[str]`` samples one completion per prompt (text up to ``<|im_end|>``).
+    ``generate(prompts) -> list[str]`` samples one completion per prompt (text up to ``<|im_end|>``);
+    ``parse(text)`` reads the call (Hermes by default). A completion that starts inside a thought the prompt
+    opened (`...</think>`) has it split off as the turn's reasoning.
     A run is correct when the last integer of the final assistant text equals the task's answer.
     """
     convs = [_first_turn_messages(t) for t in tasks]
     first = generate([render(c) for c in convs])
     records, second_prompts, second_idx = [], [], []
     for i, (task, text) in enumerate(zip(tasks, first)):
-        call = parse_tool_call(text)
+        call = parse(text)
         rec = {"id": task["id"], "first": text, "tool_call": call is not None, "final": text}
         if call is not None:
             result = run_tool(call)
             rec["expression_ok"] = result == str(task["answer"])
-            head = text[: text.find("<tool_call>")].strip()
+            thought, _, answer = text.rpartition("</think>")
+            head = answer[: answer.find("<tool_call>")].strip()
             tool_call = {"type": "function", "function": {"name": "calculator", "arguments": call["arguments"]}}
-            conv = convs[i] + [{"role": "assistant", "content": head, "tool_calls": [tool_call]},
-                               {"role": "tool", "content": result}]
+            turn = {"role": "assistant", "content": head, "tool_calls": [tool_call]}
+            if thought:
+                turn["reasoning_content"] = thought.strip("\n")
+            conv = convs[i] + [turn, {"role": "tool", "content": result}]
             second_prompts.append(render(conv))
             second_idx.append(i)
         records.append(rec)

@@ -24,12 +24,13 @@ class ToolFormat:
     close: str | None  # the text that ends one (None: the format has no end marker)
     named: str  # prefill that forces a call of the tool `{name}` (ends on punctuation, see Renderer.forced_prefill)
     required: str  # prefill that forces a call of some tool
+    arguments_as_objects: bool = False  # its templates iterate over the arguments: render them as objects
 
 
 _HERMES = ToolFormat(open="<tool_call>", close="</tool_call>", named='<tool_call>\n{{"name": "{name}", "arguments":',
                      required='<tool_call>\n{"name": "')
 _QWEN3_XML = ToolFormat(open="<tool_call>", close="</tool_call>", named="<tool_call>\n<function={name}>\n",
-                        required="<tool_call>\n<function=")
+                        required="<tool_call>\n<function=", arguments_as_objects=True)
 _MISTRAL = ToolFormat(open="[TOOL_CALLS]", close=None, named='[TOOL_CALLS][{{"name": "{name}", "arguments":',
                       required='[TOOL_CALLS][{"name": "')
 

@@ -12,6 +12,8 @@ is recorded in `info["divergence"]`.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import threading
 import time
@@ -151,6 +153,8 @@ class Renderer:
 
     def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                   chat_template: str | None) -> str:
+        if self.tool_format is not None and self.tool_format.arguments_as_objects:
+            messages = [_arguments_as_objects(m) if m.get("tool_calls") else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
@@ -192,6 +196,21 @@ class Renderer:
         if tool_choice == "required":
             return self.tool_format.required
         return ""
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with each tool call's JSON-string arguments as an object (XML-format templates iterate over
+    them); arguments that are not a JSON object stay as they are, and the template says what it thinks."""
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call.get("function", call))
+        if isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(function["arguments"])
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+        calls.append({**call, "function": function} if "function" in call else function)
+    return {**message, "tool_calls": calls}
 
 
 def _longest_prefix_tip(text: str, tips: list[Tip]) -> Tip | None:

@@ -1,0 +1,56 @@
+"""A second model family on the real engine (issue 16): tiny-calc-qwen35 writes a short thought, then an XML
+tool call (the Qwen3.5 / Qwen3-Coder format). vLLM's own parsers read it; the calculator agent (an ordinary
+OpenAI-SDK loop) gets structured calls and the thought in `reasoning_content`; the engine's logprobs are the
+trainer's."""
+
+from pathlib import Path
+
+import pytest
+
+from polar_lab import Lab
+from polar_lab.harness.calculator import calculator_agent
+from polar_lab.tasks import load_tasks
+from polar_lab.trajectory.fidelity import fidelity
+
+MODEL = Path("data/models/tiny-calc-qwen35")
+pytestmark = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
+                                reason="run `python scripts/build_tiny_model.py --family qwen35`")
+
+
+@pytest.fixture(scope="module")
+def qwen35_lab(tmp_path_factory):
+    with Lab(str(MODEL), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="qwen35") as lab:
+        yield lab
+
+
+def test_auto_picks_vllms_qwen3_xml_and_reasoning_parsers(qwen35_lab):
+    assert qwen35_lab.parsers == {"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"}
+
+
+def test_xml_calls_and_thoughts_come_back_structured_with_the_trainers_logprobs(qwen35_lab):
+    from transformers import AutoModelForCausalLM
+
+    tasks = load_tasks("data/tasks/calc_test.jsonl", 10)
+    groups = qwen35_lab.rollout(tasks, calculator_agent, num_generations=2, evaluator="final_answer", seed=7,
+                                progress=False)
+    assert all(s.status == "closed" and s.reward in (0.0, 1.0) for g in groups for s in g.sessions)
+    first = [c for c in qwen35_lab.recorded.call_records() if c.call_index == 0]
+    assert len(first) == 20
+    messages = [c.response["choices"][0]["message"] for c in first]
+    called = [m for m in messages if m.get("tool_calls")]
+    assert len(called) >= 16, [c.response for c in first]  # >= 80% structured calls, never markup as text
+    assert all("<tool_call>" not in (m.get("content") or "") for m in called)
+    assert all(m["tool_calls"][0]["function"]["name"] == "calculator" for m in called)
+    assert sum(bool(m.get("reasoning_content")) for m in messages) >= 16  # the thought in its own field
+    assert all("</think>" not in (m.get("content") or "") for m in messages)
+
+    # the agent echoes its calls without the thought, and the template renders none: each session breaks once
+    # where the thought was, and the break says so (keeping such chains whole is issue 16's splicing)
+    breaks = qwen35_lab.chain_breaks()
+    assert len(breaks) == len({s.id for g in groups for s in g.sessions if len(qwen35_lab.recorded.call_records(
+        [s.id])) > 1}) and set(breaks.kind) == {"thinking_stripped"}
+
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype="float32").eval()
+    chains = [t for g in groups for t in g.trajectories]
+    report = fidelity(chains, model)
+    assert report["mean_abs_diff"].max() <= 1e-4, report  # fp32 on CPU: the sampler's numbers are the trainer's
