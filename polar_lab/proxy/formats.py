@@ -64,9 +64,14 @@ def resolve_parsers(tool_parser: str, reasoning_parser: str, chat_template: str)
     detected = detect_parsers(chat_template)
     tool = detected[0] if tool_parser == "auto" else None if tool_parser == "none" else tool_parser
     reasoning = detected[1] if reasoning_parser == "auto" else None if reasoning_parser == "none" else reasoning_parser
-    if tool not in (None, OWN) or reasoning not in (None, "qwen3", "deepseek_r1"):
+    if not reads_own(tool, reasoning):
         _check_registered(tool, reasoning)
     return tool, reasoning
+
+
+def reads_own(tool: str | None, reasoning: str | None) -> bool:
+    """Whether polar_lab's own reader serves these parsers (Hermes calls, `<think>` thoughts; parse.py says why)."""
+    return tool in (None, OWN, "qwen3_json") and reasoning in (None, "qwen3", "deepseek_r1")
 
 
 def _check_registered(tool: str | None, reasoning: str | None) -> None:

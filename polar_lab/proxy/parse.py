@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from polar_lab.proxy.canonical import ParsedOutput
-from polar_lab.proxy.formats import FORMATS, OWN, THINKING
+from polar_lab.proxy.formats import FORMATS, OWN, THINKING, reads_own
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -117,14 +117,16 @@ class OutputParser:
     def __init__(self, tokenizer, tool_parser: str | None = OWN, reasoning_parser: str | None = "qwen3"):
         self.tokenizer = tokenizer
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
-        self.own = tool_parser in (None, OWN, "qwen3_json") and reasoning_parser in (None, "qwen3", "deepseek_r1")
+        self.own = reads_own(tool_parser, reasoning_parser)
         self.thinking = THINKING.get(reasoning_parser or "")
         if not self.own:
             self._vllm_class(tool_parser, reasoning_parser)  # import vLLM's parsers now, not on the first call
 
-    def opens_thought(self, prompt: str) -> bool:
-        """Whether `prompt` ends inside a thought its template opened (the output then starts as reasoning)."""
-        return self.thinking is not None and prompt.rfind(self.thinking[0]) > prompt.rfind(self.thinking[1])
+    def opens_thought(self, prompt: str, end: int | None = None) -> bool:
+        """Whether `prompt[:end]` ends inside a thought its template opened (the output then starts as
+        reasoning). Searched in place: prompts are long, and this runs on every call."""
+        return self.thinking is not None and \
+            prompt.rfind(self.thinking[0], 0, end) > prompt.rfind(self.thinking[1], 0, end)
 
     def parse(self, text: str, *, tools: list[dict[str, Any]] | None = None, parse_tools: bool = True,
               in_thought: bool = False) -> ParsedOutput:

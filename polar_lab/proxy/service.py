@@ -75,7 +75,7 @@ class CallService:
             generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        in_thought = not self.parser.own and self.parser.opens_thought(rendered.text[:len(rendered.text) - len(prefill)])
+        in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         choices = []
         for i, gen in enumerate(generations):
             parsed = self.parser.parse(prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
