@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_lab.errors import ConfigError
+from polar_lab.types import CONTINUITY
 
 DEFAULT_MODEL = "data/models/tiny-calc"
 
@@ -76,6 +77,8 @@ class ProxyConfig:
     max_body_bytes: int = _f(32 * 1024 * 1024, "larger request bodies get 413")
     inline_render_bytes: int = _f(8 * 1024, "bodies up to this size are rendered and tokenised on the proxy's "
                                             "loop; larger ones in a worker thread so they never stall it")
+    continuity: str = _f("splice", "how an echoed assistant turn the proxy produced goes back into the prompt: "
+                                   "'splice' (its sampled ids) or 'template' (re-rendered by the chat template)")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level")
     engine_wait_s: float = _f(900.0, "how long a call that meets a dead engine waits for its replacement before "
                                      "it gets a 503")
@@ -85,6 +88,8 @@ class ProxyConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.continuity not in CONTINUITY:
+            raise ConfigError(f"continuity must be one of {CONTINUITY}, got {self.continuity!r}")
 
 
 @dataclass

@@ -250,18 +250,21 @@ class Lab:
 
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
-                chat_template: str | None = None, sampling: dict[str, Any] | None = None, **info: Any) -> Session:
+                chat_template: str | None = None, sampling: dict[str, Any] | None = None,
+                continuity: str | None = None, **info: Any) -> Session:
         """A new session (one harness run) with its own secret key.
 
         chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
         sampling: forced on every call whatever the harness asks: temperature, top_p, top_k, banned_strings,
             seed (the run's: call k samples with `types.call_seed(seed, k)`, its own random stream) and
             max_tokens (a cap). RL rollouts and evaluations use it to fix the sampling distribution.
+        continuity: "splice" (echoed turns the proxy produced go back as their sampled ids) or "template"
+            (re-rendered by the chat template); None: the Lab's `ProxyConfig.continuity`. See proxy/splice.py.
         info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
         """
         self._check_open()
         return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template,
-                                    sampling=sampling)
+                                    sampling=sampling, continuity=continuity)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""

@@ -166,6 +166,7 @@ class Generation:
     engine_seconds: float = 0.0  # from submission to the final output, queueing included
 
 
+CONTINUITY = ("splice", "template")  # how an echoed turn goes back into the prompt (proxy/splice.py)
 FAILURE_CAUSES = ("timeout", "overflow", "crash", "infrastructure")  # why a run failed (rollout.failure_cause)
 
 
@@ -186,6 +187,7 @@ class Session:
     base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:41234
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
+    continuity: str | None = None  # "splice" | "template" (proxy/splice.py); None: the Lab's ProxyConfig.continuity
     calls: int = 0  # model calls served (answered and recorded)
     call_errors: dict[str, int] = field(default_factory=dict)  # calls that failed: context_length | engine | proxy
     last_call_error: str | None = None  # the kind of the last call's failure; None once a later call is served

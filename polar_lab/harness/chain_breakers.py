@@ -6,6 +6,8 @@ Each is an ordinary openai-SDK program doing something real harnesses do:
     compacting_agent     replaces its history with a summary after a few turns (context compaction)
     subagent_harness     hands a sub-task to a helper with its own system prompt, then carries on
 Run any of them in a session opened with `chat_template=with_empty_think(...)` to get "thinking stripped".
+Re-serialised JSON and stripped thoughts break a chain only under `continuity="template"`: the default,
+"splice", puts the turns the proxy produced back as their sampled ids (proxy/splice.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ that echoes them back re-renders the same text (exact-id continuity depends on i
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,7 @@ class CanonicalRequest:
     stream: bool = False
     model: str = ""
     ignore_eos: bool = False  # vLLM extension
+    thinking: bool | None = None  # the template's `enable_thinking` switch; None: the template's default
 
 
 @dataclass
@@ -85,6 +90,20 @@ class Lenient(BaseModel):
     than this proxy needs), and the raw body is recorded anyway."""
 
     model_config = ConfigDict(extra="allow")
+
+
+class ThoughtSigner:
+    """Signs the thoughts the proxy returns (Anthropic's thinking `signature`), so that an echoed thought can be
+    checked: HMAC-SHA256 over its text with a secret of this proxy's, never sent anywhere."""
+
+    def __init__(self) -> None:
+        self._key = secrets.token_bytes(32)
+
+    def sign(self, thinking: str) -> str:
+        return base64.b64encode(hmac.new(self._key, thinking.encode(), hashlib.sha256).digest()).decode()
+
+    def verify(self, thinking: str, signature: str) -> bool:
+        return hmac.compare_digest(self.sign(thinking), signature)
 
 
 class ToolArgs:

@@ -8,6 +8,9 @@ results, the next user turn, template glue) is tokenised. Per-turn cost then gro
 not the history. When no tip is a prefix (a template dropped `<think>`, a harness re-serialised a tool
 call, compacted its context...), the prompt is tokenised in full and the divergence from the closest tip
 is recorded in `info["divergence"]`.
+
+Splicing (splice.py) comes first: turns this proxy produced go into the prompt as their sampled ids, and the tips
+then reuse ids over a text that holds those turns exactly as sampled.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jinja2
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.formats import FORMATS, ToolFormat
+from polar_lab.proxy.splice import Glue, Turn, probe_glue, sentinel, splice
 
 _CONTEXT = 40  # characters of context on each side of a divergence
 
@@ -125,24 +129,68 @@ class Renderer:
         self.tool_format = tool_format if tool_format is not None and tool_format.open in template else None
         self.supports_tool_calls = self.tool_format is not None
         self.pieces = PieceEncoder(tokenizer)
+        self._glue: dict[tuple, Glue | None] = {}  # (chat template (None: the model's), thinking) → its glue
+
+    def glue(self, chat_template: str | None = None, thinking: bool | None = None) -> Glue | None:
+        """Where a plain assistant turn sits in the template's text (splice.probe_glue); None: cannot splice."""
+        key = (chat_template, thinking)
+        if key not in self._glue:
+            self._glue[key] = probe_glue(lambda messages, prompt: self._template(
+                messages, [], chat_template, generation_prompt=prompt, thinking=thinking))
+        return self._glue[key]
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
-               tips: list[Tip] | None = None, chat_template: str | None = None) -> Rendered:
-        """Render messages (+ tools) with the generation prompt, append `prefill`, tokenise (reusing a tip)."""
+               tips: list[Tip] | None = None, chat_template: str | None = None,
+               splices: dict[int, Turn] | None = None, thinking: bool | None = None) -> Rendered:
+        """Render messages (+ tools) with the generation prompt, append `prefill`, tokenise (reusing a tip).
+
+        splices: message index → the turn this proxy produced there, put in as its sampled ids (splice.py).
+        thinking: the template's `enable_thinking` (None: its default).
+        """
         t0 = time.perf_counter()
-        text = self._template(messages, tools, chat_template) + prefill
-        tip = _longest_prefix_tip(text, tips or [])
+        info: dict[str, Any] = {}
+        segments = self._spliced(messages, tools, prefill, chat_template, splices, thinking, info) \
+            if splices else None
+        if segments is None:
+            segments = [self._template(messages, tools, chat_template, thinking=thinking) + prefill]
+        text = "".join(s if isinstance(s, str) else s.text for s in segments)
+        tip = _longest_prefix_tip(text, tips or [], segments)
         if tip is not None:
-            ids = tip.ids + self.encode(text[len(tip.text):])
-            info = {"mode": "continued", "from_call": tip.call_id, "reused_tokens": len(tip.ids)}
+            ids = tip.ids + self._encode_segments(segments, len(tip.text))
+            info.update(mode="continued", from_call=tip.call_id, reused_tokens=len(tip.ids))
         else:
-            ids = self.encode(text)
-            info = {"mode": "full"}
+            ids = self._encode_segments(segments, 0)
+            info["mode"] = "full"
             if tips:
                 info["mode"] = "diverged"
                 info["divergence"] = self._divergence(text, tips)
         info.update(prompt_chars=len(text), prefill=prefill, render_s=time.perf_counter() - t0)
         return Rendered(prompt_ids=ids, text=text, info=info)
+
+    def _spliced(self, messages, tools, prefill, chat_template, splices, thinking, info) -> list[str | Turn] | None:
+        """The prompt as template text and spliced turns; None (and why, in info) when the template cannot."""
+        glue = self.glue(chat_template, thinking)
+        if glue is None:
+            info["splice_failed"] = "the chat template has no plain assistant turn to splice into"
+            return None
+        marked = [{"role": "assistant", "content": sentinel(i)} if i in splices else m for i, m in enumerate(messages)]
+        segments = splice(self._template(marked, tools, chat_template, thinking=thinking) + prefill, splices, glue)
+        if segments is None:
+            info["splice_failed"] = "the chat template rendered an echoed turn in an unexpected place"
+            return None
+        info["spliced"] = [splices[i].call_id for i in sorted(splices)]
+        return segments
+
+    def _encode_segments(self, segments: list[str | Turn], start: int) -> list[int]:
+        """Ids of the prompt from character `start` on: template text tokenised, spliced turns as sampled."""
+        ids: list[int] = []
+        at = 0
+        for segment in segments:
+            text = segment if isinstance(segment, str) else segment.text
+            if at + len(text) > start:
+                ids += self.encode(text[max(start - at, 0):]) if isinstance(segment, str) else segment.ids
+            at += len(text)
+        return ids
 
     def encode(self, text: str) -> list[int]:
         return self.pieces.encode(text) if text else []
@@ -152,13 +200,13 @@ class Renderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                  chat_template: str | None) -> str:
+                  chat_template: str | None, *, generation_prompt: bool = True, thinking: bool | None = None) -> str:
         if self.tool_format is not None and self.tool_format.arguments_as_objects:
             messages = [_arguments_as_objects(m) if m.get("tool_calls") else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                chat_template=chat_template)
+                messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False,
+                chat_template=chat_template, **({} if thinking is None else {"enable_thinking": thinking}))
         except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:
             raise RequestError(f"the chat template cannot render these messages: {exc}",
                                param="messages") from exc
@@ -213,8 +261,16 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
-def _longest_prefix_tip(text: str, tips: list[Tip]) -> Tip | None:
-    matches = [tip for tip in tips if text.startswith(tip.text)]
+def _longest_prefix_tip(text: str, tips: list[Tip], segments: list[str | Turn]) -> Tip | None:
+    """The longest tip whose text starts the prompt and does not end inside a spliced turn (whose ids are whole)."""
+    inside, at = [], 0
+    for segment in segments:
+        length = len(segment) if isinstance(segment, str) else len(segment.text)
+        if not isinstance(segment, str):
+            inside.append((at, at + length))
+        at += length
+    matches = [tip for tip in tips if text.startswith(tip.text)
+               and not any(a < len(tip.text) < b for a, b in inside)]
     return max(matches, key=lambda tip: len(tip.text)) if matches else None
 
 

@@ -20,12 +20,13 @@ from jinja2 import TemplateError
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
-from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ToolArgs
+from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
+from polar_lab.proxy.splice import Turn, TurnLedger, edits, history_key
 from polar_lab.store import RunStore
 from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
 
@@ -40,7 +41,9 @@ class CallService:
         self.store = store
         self.config = config
         self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
+        self.turns = TurnLedger()  # per-session turns this proxy produced, spliced back as sampled (splice.py)
         self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
+        self.signer = ThoughtSigner()  # Anthropic thinking signatures, checked when a thought is echoed
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
@@ -56,8 +59,11 @@ class CallService:
         received = time.time()
         self._check_tool_choice(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
+        splices, edited = self._echoed_turns(session, req.messages)
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
-                                     chat_template=session.chat_template)
+                                     chat_template=session.chat_template, splices=splices)
+        if edited:
+            rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
         requested = self._sampling(req, len(rendered.prompt_ids))
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
@@ -75,6 +81,7 @@ class CallService:
             generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
+        history = history_key(req.messages)
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         choices = []
         for i, gen in enumerate(generations):
@@ -82,15 +89,47 @@ class CallService:
                                        in_thought=in_thought)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=specs[i].seed))
-            self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i),
-                                          text=rendered.text + self.renderer.decode(gen.output_ids),
+            sampled = self.renderer.decode(gen.output_ids)
+            self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i), text=rendered.text + sampled,
                                           ids=rendered.prompt_ids + gen.output_ids))
+            self.turns.add(session.id, self._turn(session, req, call_id(session.id, call_index, i), prefill, gen,
+                                                  sampled, parsed), history)
         return CompletedCall(
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
             sampling=_spec_dict(spec, requested), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
+
+    def _echoed_turns(self, session: Session, messages: list[dict[str, Any]]) -> tuple[dict[int, Turn], list]:
+        """(message index → the turn to splice there, [echoed turns the harness edited, and what it changed])
+        under the session's continuity policy ("template": none)."""
+        if (session.continuity or self.config.continuity) != "splice":
+            return {}, []
+        splices, edited = {}, []
+        for index, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            turn = self.turns.find(session.id, message, lambda index=index: history_key(messages[:index]))
+            if turn is None:
+                continue
+            change = edits(turn, message)
+            if change is None:
+                splices[index] = turn
+            else:
+                edited.append({"call_id": turn.call_id, "message": index, "changed": change})
+        return splices, edited
+
+    def _turn(self, session: Session, req: CanonicalRequest, call: str, prefill: str, gen, sampled: str,
+              parsed) -> Turn:
+        """What the ledger keeps of one choice. The stop token is known only when the engine says the turn ended
+        on one (eos or a stop token id; a stop *string* is not in the ids)."""
+        glue = self.renderer.glue(session.chat_template, req.thinking)
+        on_token = gen.finish_reason == "stop" and not isinstance(gen.stop_reason, str) and gen.output_ids
+        return Turn(call_id=call, opening=(glue.opening if glue else "") + prefill, ids=tuple(gen.output_ids),
+                    text=sampled, stop=self.renderer.decode(gen.output_ids[-1:]) if on_token else "",
+                    content=parsed.content, reasoning=parsed.reasoning,
+                    tool_calls=tuple((c["id"], c["name"], c["arguments"]) for c in parsed.tool_calls))
 
     async def _await_replacement(self) -> None:
         """A call that meets a dead engine which is being replaced waits for the new one, as at a paused gate
@@ -103,9 +142,9 @@ class CallService:
             await asyncio.sleep(0.05)
 
     async def render(self, req: CanonicalRequest, *, inline: bool, prefill: str = "", tips: list[Tip] | None = None,
-                     chat_template: str | None = None) -> Rendered:
+                     chat_template: str | None = None, splices: dict[int, Turn] | None = None) -> Rendered:
         """Prompt ids of a request: on the loop when `inline` (small bodies), else in a worker thread."""
-        args = (req.messages, req.tools, prefill, tips, chat_template)
+        args = (req.messages, req.tools, prefill, tips, chat_template, splices, req.thinking)
         try:
             return self.renderer.render(*args) if inline else await asyncio.to_thread(self.renderer.render, *args)
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:

@@ -13,9 +13,9 @@ import time
 import uuid
 from typing import Any
 
-from polar_lab.errors import AuthError
+from polar_lab.errors import AuthError, ConfigError
 from polar_lab.store import RunStore
-from polar_lab.types import SamplingSpec, Session
+from polar_lab.types import CONTINUITY, SamplingSpec, Session
 
 
 _FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings"}
@@ -46,10 +46,14 @@ class SessionRegistry:
 
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                key: str | None = None, info: dict[str, Any] | None = None,
-               chat_template: str | None = None, sampling: dict[str, Any] | None = None) -> Session:
+               chat_template: str | None = None, sampling: dict[str, Any] | None = None,
+               continuity: str | None = None) -> Session:
+        if continuity not in (None, *CONTINUITY):
+            raise ConfigError(f"continuity must be one of {CONTINUITY} or None, got {continuity!r}")
         session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
-                          chat_template=chat_template, sampling=_check_sampling(sampling), _closer=self.close)
+                          chat_template=chat_template, sampling=_check_sampling(sampling), continuity=continuity,
+                          _closer=self.close)
         with self._lock:
             self._by_digest[_digest(session.key)] = session
             self._by_id[session.id] = session

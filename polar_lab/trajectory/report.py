@@ -18,13 +18,15 @@ def chain_breaks(calls: Iterable[ModelCall], tokenizer, harness_of: dict[str, st
     breaks: list[ChainBreak] = []
     chains = prefix_merging(calls, on_break=breaks.append)
     tokens = {(c.session_id, c.chain_index): c.token_ids for c in chains}
-    prompts = {c.call_id: c.prompt_ids for c in calls}
+    by_id = {c.call_id: c for c in calls}
     rows = []
     for b in breaks:
         chain_ids = tokens[(b.session_id, b.closest_chain)]
         # the chain as it stood when the break happened is a prefix of its final ids: cut at its length then
         chain_text = _decode(tokenizer, chain_ids[:b.chain_tokens])
-        kind, detail = classify(chain_text, _decode(tokenizer, prompts[b.call_id]))
+        kind, detail = classify(chain_text, _decode(tokenizer, by_id[b.call_id].prompt_ids))
+        if by_id[b.call_id].render.get("edited"):  # the proxy saw the harness change a turn it had produced
+            kind = "turn_edited"
         rows.append({"session_id": b.session_id, "harness": (harness_of or {}).get(b.session_id, "unknown"),
                      "call_id": b.call_id, "kind": kind, "new_chain": b.new_chain,
                      "closest_chain": b.closest_chain, "common_tokens": b.common_tokens,

@@ -59,10 +59,10 @@ def _made_tool_call(lab, session):
     return any(c.parse.get("num_tool_calls") for c in _calls(lab, session))
 
 
-def _until_tool_call(lab, agent, *args, name, tries=6):
+def _until_tool_call(lab, agent, *args, name, tries=6, continuity=None):
     """Run the agent in fresh sessions until the model's forced tool call parsed (the tiny model can botch JSON)."""
     for _ in range(tries):
-        s = lab.session(harness=name)
+        s = lab.session(harness=name, continuity=continuity)
         lab.run(agent(s, *args), timeout=300)
         if _made_tool_call(lab, s):
             return s
@@ -70,9 +70,35 @@ def _until_tool_call(lab, agent, *args, name, tries=6):
 
 
 def test_reserialised_tool_call_json_breaks_the_chain_as_tool_call_rerendered(lab):
-    s = _until_tool_call(lab, reserializing_agent, "What is 37*12+5?", name="reserializing")
+    s = _until_tool_call(lab, reserializing_agent, "What is 37*12+5?", name="reserializing", continuity="template")
     assert _break_kinds(lab, s) == ["tool_call_rerendered"]
     assert len(prefix_merging(_calls(lab, s))) == 2
+
+
+def test_spliced_reserialised_json_keeps_one_chain_with_the_sampled_ids(lab):
+    """The default continuity: the re-serialised call is recognised by its id and goes back as sampled."""
+    s = _until_tool_call(lab, reserializing_agent, "What is 37*12+5?", name="reserializing-spliced")
+    first, second = _calls(lab, s)
+    assert second.render["spliced"] == [first.call_id] and _break_kinds(lab, s) == []
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+
+
+def test_an_edited_echoed_turn_is_not_spliced_and_its_break_says_so(lab):
+    async def editing_agent(session, question):  # tells the model it answered something else
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0)
+        messages = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": question}]
+        reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=16)
+        messages += [{"role": "assistant", "content": (reply.choices[0].message.content or "") + " (edited)"},
+                     {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=16)
+
+    s = lab.session(harness="editing", sampling={"seed": 3})
+    lab.run(editing_agent(s, "What is 2+2?"), timeout=300)
+    second = _calls(lab, s)[1]
+    assert "spliced" not in second.render and second.render["edited"][0]["changed"] == "content"
+    assert _break_kinds(lab, s) == ["turn_edited"]
 
 
 def test_compaction_starts_a_new_chain_classified_as_compaction(lab):
@@ -89,9 +115,12 @@ def test_a_subagent_with_its_own_system_prompt_is_a_separate_chain(lab):
 
 def test_a_template_that_drops_think_from_history_breaks_every_turn(lab):
     template = with_empty_think(lab.tokenizer.chat_template)
-    s = lab.session(chat_template=template, harness="empty_think")
+    s = lab.session(chat_template=template, harness="empty_think", continuity="template")
     lab.run(multi_turn_agent(s, QUESTIONS, turns=3), timeout=300)
     assert _break_kinds(lab, s) == ["thinking_stripped"] * 2
+    spliced = lab.session(chat_template=template, harness="empty_think-spliced")  # the default keeps one chain
+    lab.run(multi_turn_agent(spliced, QUESTIONS, turns=3), timeout=300)
+    assert _break_kinds(lab, spliced) == [] and len(prefix_merging(_calls(lab, spliced))) == 1
     report = lab.drift_report()
     row = report[(report.harness == "empty_think") & (report.kind == "thinking_stripped")]
     assert row["count"].iloc[0] == 2 and "<think>" in row.chain_context.iloc[0]

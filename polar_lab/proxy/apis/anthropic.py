@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
 from polar_lab.proxy.http import canonical, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
 from polar_lab.proxy.service import CallService
@@ -89,16 +89,23 @@ BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request line
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
-def to_canonical(body: MessagesRequest, tool_args: ToolArgs) -> CanonicalRequest:
+def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSigner) -> CanonicalRequest:
     messages = [{"role": "system", "content": _system_text(body.system)}] if body.system else []
     for m in body.messages:
-        messages += _convert(m, tool_args)
+        messages += _convert(m, tool_args, signer)
     return CanonicalRequest(
         messages=messages, tools=[_tool(t) for t in body.tools or [] if t.input_schema is not None],
         tool_choice=_tool_choice(body.tool_choice), max_tokens=body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
-        stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model)
+        stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model,
+        thinking=_thinking(body.thinking))
+
+
+def _thinking(config: dict[str, Any] | None) -> bool | None:
+    """`thinking: {"type": "enabled" | "adaptive" | "disabled"}` → the template's enable_thinking."""
+    kind = (config or {}).get("type")
+    return None if kind is None else kind != "disabled"
 
 
 def _system_text(system: str | list[Block] | None) -> str:
@@ -106,11 +113,11 @@ def _system_text(system: str | list[Block] | None) -> str:
     return "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
 
 
-def _convert(m: Message, tool_args: ToolArgs) -> list[dict[str, Any]]:
+def _convert(m: Message, tool_args: ToolArgs, signer: ThoughtSigner) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     if m.role == "assistant":
-        return [_assistant(m.content, tool_args)]
+        return [_assistant(m.content, tool_args, signer)]
     out, texts = [], []
     for block in m.content:
         if block.type == "tool_result":
@@ -125,9 +132,13 @@ def _convert(m: Message, tool_args: ToolArgs) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[Block], tool_args: ToolArgs) -> dict[str, Any]:
+def _assistant(blocks: list[Block], tool_args: ToolArgs, signer: ThoughtSigner) -> dict[str, Any]:
     text = "".join(b.text or "" for b in blocks if b.type == "text")
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    for b in blocks:  # as Anthropic does: a signed thought must come back as it was signed
+        if b.type == "thinking" and b.signature and not signer.verify(b.thinking or "", b.signature):
+            raise RequestError("Invalid `signature` in `thinking` block: the thought differs from the one this "
+                               "proxy signed (edited?)", param="messages")
     thinking = "".join(b.thinking or "" for b in blocks if b.type == "thinking")
     if thinking:
         message["reasoning_content"] = thinking
@@ -161,11 +172,12 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any]:
     return {"any": "required", "none": "none"}[choice.type]
 
 
-def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs) -> dict[str, Any]:
+def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs,
+                   signer: ThoughtSigner) -> dict[str, Any]:
     (choice,) = call.choices  # Anthropic has no n
     parsed, blocks = choice.parsed, []
     if parsed.reasoning is not None:
-        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": signer.sign(parsed.reasoning)})
     if parsed.content:
         blocks.append({"type": "text", "text": parsed.content})
     for tc in parsed.tool_calls:
@@ -205,6 +217,8 @@ def _block_events(event, index: int, block: dict[str, Any]) -> Iterator[bytes]:
                                                                        "signature": ""})
         yield event("content_block_delta", index=index, delta={"type": "thinking_delta",
                                                                "thinking": block["thinking"]})
+        yield event("content_block_delta", index=index, delta={"type": "signature_delta",
+                                                               "signature": block["signature"]})
     else:
         yield event("content_block_start", index=index, content_block={**block, "input": {}})
         yield event("content_block_delta", index=index, delta={"type": "input_json_delta",
@@ -217,8 +231,8 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/s/{key}/v1/messages")
     async def messages(request: Request) -> Response:
         return await serve(
-            request, service, MessagesRequest, API, lambda body: to_canonical(body, service.tool_args),
-            build=lambda call, req, body: build_response(call, req, service.tool_args),
+            request, service, MessagesRequest, API, lambda body: to_canonical(body, service.tool_args, service.signer),
+            build=lambda call, req, body: build_response(call, req, service.tool_args, service.signer),
             stream=lambda response, body: stream_events(response))
 
     @app.post("/v1/messages/count_tokens")
@@ -228,6 +242,6 @@ def register(app: FastAPI, service: CallService) -> None:
         raw, size = await json_body(request, service.config.max_body_bytes)
         validate(CountTokensRequest, raw)
         body = validate(MessagesRequest, {**raw, "max_tokens": 1})  # every field checked as for a real call
-        req = canonical(lambda b: to_canonical(b, service.tool_args), body)
+        req = canonical(lambda b: to_canonical(b, service.tool_args, service.signer), body)
         rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
         return {"input_tokens": len(rendered.prompt_ids)}

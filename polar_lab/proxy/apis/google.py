@@ -50,6 +50,7 @@ class GenerationConfig(Lenient):
     frequencyPenalty: Penalty | None = _name("frequencyPenalty", "frequency_penalty")  # noqa: N815
     responseLogprobs: Flag | None = _name("responseLogprobs", "response_logprobs")  # noqa: N815
     logprobs: TopLogprobs | None = None
+    thinkingConfig: dict[str, Any] | None = _name("thinkingConfig", "thinking_config")  # noqa: N815
 
 
 class GenerateContentRequest(Lenient):
@@ -74,7 +75,13 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
         messages=messages, tools=_tools(body.tools), tool_choice=_tool_choice(body.toolConfig),
         max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
         top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
-        stop=stop_tuple(config.stopSequences), stream=stream, model=model)
+        stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig))
+
+
+def _thinking(config: dict[str, Any] | None) -> bool | None:
+    """`thinkingConfig.thinkingBudget: 0` turns thinking off (Gemini's documented switch); another budget on."""
+    budget = (config or {}).get("thinkingBudget", (config or {}).get("thinking_budget"))
+    return None if budget is None else budget != 0
 
 
 def _texts(parts: list[dict[str, Any]]) -> str:

@@ -105,6 +105,7 @@ class ChatCompletionRequest(Lenient):
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
     ignore_eos: Flag | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # only `enable_thinking`: the rest could rewrite the template
 
 
 API = "openai.chat"
@@ -125,7 +126,22 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         seed=body.seed, stop=stop_tuple(body.stop), n=body.n,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
         stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
+        thinking=_thinking(body.chat_template_kwargs),
     )
+
+
+def _thinking(kwargs: dict[str, Any] | None) -> bool | None:
+    """vLLM's `chat_template_kwargs`, of which the proxy takes `enable_thinking` (a bool) and nothing else: the
+    template is the model's, and other keys could change what it renders for every later call."""
+    unknown = sorted(set(kwargs or {}) - {"enable_thinking"})
+    if unknown:
+        raise RequestError(f"chat_template_kwargs supports only 'enable_thinking', got {unknown}",
+                           param="chat_template_kwargs")
+    value = (kwargs or {}).get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"chat_template_kwargs.enable_thinking must be a boolean, got {value!r}",
+                           param="chat_template_kwargs.enable_thinking")
+    return value
 
 
 def _message(m: ChatMessage, *, first: bool) -> dict[str, Any]:

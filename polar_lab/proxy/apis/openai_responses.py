@@ -63,7 +63,13 @@ def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
         messages=messages, tools=tools, tool_choice=_tool_choice(body.tool_choice),
         max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        seed=body.seed, stream=bool(body.stream), model=body.model)
+        seed=body.seed, stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning))
+
+
+def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
+    """`reasoning: {"effort": "none"}` turns thinking off (OpenAI's value for no reasoning); any other effort on."""
+    effort = (reasoning or {}).get("effort")
+    return None if effort is None else effort != "none"
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,151 @@
+"""Id-spliced continuity (proxy/splice.py) with the fixtures' real tokenizers and chat templates: an echoed turn
+goes back into the prompt as the ids the model sampled, wherever the template would have rendered other text."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
+from polar_lab.proxy.formats import FORMATS
+from polar_lab.proxy.render import Renderer, Tip
+from polar_lab.proxy.splice import Turn, TurnLedger, edits, probe_glue
+
+QWEN35 = Path("data/models/tiny-calc-qwen35")
+FIRST = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 12*7+5?"}]
+XML_CALL = "<tool_call>\n<function=calculator>\n<parameter=expression>\n12*7+5\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    if not (QWEN35 / "tokenizer.json").exists():
+        pytest.skip("run `python scripts/build_tiny_model.py --family qwen35`")
+    return Renderer(AutoTokenizer.from_pretrained(QWEN35), FORMATS["qwen3_coder"])
+
+
+def _sampled(renderer, text: str) -> list[int]:
+    """Ids a model may sample for `text`, provably not its canonical tokenisation: one token per character
+    outside the added tokens, then eos. Re-tokenising (what splicing must never do) gives other ids."""
+    ids = [i for piece in renderer.pieces._split(text) if piece
+           for i in ([renderer.pieces._ids[piece]] if piece in renderer.pieces._ids
+                     else [t for ch in piece for t in renderer.encode(ch)])]
+    ids.append(renderer.tokenizer.eos_token_id)
+    assert renderer.encode(renderer.decode(ids)) != ids
+    return ids
+
+
+def _turn(renderer, ids, *, content=None, reasoning=None, calls=(), prefill="", stop=True, call_id="s-0000-0"):
+    return Turn(call_id=call_id, opening=renderer.glue().opening + prefill, ids=tuple(ids), text=renderer.decode(ids),
+                stop=renderer.decode(ids[-1:]) if stop else "", content=content, reasoning=reasoning,
+                tool_calls=tuple(calls))
+
+
+def _echo(turn, *, with_ids=True, **changes):
+    message = {"role": "assistant", "content": turn.content, "tool_calls": [
+        {"id": i if with_ids else f"other_{n}", "type": "function", "function": {"name": name, "arguments": args}}
+        for n, (i, name, args) in enumerate(turn.tool_calls)]}
+    return {**message, **changes}
+
+
+def test_the_glue_is_probed_from_the_template(tokenizer, qwen35):
+    """Header, trailer and what the generation prompt opens: qwen35's opens a thought, tiny-calc's nothing."""
+    glue = qwen35.glue()
+    assert (glue.header, glue.trailer, glue.opening) == ("<|im_start|>assistant\n", "<|im_end|>\n", "<think>\n")
+    assert Renderer(tokenizer).glue().opening == ""
+    # a template whose generation prompt does not extend its turn header cannot be spliced
+    odd = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert Renderer(tokenizer).glue(odd) is None
+    assert probe_glue(lambda messages, prompt: 1 / 0) is None  # a template that raises: no splicing, no error
+
+
+def test_a_thought_the_harness_dropped_stays_in_the_prompt_as_sampled(qwen35):
+    """The Qwen3.5 case: the agent echoes the call without its thought. Re-rendered, the prompt loses the thought
+    and breaks the chain; spliced, it extends the first call's prompt + sampled ids exactly."""
+    first = qwen35.render(FIRST, [CALC_TOOL])
+    ids = _sampled(qwen35, "Use the tool.\n</think>\n\n" + XML_CALL)
+    turn = _turn(qwen35, ids, reasoning="Use the tool.",
+                 calls=[("call_1", "calculator", '{"expression": "12*7+5"}')])
+    history = FIRST + [_echo(turn), {"role": "tool", "tool_call_id": "call_1", "content": "89"}]
+    chain = first.prompt_ids + ids
+    spliced = qwen35.render(history, [CALC_TOOL], splices={2: turn})
+    assert spliced.prompt_ids[:len(chain)] == chain and spliced.info["spliced"] == ["s-0000-0"]
+    assert spliced.text.endswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n89\n</tool_response><|im_end|>\n"
+                                 "<|im_start|>assistant\n<think>\n")
+    assert qwen35.decode(spliced.prompt_ids) == spliced.text
+    templated = qwen35.render(history, [CALC_TOOL])
+    assert templated.prompt_ids[:len(chain)] != chain and "Use the tool." not in templated.text  # negative control
+    # a tip over the spliced text gives the same ids as splicing from scratch
+    tip = Tip("s-0000-0", first.text + turn.text, chain)
+    assert qwen35.render(history, [CALC_TOOL], tips=[tip], splices={2: turn}).prompt_ids == spliced.prompt_ids
+
+
+def test_hermes_arguments_in_other_spacing_are_spliced_not_reformatted(tokenizer):
+    """tiny-calc: the model wrote its JSON arguments without spaces; a harness that parses and re-serialises
+    them echoes other text. Spliced, the prompt holds the model's own bytes and ids."""
+    r = Renderer(tokenizer)
+    first = r.render(FIRST, [CALC_TOOL])
+    ids = _sampled(r, '<tool_call>\n{"name":"calculator","arguments":{"expression":"12*7+5"}}\n</tool_call>')
+    turn = _turn(r, ids, calls=[("call_2", "calculator", '{"expression":"12*7+5"}')])
+    echoed = _echo(turn, tool_calls=[{"id": "call_2", "type": "function", "function": {
+        "name": "calculator", "arguments": '{"expression": "12*7+5"}'}}])  # re-serialised by the harness
+    assert edits(turn, echoed) is None  # the same call: not an edit
+    history = FIRST + [echoed, {"role": "tool", "tool_call_id": "call_2", "content": "89"}]
+    spliced = r.render(history, [CALC_TOOL], splices={2: turn})
+    assert spliced.prompt_ids[:len(first.prompt_ids) + len(ids)] == first.prompt_ids + ids
+    assert '{"expression":"12*7+5"}' in spliced.text and '{"expression": "12*7+5"}' not in spliced.text
+
+
+def test_a_turn_that_ended_on_a_stop_string_keeps_the_templates_trailer(tokenizer):
+    """A stop string is not in the ids: the template's end-of-turn then comes from the template text."""
+    r = Renderer(tokenizer)
+    ids = _sampled(r, "The answer is 89.")[:-1]  # no eos sampled
+    turn = _turn(r, ids, content="The answer is 89.", stop=False)
+    history = FIRST + [_echo(turn), {"role": "user", "content": "Thanks"}]
+    spliced = r.render(history, [], splices={2: turn})
+    assert "The answer is 89.<|im_end|>\n<|im_start|>user\nThanks" in spliced.text
+    assert r.decode(spliced.prompt_ids) == spliced.text
+
+
+def test_a_forced_calls_prefill_is_spliced_back_as_prompt_text(qwen35):
+    """The prefill that forced a call was prompt, not sample: it goes back as text before the sampled ids."""
+    prefill = qwen35.forced_prefill({"name": "calculator"})
+    first = qwen35.render(FIRST, [CALC_TOOL], prefill=prefill)
+    ids = _sampled(qwen35, "<parameter=expression>\n1+1\n</parameter>\n</function>\n</tool_call>")
+    turn = _turn(qwen35, ids, prefill=prefill, calls=[("call_3", "calculator", '{"expression": "1+1"}')])
+    history = FIRST + [_echo(turn), {"role": "tool", "tool_call_id": "call_3", "content": "2"}]
+    spliced = qwen35.render(history, [CALC_TOOL], splices={2: turn})
+    assert spliced.prompt_ids[:len(first.prompt_ids) + len(ids)] == first.prompt_ids + ids
+
+
+def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_content_else_by_history(qwen35):
+    ledger = TurnLedger()
+    call = _turn(qwen35, [1, 2], calls=[("call_abc", "calculator", '{"expression": "1"}')], call_id="t1")
+    text = _turn(qwen35, [3, 4], content="It is 1.", call_id="t2")
+    ledger.add("s", call, history="h1")
+    ledger.add("s", text, history="h2")
+    anthropic_echo = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "toolu_abc", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}]}
+    assert ledger.find("s", anthropic_echo, lambda: "?") is call
+    assert ledger.find("s", _echo(call, with_ids=False), lambda: "?") is call  # Google without ids: content, calls
+    assert ledger.find("s", {"role": "assistant", "content": "It is 1."}, lambda: "?") is text
+    # an edited text turn has nothing of its own left: it is known by the history it answered
+    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, lambda: "h2") is text
+    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, lambda: "?") is None  # not the proxy's
+    assert ledger.find("other-session", anthropic_echo, lambda: "h1") is None
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, None),  # echoed as returned
+    ({"reasoning_content": None}, None),  # the thought not echoed: most clients drop it, not an edit
+    ({"reasoning_content": "Use the tool."}, None),  # echoed unchanged
+    ({"reasoning_content": "I will cheat."}, "reasoning"),
+    ({"content": "Sure."}, "content"),
+    ({"tool_calls": []}, "tool calls"),
+    ({"tool_calls": [{"id": "call_1", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]},
+     "tool call calculator"),
+    ({"tool_calls": [{"id": "call_1", "function": {"name": "calculator", "arguments": {"expression": "12*7+5"}}}]},
+     None),  # arguments as an object (Anthropic, Google) that mean the same
+])
+def test_what_counts_as_an_edit(qwen35, change, expected):
+    turn = _turn(qwen35, [1], reasoning="Use the tool.", calls=[("call_1", "calculator", '{"expression": "12*7+5"}')])
+    assert edits(turn, _echo(turn, **change)) == expected
