@@ -41,7 +41,7 @@ from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
-from polar_lab.proxy.formats import FORMATS, resolve_parsers
+from polar_lab.proxy.formats import resolve_parsers, tool_format
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PAUSED, PauseState
 from polar_lab.proxy.render import Renderer
@@ -162,8 +162,9 @@ class Lab:
                                           self.tokenizer.chat_template or "")
         self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
         self.store.write_json("config.json", {**self.config.to_dict(), "parsers": self.parsers})
-        self.service = CallService(engine, Renderer(self.tokenizer, FORMATS.get(tool or "")), self.registry,
-                                   self.store, cfg, parser=OutputParser(self.tokenizer, tool, reasoning))
+        renderer = Renderer(self.tokenizer, tool_format(tool, self.tokenizer.chat_template or ""))
+        self.service = CallService(engine, renderer, self.registry, self.store, cfg,
+                                   parser=OutputParser(self.tokenizer, tool, reasoning))
         server_config = uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level, lifespan="off",
                                        timeout_keep_alive=30, access_log=False)
         self._server = uvicorn.Server(server_config)

@@ -32,10 +32,14 @@ _HERMES = ToolFormat(open="<tool_call>", close="</tool_call>", named='<tool_call
 _QWEN3_XML = ToolFormat(open="<tool_call>", close="</tool_call>", named="<tool_call>\n<function={name}>\n",
                         required="<tool_call>\n<function=", arguments_as_objects=True)
 _MISTRAL = ToolFormat(open="[TOOL_CALLS]", close=None, named='[TOOL_CALLS][{{"name": "{name}", "arguments":',
-                      required='[TOOL_CALLS][{"name": "')
+                      required='[TOOL_CALLS][{"name": "')  # tokenizers before v11: a JSON list of calls
+_MISTRAL_V11 = ToolFormat(open="[TOOL_CALLS]", close=None, named="[TOOL_CALLS]{name}[ARGS]", required="[TOOL_CALLS]",
+                          arguments_as_objects=True)  # v11 and later (Mistral Small 3.2, Devstral): NAME[ARGS]{...}
+_LLAMA3 = ToolFormat(open="<|python_tag|>", close=None, named='<|python_tag|>{{"name": "{name}", "parameters":',
+                     required='<|python_tag|>{"name": "', arguments_as_objects=True)
 
 FORMATS = {"hermes": _HERMES, "qwen3_json": _HERMES, "qwen3_coder": _QWEN3_XML, "qwen3_xml": _QWEN3_XML,
-           "mistral": _MISTRAL}
+           "mistral": _MISTRAL, "llama3_json": _LLAMA3}
 THINKING = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>"),
             "mistral": ("[THINK]", "[/THINK]")}  # reasoning parser → the markers around a thought
 OWN = "hermes"  # the tool parser polar_lab keeps its own of (parse.py says why)
@@ -56,6 +60,17 @@ def detect_parsers(chat_template: str) -> tuple[str | None, str | None]:
             else "mistral" if "[TOOL_CALLS]" in t else "llama3_json" if "<|python_tag|>" in t else None)
     reasoning = "qwen3" if "<think>" in t else "mistral" if "[THINK]" in t else None
     return tool, reasoning
+
+
+def tool_format(tool_parser: str | None, chat_template: str) -> ToolFormat | None:
+    """How this family writes a call, to force or forbid one; a Mistral template that renders `[ARGS]` is v11's.
+
+    >>> tool_format("mistral", "[TOOL_CALLS]{{ name }}[ARGS]").named
+    '[TOOL_CALLS]{name}[ARGS]'
+    """
+    if tool_parser == "mistral" and "[ARGS]" in chat_template:
+        return _MISTRAL_V11
+    return FORMATS.get(tool_parser or "")
 
 
 def resolve_parsers(tool_parser: str, reasoning_parser: str, chat_template: str) -> tuple[str | None, str | None]:
