@@ -144,6 +144,9 @@ class OutputParser:
         fmt = FORMATS.get(tool or "")
         if fmt is not None:
             body = text.split(self.thinking[1], 1)[-1] if thinks else text  # what follows the thought
+            if calls and fmt.open not in body:  # vLLM reads calls out of the thought too: they were never made
+                errors.append("a tool call inside the thought was ignored")
+                calls = []
             closed = body.count(fmt.close) if fmt.close else len(calls or [])
             if fmt.close and body.count(fmt.open) > closed:  # vLLM reads a cut-off call as a whole one
                 errors.append(f"unterminated tool call: {body[body.rindex(fmt.open):][:80]!r}")
@@ -157,6 +160,19 @@ class OutputParser:
                             tool_calls=[_call(c.name, c.arguments) for c in calls or []], errors=errors)
 
     def _vllm_parse(self, text: str, tool: str | None, reasoning: str | None, tools):
+        """(thought, content, calls): the thought first, then calls in what follows it — as vLLM's server does. One
+        combined parser would read call markup inside the thought as a call."""
+        thought, content = (self._vllm_call(text, None, reasoning, None)[:2] if reasoning else (None, text))
+        if reasoning and thought is None and self.thinking[1] in text:
+            # vLLM's qwen3 reads call markup before `</think>` as "no thought"; the prompt opened it, so it is one
+            thought, _, content = text.partition(self.thinking[1])
+            thought = thought.removeprefix(self.thinking[0])
+        if tool is None or not content:
+            return thought, content, []
+        _, content, calls = self._vllm_call(content, tool, None, tools)
+        return thought, content, calls
+
+    def _vllm_call(self, text: str, tool: str | None, reasoning: str | None, tools):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], model="polar_lab",

@@ -58,7 +58,7 @@ class CallService:
         """inline: render on the loop (small requests); otherwise in a worker thread."""
         received = time.time()
         self._check_tool_choice(req)
-        prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
+        prefill = self._forced_prefill(session, req)
         splices, edited = self._echoed_turns(session, req.messages)
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template, splices=splices)
@@ -100,6 +100,16 @@ class CallService:
             sampling=_spec_dict(spec, requested), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
+
+    def _forced_prefill(self, session: Session, req: CanonicalRequest) -> str:
+        """The start of a forced call (Renderer.forced_prefill). Where the generation prompt opens a thought, the
+        thought is closed first, empty, as the template's thinking-off prompt closes it: a call written inside
+        a thought is no call."""
+        prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
+        glue = self.renderer.glue(session.chat_template, req.thinking) if prefill else None
+        if glue is not None and self.parser.thinking and self.parser.opens_thought(glue.opening):
+            prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
+        return prefill
 
     def _echoed_turns(self, session: Session, messages: list[dict[str, Any]]) -> tuple[dict[int, Turn], list]:
         """(message index → the turn to splice there, [echoed turns the harness edited, and what it changed])

@@ -58,6 +58,19 @@ def test_each_apis_thinking_switch_reaches_the_template(lab, path, off, on):
     assert _prompt_end(lab) == CLOSED  # the template closed an empty thought: the model answers directly
 
 
+def test_a_forced_call_closes_the_thought_the_prompt_opened(lab):
+    """A call prefilled inside the opened thought would be a thought, not a call: the prefill closes it first,
+    empty, as the template's thinking-off prompt does."""
+    from polar_lab.harness.calculator import CALC_TOOL
+
+    s = lab.session()
+    r = _post(s, "/v1/chat/completions", {"messages": USER, "tools": [CALC_TOOL],
+                                          "tool_choice": {"type": "function", "function": {"name": "calculator"}}})
+    assert r.status_code == 200
+    prompt = lab.tokenizer.decode(lab.engine.prompts[-1], skip_special_tokens=False)
+    assert prompt.endswith(CLOSED + "<tool_call>\n<function=calculator>\n")
+
+
 def test_chat_template_kwargs_take_only_enable_thinking(lab):
     s = lab.session()
     r = _post(s, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})

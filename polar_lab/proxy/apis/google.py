@@ -116,7 +116,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     for tool in tools or []:
         for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
             function = {k: decl[k] for k in ("name", "description") if k in decl}
-            function["parameters"] = decl.get("parameters") or decl.get("parametersJsonSchema") or {}
+            function["parameters"] = (decl.get("parameters") or decl.get("parametersJsonSchema")
+                                      or decl.get("parameters_json_schema") or {})  # google-genai sends this one
             out.append({"type": "function", "function": function})
     return out
 
