@@ -30,7 +30,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("continuity re-tokenises the whole prompt", "polar_lab/proxy/render.py",
-           [("ids = tip.ids + self.encode(text[len(tip.text):])", "ids = self.encode(text)")],
+           [("ids = tip.ids + self._encode_segments(segments, len(tip.text))", "ids = self.encode(text)")],
            ["tests/proxy/test_render.py::test_a_continued_prompt_reuses_the_sampled_ids_verbatim"]),
     Mutant("versions of a call spanning a sync are all the default", "polar_lab/engine/base.py",
            [("    for version, start, end in spans:\n", "    for version, start, end in []:\n")],
@@ -74,6 +74,19 @@ MUTANTS = [
     Mutant("an engine error on a call is not counted", "polar_lab/proxy/http.py",
            [("        note_call_error(session, exc)  #", "        pass  #")],
            ["tests/grpo/test_rollouts.py::test_failures_the_infrastructure_caused_stay_masked_whatever_the_rewards"]),
+    # issue 16: id-spliced continuity
+    Mutant("echoed turns always re-rendered by the template", "polar_lab/proxy/service.py",
+           [('if (session.continuity or self.config.continuity) != "splice":', "if True:")],
+           ["tests/integration/test_trajectories.py::test_spliced_reserialised_json_keeps_one_chain_with_the_sampled_ids"]),
+    Mutant("a spliced turn re-tokenised from its text", "polar_lab/proxy/render.py",
+           [("else segment.ids", "else self.encode(segment.text)")],
+           ["tests/proxy/test_splice.py::test_a_thought_the_harness_dropped_stays_in_the_prompt_as_sampled"]),
+    Mutant("an edited turn spliced anyway", "polar_lab/proxy/service.py",
+           [("            if change is None:\n", "            if True:\n")],
+           ["tests/integration/test_trajectories.py::test_an_edited_echoed_turn_is_not_spliced_and_its_break_says_so"]),
+    Mutant("an echoed thinking signature never checked", "polar_lab/proxy/apis/anthropic.py",
+           [("and not signer.verify(", "and False and not signer.verify(")],
+           ["tests/proxy/test_thinking.py::test_an_anthropic_thought_is_signed_and_an_edited_one_is_refused"]),
 ]
 
 
