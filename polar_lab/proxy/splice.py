@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 _SENTINEL = "\ue000polar-splice-{}\ue001"  # private-use characters: no template or harness text contains them
 
 
@@ -118,8 +120,9 @@ class TurnLedger:
 
 def history_key(messages: list[dict[str, Any]]) -> str:
     """A digest of a request's messages: an edited turn without ids is still known by what came before it."""
-    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    # orjson, keys in the adapters' own order (the same for every request of a surface): it runs on every call
+    text = orjson.dumps(messages, default=str)
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 def edits(turn: Turn, message: dict[str, Any]) -> str | None:
