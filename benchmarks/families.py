@@ -3,7 +3,7 @@ of the calculator agent under "splice" and "template" continuity, and engine vs 
 
 For each fixture, one Lab (real vLLM on CPU) runs the calculator agent (an OpenAI-SDK loop that echoes calls
 without their thought) on `--tasks` test tasks, `--runs` seeded runs each, once per continuity policy; the same
-seeds in both, so both policies see the same first turns. Prints one JSON line per family and a markdown table.
+seeds in both (one per run), so both policies see the same first turns. Prints one JSON line per family and a markdown table.
 
     python benchmarks/families.py [--tasks 20] [--runs 2] [--models tiny-calc tiny-calc-qwen35 ...]
 """
@@ -26,9 +26,10 @@ MODELS = ["tiny-calc", "tiny-calc-qwen35", "tiny-calc-llama3", "tiny-calc-mistra
 def run_policy(lab: Lab, tasks: list[dict], runs: int, continuity: str) -> dict:
     """Run every task `runs` times under one continuity policy; the sessions' chains and breaks."""
     sessions = []
-    for task in tasks:
-        for seed in range(runs):
-            s = lab.session(task, sampling={"seed": seed}, continuity=continuity, harness=continuity)
+    for i, task in enumerate(tasks):
+        for run in range(runs):
+            # a seed per run: one seed for every task would draw the same random numbers at every first token
+            s = lab.session(task, sampling={"seed": i * runs + run}, continuity=continuity, harness=continuity)
             lab.run(calculator_agent(s, task), timeout=300)
             s.close()
             sessions.append(s)
