@@ -174,7 +174,12 @@ class Renderer:
             info["splice_failed"] = "the chat template has no plain assistant turn to splice into"
             return None
         marked = [{"role": "assistant", "content": sentinel(i)} if i in splices else m for i, m in enumerate(messages)]
-        segments = splice(self._template(marked, tools, chat_template, thinking=thinking) + prefill, splices, glue)
+        try:  # a template may refuse a plain turn where the harness sent calls (tool results must follow calls)
+            text = self._template(marked, tools, chat_template, thinking=thinking) + prefill
+        except RequestError as exc:
+            info["splice_failed"] = f"the chat template refused the turns in plain form: {exc}"[:300]
+            return None
+        segments = splice(text, splices, glue)
         if segments is None:
             info["splice_failed"] = "the chat template rendered an echoed turn in an unexpected place"
             return None

@@ -26,7 +26,7 @@ from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
-from polar_lab.proxy.splice import Turn, TurnLedger, edits, history_key
+from polar_lab.proxy.splice import Turn, TurnLedger, edits, history_keys
 from polar_lab.store import RunStore
 from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
 
@@ -59,7 +59,9 @@ class CallService:
         received = time.time()
         self._check_tool_choice(req)
         prefill = self._forced_prefill(session, req)
-        splices, edited = self._echoed_turns(session, req.messages)
+        splicing = (session.continuity or self.config.continuity) == "splice"
+        histories = history_keys(req.messages) if splicing else []
+        splices, edited = self._echoed_turns(session, req.messages, histories) if splicing else ({}, [])
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template, splices=splices)
         if edited:
@@ -81,7 +83,6 @@ class CallService:
             generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
             engine_s = time.perf_counter() - t_engine
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        history = history_key(req.messages)
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         choices = []
         for i, gen in enumerate(generations):
@@ -92,8 +93,9 @@ class CallService:
             sampled = self.renderer.decode(gen.output_ids)
             self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i), text=rendered.text + sampled,
                                           ids=rendered.prompt_ids + gen.output_ids))
-            self.turns.add(session.id, self._turn(session, req, call_id(session.id, call_index, i), prefill, gen,
-                                                  sampled, parsed), history)
+            if splicing:
+                self.turns.add(session.id, self._turn(session, req, call_id(session.id, call_index, i), prefill, gen,
+                                                      sampled, parsed), histories[-1])
         return CompletedCall(
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
@@ -111,16 +113,15 @@ class CallService:
             prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
         return prefill
 
-    def _echoed_turns(self, session: Session, messages: list[dict[str, Any]]) -> tuple[dict[int, Turn], list]:
-        """(message index → the turn to splice there, [echoed turns the harness edited, and what it changed])
-        under the session's continuity policy ("template": none)."""
-        if (session.continuity or self.config.continuity) != "splice":
-            return {}, []
+    def _echoed_turns(self, session: Session, messages: list[dict[str, Any]],
+                      histories: list[str]) -> tuple[dict[int, Turn], list]:
+        """(message index → the turn to splice there, [echoed turns the harness edited, and what it changed]);
+        histories: splice.history_keys(messages)."""
         splices, edited = {}, []
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            turn = self.turns.find(session.id, message, lambda index=index: history_key(messages[:index]))
+            turn = self.turns.find(session.id, message, lambda index=index: histories[index])
             if turn is None:
                 continue
             change = edits(turn, message)

@@ -118,11 +118,16 @@ class TurnLedger:
             turns.get("history:" + history())
 
 
-def history_key(messages: list[dict[str, Any]]) -> str:
-    """A digest of a request's messages: an edited turn without ids is still known by what came before it."""
-    # orjson, keys in the adapters' own order (the same for every request of a surface): it runs on every call
-    text = orjson.dumps(messages, default=str)
-    return hashlib.blake2b(text, digest_size=16).hexdigest()
+def history_keys(messages: list[dict[str, Any]]) -> list[str]:
+    """Digests of every prefix of a request's messages (`[i]`: of `messages[:i]`, the last: of them all), in one
+    pass: an edited turn without ids is still known by what came before it. orjson, keys in the adapters' own
+    order (the same for every request of a surface): this runs on every call."""
+    digest = hashlib.blake2b(digest_size=16)
+    keys = [digest.hexdigest()]
+    for message in messages:
+        digest.update(orjson.dumps(message, default=str))
+        keys.append(digest.hexdigest())
+    return keys
 
 
 def edits(turn: Turn, message: dict[str, Any]) -> str | None:

@@ -117,6 +117,32 @@ def test_a_forced_calls_prefill_is_spliced_back_as_prompt_text(qwen35):
     assert spliced.prompt_ids[:len(first.prompt_ids) + len(ids)] == first.prompt_ids + ids
 
 
+def test_a_template_that_refuses_the_plain_turn_falls_back_to_rendering_it(tokenizer):
+    """A template may insist that tool results follow a turn with calls: splicing then steps aside, the request is
+    served as the template renders it, and the render info says why."""
+    strict = Renderer(tokenizer).tokenizer.chat_template.replace(
+        '{%- elif message.role == "assistant" %}',
+        '{%- elif message.role == "assistant" %}{% if not message.tool_calls and not loop.last and '
+        'messages[loop.index0 + 1].role == "tool" %}{{ raise_exception("tool results need calls") }}{% endif %}', 1)
+    r = Renderer(tokenizer)
+    ids = _sampled(r, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>')
+    turn = _turn(r, ids, calls=[("call_4", "calculator", '{"expression": "1+1"}')])
+    history = FIRST + [_echo(turn), {"role": "tool", "tool_call_id": "call_4", "content": "2"}]
+    rendered = r.render(history, [CALC_TOOL], chat_template=strict, splices={2: turn})
+    assert "tool results need calls" in rendered.info["splice_failed"] and "spliced" not in rendered.info
+    assert rendered.text == r.render(history, [CALC_TOOL], chat_template=strict).text
+
+
+def test_history_keys_digest_every_prefix_in_one_pass():
+    from polar_lab.proxy.splice import history_keys
+
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    keys = history_keys(messages)
+    assert len(keys) == 4 and len(set(keys)) == 4
+    assert keys[:3] == history_keys(messages[:2]) and history_keys([])[0] == keys[0]
+    assert history_keys([{**messages[0], "content": "A"}])[1] != keys[1]
+
+
 def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_content_else_by_history(qwen35):
     ledger = TurnLedger()
     call = _turn(qwen35, [1, 2], calls=[("call_abc", "calculator", '{"expression": "1"}')], call_id="t1")
