@@ -50,23 +50,38 @@ class Rendered:
 
 
 class TipCache:
-    """Per-session tips, bounded: the newest `per_session` tips of the newest `sessions` sessions."""
+    """Per-session tips, bounded: the newest `per_session` tips of the newest `sessions` sessions, within `max_bytes`
+    (estimated: an id in a list of Python ints ~36 bytes, a character ~1); a closed session's are dropped (`drop`).
+    Added to on the proxy's loop, dropped from whichever thread closes the session: locked."""
 
-    def __init__(self, per_session: int = 8, sessions: int = 4096):
+    def __init__(self, per_session: int = 8, sessions: int = 4096, max_bytes: int = 1 << 30):
         self.per_session = per_session
         self.sessions = sessions
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, session_id: str) -> list[Tip]:
         return list(self._tips.get(session_id, ()))
 
     def add(self, session_id: str, tip: Tip) -> None:
-        tips = self._tips.setdefault(session_id, [])
-        self._tips.move_to_end(session_id)
-        tips.append(tip)
-        del tips[:-self.per_session]
-        while len(self._tips) > self.sessions:
-            self._tips.popitem(last=False)
+        with self._lock:
+            tips = self._tips.setdefault(session_id, [])
+            self._tips.move_to_end(session_id)
+            tips.append(tip)
+            self.nbytes += _tip_bytes(tip) - sum(_tip_bytes(t) for t in tips[:-self.per_session])
+            del tips[:-self.per_session]
+            while self._tips and (len(self._tips) > self.sessions or self.nbytes > self.max_bytes):
+                self.nbytes -= sum(_tip_bytes(t) for t in self._tips.popitem(last=False)[1])
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            self.nbytes -= sum(_tip_bytes(t) for t in self._tips.pop(session_id, ()))
+
+
+def _tip_bytes(tip: Tip) -> int:
+    return 36 * len(tip.ids) + len(tip.text)
 
 
 class PieceEncoder:

@@ -45,6 +45,7 @@ class CallService:
         self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
         self.signer = ThoughtSigner()  # Anthropic thinking signatures, checked when a thought is echoed
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
+        registry.on_close.append(self._forget)  # a closed session's tips and turns are dropped
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
             "engine": "serving" if self.engine.alive else "down"}
@@ -90,6 +91,8 @@ class CallService:
                                        in_thought=in_thought)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=specs[i].seed))
+            if session.closed_at is not None:  # answered after its run ended: nothing will continue it
+                continue
             sampled = self.renderer.decode(gen.output_ids)
             self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i), text=rendered.text + sampled,
                                           ids=rendered.prompt_ids + gen.output_ids))
@@ -102,6 +105,10 @@ class CallService:
             sampling=_spec_dict(spec, requested), choices=choices,
             timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
                      "paused_s": t_engine - t_gate})
+
+    def _forget(self, session: Session) -> None:
+        self.tips.drop(session.id)
+        self.turns.drop(session.id)
 
     def _forced_prefill(self, session: Session, req: CanonicalRequest) -> str:
         """The start of a forced call (Renderer.forced_prefill). Where the generation prompt opens a thought, the

@@ -11,6 +11,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from polar_lab.errors import AuthError, ConfigError
@@ -43,6 +44,7 @@ class SessionRegistry:
         self._by_id: dict[str, Session] = {}
         self._call_counts: dict[str, int] = {}
         self._lock = threading.Lock()  # notebook thread creates, loop thread resolves
+        self.on_close: list[Callable[[Session], None]] = []  # called after a session is closed (the proxy's caches)
 
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                key: str | None = None, info: dict[str, Any] | None = None,
@@ -93,4 +95,6 @@ class SessionRegistry:
         session.closed_at = time.time()
         session.info.update(info or {})
         self.store.append_session(session, status)
+        for hook in self.on_close:
+            hook(session)
         return session

@@ -104,6 +104,10 @@ class TurnLedger:
         while len(self._turns) > self.sessions:
             self._turns.popitem(last=False)
 
+    def drop(self, session_id: str) -> None:
+        """Forget a closed session's turns (called from whichever thread closes it; one dict pop)."""
+        self._turns.pop(session_id, None)
+
     def find(self, session_id: str, message: dict[str, Any], history: Callable[[], str]) -> Turn | None:
         """The turn this assistant message echoes: by an issued tool-call id, else by its content and calls, else
         by `history()`, the `history_key` of the messages before it (computed only when needed)."""

@@ -81,6 +81,18 @@ def test_tip_cache_is_bounded_per_session_and_in_sessions():
     assert [t.call_id for t in cache.get("b")] == ["b"]  # the two newest sessions stay
 
 
+def test_tips_stay_within_a_byte_budget_and_a_closed_sessions_are_dropped():
+    cache = TipCache(max_bytes=1000)
+    cache.add("a", Tip("a0", "x" * 100, [1] * 10))  # 100 + 36 * 10 bytes
+    cache.add("b", Tip("b0", "y" * 100, [2] * 10))
+    assert cache.nbytes == 920 and cache.get("a")
+    cache.add("c", Tip("c0", "z" * 100, [3] * 10))  # over budget: the oldest session goes
+    assert cache.get("a") == [] and cache.get("b") and cache.get("c") and cache.nbytes == 920
+    cache.drop("b")
+    cache.drop("never-seen")
+    assert cache.get("b") == [] and cache.nbytes == 460
+
+
 # Piece-wise tokenisation must give exactly the ids of whole-text tokenisation. The texts mix the model's
 # added tokens with the characters BPE merges are most sensitive to around them (spaces, newlines, braces).
 _BITS = ["hello", " world", "\n", "  ", "\t", '{"a": 1}', "é", "中文", "x", " ", "<", ">", "|", "im", "_start",

@@ -175,3 +175,15 @@ def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_content_else_b
 def test_what_counts_as_an_edit(qwen35, change, expected):
     turn = _turn(qwen35, [1], reasoning="Use the tool.", calls=[("call_1", "calculator", '{"expression": "12*7+5"}')])
     assert edits(turn, _echo(turn, **change)) == expected
+
+
+def test_a_closed_sessions_tips_and_turns_are_dropped(scripted_lab):
+    import openai
+
+    s = scripted_lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    service = scripted_lab.service
+    assert service.tips.get(s.id) and service.turns._turns.get(s.id) and service.tips.nbytes > 0
+    s.close(reward=1.0)
+    assert service.tips.get(s.id) == [] and s.id not in service.turns._turns and service.tips.nbytes == 0
