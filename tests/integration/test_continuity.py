@@ -58,14 +58,15 @@ def test_the_family_writes_calls_its_vllm_parser_reads(lab):
 
 def _drive(user, step, results):
     """The harness: per question a user turn, then the model; its tool calls are run and the results sent back
-    for one more model call (2 calls per question, 4 in all). Returns [(calls, text)] per model call."""
+    for one more model call (2 calls per question, 4 in all). Returns [(calls, text, thought)] per model call,
+    the thought as read from the API's own field."""
     history, replies = [], []
     for question in QUESTIONS:
         history += user(question)
         for _ in range(2):
-            echo, calls, text = step(history)  # calls: [(id, name, JSON arguments)]
+            echo, calls, text, thought = step(history)  # calls: [(id, name, JSON arguments)]
             history += echo
-            replies.append((calls, text))
+            replies.append((calls, text, thought))
             if not calls:
                 break
             history += results([(i, name, run_calculator(args)) for i, name, args in calls])
@@ -81,7 +82,8 @@ def _chat(session):
         m = client.chat.completions.create(model="m", messages=history, tools=[CALC_TOOL],
                                            max_tokens=MAX_TOKENS).choices[0].message
         return ([m.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True)],  # drops the thought
-                [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []], m.content or "")
+                [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []], m.content or "",
+                getattr(m, "reasoning_content", None) or "")
 
     return _drive(lambda q: [{"role": "system", "content": SYSTEM_PROMPT}] * (q == QUESTIONS[0])
                   + [{"role": "user", "content": q}], step,
@@ -98,7 +100,8 @@ def _responses(session):
         r = client.responses.create(model="m", instructions=SYSTEM_PROMPT, input=history, tools=[tool],
                                     max_output_tokens=MAX_TOKENS)
         return ([o.model_dump(exclude_none=True) for o in r.output],
-                [(o.call_id, o.name, o.arguments) for o in r.output if o.type == "function_call"], r.output_text)
+                [(o.call_id, o.name, o.arguments) for o in r.output if o.type == "function_call"], r.output_text,
+                "".join(c.text for o in r.output if o.type == "reasoning" for c in o.content or []))
 
     return _drive(lambda q: [{"role": "user", "content": q}], step,
                   lambda outs: [{"type": "function_call_output", "call_id": i, "output": out} for i, _, out in outs])
@@ -116,7 +119,8 @@ def _anthropic(session):
                                    messages=history)
         return ([{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]}],
                 [(b.id, b.name, json.dumps(b.input)) for b in m.content if b.type == "tool_use"],
-                "".join(b.text for b in m.content if b.type == "text"))
+                "".join(b.text for b in m.content if b.type == "text"),
+                "".join(b.thinking for b in m.content if b.type == "thinking"))
 
     return _drive(lambda q: [{"role": "user", "content": q}], step, lambda outs: [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": i, "content": out} for i, _, out in outs]}])
@@ -139,7 +143,7 @@ def _google(session):
         parts = content.parts or []
         return ([content], [(p.function_call.id, p.function_call.name, json.dumps(p.function_call.args))
                             for p in parts if p.function_call],
-                "".join(p.text or "" for p in parts if not p.thought))
+                "".join(p.text or "" for p in parts if not p.thought), "".join(p.text or "" for p in parts if p.thought))
 
     def results(outs):
         return [types.Content(role="user", parts=[types.Part(function_response=types.FunctionResponse(
@@ -191,8 +195,10 @@ def test_a_tool_loop_is_one_exact_chain_under_splicing(lab, hf_model, spliced, l
         assert _kinds(lab, s) == [], (seed, renders)
         assert not any(r.get("edited") or r.get("splice_failed") for r in renders), (seed, renders)
         assert len(renders[-1].get("spliced", [])) == len(calls) - 1, (seed, renders)  # every earlier turn
-        assert all("<tool_call>" not in text and "</think>" not in text for _, text in replies), replies
-    assert _first_calls(spliced(loop)[-1]) == ["calculator"]  # the XML call came back structured
+        assert all("<tool_call>" not in text and "</think>" not in text for _, text, _ in replies), replies
+    assert _first_calls(spliced(loop)[-1]) == ["calculator"]  # the call came back structured
+    if lab.parsers["reasoning_parser"]:  # the thought in the API's own field (reasoning_content, items, blocks, parts)
+        assert spliced(loop)[-1][2][0][2], spliced(loop)[-1][2]
     s = spliced(loop)[-1][1]
     report = fidelity(lab.trajectories("prefix_merging", session_ids=[s.id]), hf_model)
     assert report["mean_abs_diff"].max() <= 1e-4, report
