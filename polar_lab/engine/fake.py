@@ -20,7 +20,7 @@ from polar_lab.types import Generation, SamplingSpec
 class ScriptedEngine:
     def __init__(self, tokenizer, replies: list[str] | None = None, *, model_path: str,
                  model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>",
-                 delay_s: float = 0.0):
+                 delay_s: float = 0.0, keep_prompts: bool = True):
         self.tokenizer = tokenizer
         self.replies = list(replies or ["ok"])
         self.model_name = model_name
@@ -34,7 +34,8 @@ class ScriptedEngine:
         self.pid: int | None = None
         self.weights_file: Path | None = None
         self.on_exit: Callable | None = None
-        self.prompts: list[list[int]] = []
+        self.prompts: list[list[int]] = []  # every prompt it was sent, for tests (keep_prompts=False: none)
+        self.keep_prompts = keep_prompts
         self._version = 0
         self._turn = 0
         self._closed = False
@@ -58,7 +59,8 @@ class ScriptedEngine:
         if self.fail_with is not None or self._closed:
             fut.set_exception(EngineError(str(self.fail_with or "engine closed")))
             return fut
-        self.prompts.append(list(prompt_ids))
+        if self.keep_prompts:
+            self.prompts.append(list(prompt_ids))
         # a seeded call "samples" the reply its seed picks (reproducible, like vLLM's seeded sampling); an
         # unseeded one the next in turn
         text = self.replies[(self._turn if spec.seed is None else spec.seed) % len(self.replies)]

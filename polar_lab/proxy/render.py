@@ -75,9 +75,12 @@ class TipCache:
             while self._tips and (len(self._tips) > self.sessions or self.nbytes > self.max_bytes):
                 self.nbytes -= sum(_tip_bytes(t) for t in self._tips.popitem(last=False)[1])
 
-    def drop(self, session_id: str) -> None:
+    def drop(self, session_id: str) -> int:
+        """Forget a session's tips; returns the bytes they held (estimated)."""
         with self._lock:
-            self.nbytes -= sum(_tip_bytes(t) for t in self._tips.pop(session_id, ()))
+            freed = sum(_tip_bytes(t) for t in self._tips.pop(session_id, ()))
+            self.nbytes -= freed
+            return freed
 
 
 def _tip_bytes(tip: Tip) -> int:

@@ -9,6 +9,7 @@ Every API surface (proxy/apis/) reaches it through `proxy/http.py::serve`, which
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +32,19 @@ from polar_lab.store import RunStore
 from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
 
 
+TRIM_BYTES = 64 * 2**20  # release freed memory to the OS after closed sessions dropped this much (estimated)
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the operating system (glibc's malloc_trim; elsewhere nothing). Python frees
+    the closed sessions' ids and texts, but glibc keeps the pages for reuse: without this the kernel's resident
+    memory after 1,000 closed long sessions stayed at 2.2x its level before them (benchmarks/kernel_memory.py)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class CallService:
     def __init__(self, engine: Engine, renderer: Renderer, registry: SessionRegistry, store: RunStore,
                  config: ProxyConfig, parser: OutputParser | None = None):
@@ -46,6 +60,7 @@ class CallService:
         self.signer = ThoughtSigner()  # Anthropic thinking signatures, checked when a thought is echoed
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
         registry.on_close.append(self._forget)  # a closed session's tips and turns are dropped
+        self._freed = 0  # bytes dropped (estimated) since memory was last released
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
             "engine": "serving" if self.engine.alive else "down"}
@@ -107,8 +122,11 @@ class CallService:
                      "paused_s": t_engine - t_gate})
 
     def _forget(self, session: Session) -> None:
-        self.tips.drop(session.id)
+        self._freed += self.tips.drop(session.id)
         self.turns.drop(session.id)
+        if self._freed >= TRIM_BYTES:  # hand what closed sessions held back to the OS, now and then
+            self._freed = 0
+            release_memory()
 
     def _forced_prefill(self, session: Session, req: CanonicalRequest) -> str:
         """The start of a forced call (Renderer.forced_prefill). Where the generation prompt opens a thought, the
