@@ -76,7 +76,7 @@ MUTANTS = [
            ["tests/grpo/test_rollouts.py::test_failures_the_infrastructure_caused_stay_masked_whatever_the_rewards"]),
     # issue 16: id-spliced continuity
     Mutant("echoed turns always re-rendered by the template", "polar_lab/proxy/service.py",
-           [('if (session.continuity or self.config.continuity) != "splice":', "if True:")],
+           [('splicing = (session.continuity or self.config.continuity) == "splice"', "splicing = False")],
            ["tests/integration/test_trajectories.py::test_spliced_reserialised_json_keeps_one_chain_with_the_sampled_ids"]),
     Mutant("a spliced turn re-tokenised from its text", "polar_lab/proxy/render.py",
            [("else segment.ids", "else self.encode(segment.text)")],
