@@ -27,7 +27,7 @@ from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
-from polar_lab.proxy.splice import Turn, TurnLedger, edits, history_keys
+from polar_lab.proxy.splice import Turn, TurnLedger, history_keys, pick
 from polar_lab.store import RunStore
 from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
 
@@ -76,8 +76,7 @@ class CallService:
         self._check_tool_choice(req)
         prefill = self._forced_prefill(session, req)
         splicing = (session.continuity or self.config.continuity) == "splice"
-        histories = history_keys(req.messages) if splicing else []
-        splices, edited = self._echoed_turns(session, req.messages, histories) if splicing else ({}, [])
+        histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template, splices=splices)
         if edited:
@@ -111,9 +110,11 @@ class CallService:
             sampled = self.renderer.decode(gen.output_ids)
             self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i), text=rendered.text + sampled,
                                           ids=rendered.prompt_ids + gen.output_ids))
-            if splicing:
-                self.turns.add(session.id, self._turn(session, req, call_id(session.id, call_index, i), prefill, gen,
-                                                      sampled, parsed), histories[-1])
+            if splicing and histories:
+                turn = self._turn(session, req, rendered, call_id(session.id, call_index, i), prefill, gen, sampled,
+                                  parsed)
+                if turn is not None:
+                    self.turns.add(session.id, turn, histories[-1])
         return CompletedCall(
             session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
@@ -138,31 +139,37 @@ class CallService:
             prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
         return prefill
 
-    def _echoed_turns(self, session: Session, messages: list[dict[str, Any]],
-                      histories: list[str]) -> tuple[dict[int, Turn], list]:
-        """(message index → the turn to splice there, [echoed turns the harness edited, and what it changed]);
-        histories: splice.history_keys(messages)."""
+    def _echoed_turns(self, session: Session, messages: list[dict[str, Any]]) -> tuple[list[str], dict[int, Turn],
+                                                                                       list]:
+        """(splice.history_keys(messages), message index → the turn to splice there, [echoed turns not spliced:
+        what the harness changed, or why the turn is ambiguous]). Messages nested past what orjson or json take
+        are not spliced: rendering them is the template's to refuse or not."""
+        try:
+            histories = history_keys(messages)
+        except (TypeError, ValueError, RecursionError):
+            return [], {}, []
         splices, edited = {}, []
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            turn = self.turns.find(session.id, message, lambda index=index: histories[index])
-            if turn is None:
-                continue
-            change = edits(turn, message)
-            if change is None:
+            candidates = self.turns.find(session.id, message, lambda index=index: histories[index])
+            turn, why = pick(candidates, message)
+            if turn is not None:
                 splices[index] = turn
-            else:
-                edited.append({"call_id": turn.call_id, "message": index, "changed": change})
-        return splices, edited
+            elif why is not None:
+                edited.append({"call_id": candidates[0].call_id, "message": index, "changed": why})
+        return histories, splices, edited
 
-    def _turn(self, session: Session, req: CanonicalRequest, call: str, prefill: str, gen, sampled: str,
-              parsed) -> Turn:
-        """What the ledger keeps of one choice. The stop token is known only when the engine says the turn ended
-        on one (eos or a stop token id; a stop *string* is not in the ids)."""
+    def _turn(self, session: Session, req: CanonicalRequest, rendered: Rendered, call: str, prefill: str, gen,
+              sampled: str, parsed) -> Turn | None:
+        """What the ledger keeps of one choice; None when its prompt did not end as the probed glue says (the
+        turn could not be put back as it was sampled). The stop token is known only when the engine says the
+        turn ended on one (eos or a stop token id; a stop *string* is not in the ids)."""
         glue = self.renderer.glue(session.chat_template, req.thinking)
+        if glue is None or not rendered.text.endswith(glue.opening + prefill):
+            return None
         on_token = gen.finish_reason == "stop" and not isinstance(gen.stop_reason, str) and gen.output_ids
-        return Turn(call_id=call, opening=(glue.opening if glue else "") + prefill, ids=tuple(gen.output_ids),
+        return Turn(call_id=call, opening=glue.opening + prefill, ids=tuple(gen.output_ids),
                     text=sampled, stop=self.renderer.decode(gen.output_ids[-1:]) if on_token else "",
                     content=parsed.content, reasoning=parsed.reasoning,
                     tool_calls=tuple((c["id"], c["name"], c["arguments"]) for c in parsed.tool_calls))

@@ -10,9 +10,9 @@ How:
 1. Every choice the proxy returns is a `Turn` in the session's ledger: its sampled ids and what the harness was
    told (content, reasoning, tool calls with the ids the proxy issued).
 2. A request's assistant message is recognised by those tool-call ids (any API's prefix: `call_`, `toolu_`...),
-   else by its content and calls, else by the history before it (the messages of the request it answered), and
+   else by the history before it (the messages of the request it answered), else by its content and calls, and
    checked against the recorded turn. An edited turn (content, a call or an echoed thought differs) is not
-   spliced; what changed is recorded in the call's render info.
+   spliced, nor one that fits several sampled turns; why is recorded in the call's render info ("edited").
 3. The renderer renders the conversation with each recognised turn replaced by a sentinel message, then puts,
    in the sentinel's place, the rest of the generation prompt the turn was sampled after (the thought the
    template opened, a forced call's prefill) and the sampled ids. `Glue` says where a turn starts and ends in
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Any
 
 import orjson
 
-_SENTINEL = "\ue000polar-splice-{}\ue001"  # private-use characters: no template or harness text contains them
+_SENTINEL = "\ue000polar-splice-{}\ue001"  # private-use characters; `splice` refuses a text that has them already
 
 
 @dataclass(frozen=True)
@@ -84,42 +85,77 @@ def probe_glue(render: Callable[[list[dict[str, Any]], bool], str]) -> Glue | No
 
 
 class TurnLedger:
-    """Per-session turns the proxy produced, bounded: the newest `per_session` turns of the newest `sessions`."""
+    """Per-session turns the proxy produced, bounded: the newest `per_session` index keys of the newest `sessions`
+    sessions, within `max_bytes` (estimated: 8 bytes an id, 1 a character). Added to on the proxy's loop, dropped
+    from whichever thread closes a session: locked.
 
-    def __init__(self, per_session: int = 512, sessions: int = 4096):
+    Lookup (`find`) goes from the most to the least specific key, and a key that several different turns share
+    (two choices of one request, the same visible reply twice) finds none: a wrong splice would put ids the
+    model never sampled at that place, a missed one only re-renders the turn."""
+
+    def __init__(self, per_session: int = 16384, sessions: int = 4096, max_bytes: int = 512 * 2**20):
         self.per_session = per_session
         self.sessions = sessions
-        self._turns: OrderedDict[str, OrderedDict[str, Turn]] = OrderedDict()  # session → key → turn
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._turns: OrderedDict[str, OrderedDict[str, list[Turn]]] = OrderedDict()  # session → key → turns
+        self._bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def add(self, session_id: str, turn: Turn, history: str) -> None:
-        """history: `history_key` of the messages of the request the turn answered."""
-        turns = self._turns.setdefault(session_id, OrderedDict())
-        self._turns.move_to_end(session_id)
-        for key in [*(_id_key(i) for i, _, _ in turn.tool_calls), _content_key(turn.content, turn.tool_calls),
-                    "history:" + history]:
-            turns[key] = turn
-            turns.move_to_end(key)
-        while len(turns) > self.per_session:
-            turns.popitem(last=False)
-        while len(self._turns) > self.sessions:
-            self._turns.popitem(last=False)
+        """history: `history_keys(...)[-1]` of the request the turn answered."""
+        size = 8 * len(turn.ids) + len(turn.text)
+        with self._lock:
+            turns = self._turns.setdefault(session_id, OrderedDict())
+            self._turns.move_to_end(session_id)
+            for key in [*(_id_key(i) for i, _, _ in turn.tool_calls), _content_key(turn.content, turn.tool_calls),
+                        "history:" + history]:
+                turns.setdefault(key, []).append(turn)
+                turns.move_to_end(key)
+            while len(turns) > self.per_session:
+                turns.popitem(last=False)
+            self._bytes[session_id] = self._bytes.get(session_id, 0) + size
+            self.nbytes += size
+            while self._turns and (len(self._turns) > self.sessions or self.nbytes > self.max_bytes):
+                self._forget(next(iter(self._turns)))
 
     def drop(self, session_id: str) -> None:
-        """Forget a closed session's turns (called from whichever thread closes it; one dict pop)."""
-        self._turns.pop(session_id, None)
+        """Forget a closed session's turns."""
+        with self._lock:
+            self._forget(session_id)
 
-    def find(self, session_id: str, message: dict[str, Any], history: Callable[[], str]) -> Turn | None:
-        """The turn this assistant message echoes: by an issued tool-call id, else by its content and calls, else
-        by `history()`, the `history_key` of the messages before it (computed only when needed)."""
-        turns = self._turns.get(session_id)
-        if not turns:
-            return None
+    def _forget(self, session_id: str) -> None:
+        self._turns.pop(session_id, None)
+        self.nbytes -= self._bytes.pop(session_id, 0)
+
+    def find(self, session_id: str, message: dict[str, Any], history: Callable[[], str]) -> list[Turn]:
+        """The turns this assistant message may echo, from the most specific key that knows any: an issued
+        tool-call id, the history before it (`history()`: `history_keys(messages)[i]`), its content and calls.
+        More than one: the key is shared (`pick` decides)."""
         calls = message.get("tool_calls") or []
-        for call in calls:
-            if isinstance(call, dict) and isinstance(call.get("id"), str) and _id_key(call["id"]) in turns:
-                return turns[_id_key(call["id"])]
-        return turns.get(_content_key(message.get("content"), _message_calls(calls))) or \
-            turns.get("history:" + history())
+        with self._lock:
+            turns = self._turns.get(session_id)
+            if not turns:
+                return []
+            for call in calls:
+                if isinstance(call, dict) and isinstance(call.get("id"), str) and _id_key(call["id"]) in turns:
+                    return list(turns[_id_key(call["id"])])
+            found = turns.get("history:" + history()) or turns.get(_content_key(message.get("content"),
+                                                                                _message_calls(calls)))
+            return list(found or [])
+
+
+def pick(candidates: list[Turn], message: dict[str, Any]) -> tuple[Turn | None, str | None]:
+    """(the turn to splice, None) when exactly one sampled turn fits the echoed message; else (None, why): what the
+    harness changed (the message fits none), or that it fits several that differ (two choices alike in what the
+    harness sees): which one was echoed cannot be known, and a wrong guess would splice ids never sampled there."""
+    fits = [t for t in candidates if edits(t, message) is None]
+    distinct = {(t.ids, t.opening) for t in fits}
+    if len(distinct) == 1:
+        return fits[0], None
+    if fits:
+        return None, "ambiguous: it fits several sampled turns"
+    return None, edits(candidates[0], message) if candidates else None
 
 
 def history_keys(messages: list[dict[str, Any]]) -> list[str]:
@@ -158,6 +194,8 @@ def sentinel(index: int) -> str:
 def splice(text: str, turns: dict[int, Turn], glue: Glue) -> list[str | Turn] | None:
     """The prompt as segments: template text, and in each sentinel's place the turn's opening (text) and the
     turn itself (its ids). None when the template did not render a sentinel as header + sentinel + trailer."""
+    if text.count(_SENTINEL[0]) != len(turns):  # the harness's own text holds the sentinel's character
+        return None
     segments: list[str | Turn] = []
     cursor = 0
     for index in sorted(turns):
@@ -180,7 +218,8 @@ def _id_key(call_id: str) -> str:
 
 
 def _content_key(content: str | None, calls) -> str:
-    return "content:" + json.dumps([content or None, [(name, _normal(args)) for _, name, args in calls]])
+    text = json.dumps([content or None, [(name, _normal(args)) for _, name, args in calls]])
+    return "content:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _message_calls(calls: list[Any]) -> list[tuple[str, str, str]]:
@@ -198,7 +237,7 @@ def _message_calls(calls: list[Any]) -> list[tuple[str, str, str]]:
 def _normal(arguments: str) -> str:
     try:
         return json.dumps(json.loads(arguments), sort_keys=True)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what json can take: compared as text
         return arguments
 
 

@@ -14,6 +14,7 @@ records appended after it stay whole.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -61,7 +62,12 @@ class RunStore:
         self._calls_end = self._calls.seek(0, os.SEEK_END)
 
     def append_call(self, call: ModelCall) -> None:
-        line = orjson.dumps(call.record(), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        record = call.record()
+        try:
+            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        except TypeError:  # a request body nested deeper than orjson writes (254): the call is kept, the body as text
+            record["request"] = {"unrecorded": "nested deeper than 254 levels", "text": _as_text(record["request"])}
+            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         with self._lock:
             self._write(self._calls, line)
             self._call_index.setdefault(call.session_id, []).append((self._calls_end, len(line)))
@@ -177,3 +183,11 @@ def calls_frame(calls: list[ModelCall]) -> pd.DataFrame:
             "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "output_logprobs": c.output_logprobs,
         })
     return pd.DataFrame(rows)
+
+
+def _as_text(value: Any, limit: int = 1_000_000) -> str:
+    """The standard library's JSON of a value (it nests as deep as Python recurses), cut at `limit` characters."""
+    try:
+        return json.dumps(value)[:limit]
+    except (RecursionError, TypeError, ValueError):
+        return "(too deeply nested to write)"

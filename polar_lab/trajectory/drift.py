@@ -10,9 +10,10 @@ Classes (checked in this order; the first that explains the break wins):
     other                 none of the above
 One more class comes from the proxy, not the texts (report.chain_breaks): `turn_edited`, a call whose history
 held a turn the proxy produced, changed by the harness (its render info's "edited" says what changed), so it
-was rendered by the template instead of spliced (proxy/splice.py). Under the default "splice" continuity a
-turn the proxy produced never breaks a chain unless edited; the other classes then come from what the harness
-itself does (sub-agents, compaction) or from a template that cannot be spliced (render info "splice_failed").
+was rendered by the template instead of spliced (proxy/splice.py). Under the default "splice" continuity an
+echoed turn the proxy recognises and finds unchanged does not break a chain; the other classes then come from
+what the harness itself does (sub-agents, compaction), from turns the proxy no longer holds (evicted, or
+ambiguous), or from a template that cannot be spliced (render info "splice_failed").
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ def chain_breaks(calls: Iterable[ModelCall], tokenizer, harness_of: dict[str, st
         # the chain as it stood when the break happened is a prefix of its final ids: cut at its length then
         chain_text = _decode(tokenizer, chain_ids[:b.chain_tokens])
         kind, detail = classify(chain_text, _decode(tokenizer, by_id[b.call_id].prompt_ids))
-        if by_id[b.call_id].render.get("edited"):  # the proxy saw the harness change a turn it had produced
-            kind = "turn_edited"
+        if by_id[b.call_id].render.get("edited") and kind not in ("new_context", "truncation_compaction"):
+            kind = "turn_edited"  # the proxy saw the harness change a turn it had produced (not a new context)
         rows.append({"session_id": b.session_id, "harness": (harness_of or {}).get(b.session_id, "unknown"),
                      "call_id": b.call_id, "kind": kind, "new_chain": b.new_chain,
                      "closest_chain": b.closest_chain, "common_tokens": b.common_tokens,
