@@ -7,13 +7,16 @@ For each concurrency level, the same prompt (the calculator's first turn) with t
            aiohttp), each request the first call of its own session — render, engine, parse, record, respond
   litellm  the same request to a LiteLLM proxy (a separate process, `make litellm`) whose upstream is
            this Lab's proxy, in the same run, in front of the same engine and prompts
+  vllm     the same request to vLLM's own OpenAI server (`vllm serve`, a separate process started here on the
+           same model with the same engine arguments: what a researcher would run instead of polar_lab);
+           `--no-vllm-serve` skips it. The Lab's engine idles meanwhile (the two never run at once)
 Added latency is paired per request: the client's latency minus the server-side time of the same request
 (found by its seed in the call records) — for the proxy, minus the engine's time (`engine_s`); for
 LiteLLM, minus this proxy's whole time (`total_s`). direct p50 vs proxy p50 is printed too, but identical
 engine runs differ by ±15% here, which would swamp a millisecond. The proxy also reports its own share
 per call (`in_server` = server time minus engine time: render, parse, record; no HTTP framing).
 Throughput = the same sampled tokens over wall time, proxy vs direct: what the proxy's CPU and its
-batching cost the engine.
+batching cost the engine; and proxy vs `vllm serve` (> 1: the proxy moved the same tokens faster).
 Then the sustained test: `--sessions` sessions (1000) each send one call, all started within 2 s from one
 client process, so that all are in flight together; completed / failed / timed out, the most calls in
 flight at the proxy, and the latency distribution are reported.
@@ -84,6 +87,8 @@ def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | N
 
 
 def _pcts(prefix: str, seconds: list[float]) -> dict[str, float]:
+    if not seconds:  # every request failed: the row says so (its *_failed count) instead of stopping the run
+        return {f"{prefix}_p50_ms": float("nan"), f"{prefix}_p99_ms": float("nan")}
     ms = np.array(seconds) * 1000
     return {f"{prefix}_p50_ms": float(np.percentile(ms, 50)), f"{prefix}_p99_ms": float(np.percentile(ms, 99))}
 
@@ -96,7 +101,8 @@ def _paired(lab: Lab, before: int, result: dict, server_field: str) -> list[floa
     return [lat - server[int(seed)] for seed, lat in result["latencies_s"].items() if int(seed) in server]
 
 
-async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, str] | None) -> dict[str, float]:
+async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, str] | None,
+                  vllm_url: str | None = None) -> dict[str, float]:
     """direct (in-process) vs proxy vs LiteLLM-in-front-of-the-proxy (both HTTP paths from a client process).
 
     proxy: every request is the first call of its own session, as when `total` harness runs start.
@@ -134,6 +140,12 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
                    **_pcts("litellm_added", _paired(lab, before, peer, "total_s")),
                    litellm_failed=peer["failed"] + peer["timed_out"])
         row["litellm_over_proxy_added_p50"] = row["litellm_added_p50_ms"] / row["added_p50_ms"]
+    if vllm_url:
+        peer = await asyncio.to_thread(_load, vllm_url + "/v1/chat/completions", concurrency, total, warmup=warmup)
+        row.update(**_pcts("vllm_serve", list(peer["latencies_s"].values())),
+                   vllm_serve_failed=peer["failed"] + peer["timed_out"],
+                   throughput_vs_vllm_serve=peer["wall_s"] / proxy["wall_s"] if peer["completed"] == total
+                   else float("nan"))  # the same tokens moved, or no comparison
     return row
 
 
@@ -200,6 +212,46 @@ class LiteLLM:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class VllmServe:
+    """vLLM's OpenAI server on the Lab's model, with the Lab's engine arguments (fp32, eager, processed logprobs,
+    its seed and batch size, the same CPU KV cache) and Hermes tool parsing, on a loopback port."""
+
+    def __init__(self, lab: Lab, port: int):
+        c = lab.config.engine
+        self.url = f"http://127.0.0.1:{port}"
+        self._dir = tempfile.mkdtemp(prefix="vllm-serve-")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib), "VLLM_LOGGING_LEVEL": "ERROR"}
+        # `python -m` rather than the `vllm` command, which looks up the package "vllm" (here it is vllm-cpu)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model, "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),
+                "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(lab.engine.max_model_len),
+                "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        argv += ["--enforce-eager"] if c.enforce_eager else []
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=open(Path(self._dir) / "stderr.log", "w"))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited: {(Path(self._dir) / 'stderr.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError("vllm serve did not come up within 300 s")
+
+    def close(self) -> None:
+        self.proc.terminate()  # by pid: the server and the engine core it started
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def _litellm_binary(path: str | None) -> str | None:
     for candidate in (path, os.environ.get("POLAR_LAB_LITELLM"), ".cache/litellm/bin/litellm"):
         if candidate and Path(candidate).exists():
@@ -222,6 +274,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 384, 768])
     parser.add_argument("--sessions", type=int, default=1000, help="sustained test; 0 skips it")
     parser.add_argument("--litellm", default=None, help="litellm binary (default: .cache/litellm/bin/litellm)")
+    parser.add_argument("--no-vllm-serve", action="store_true", help="skip the `vllm serve` peer")
     parser.add_argument("--out", default="benchmarks/results/proxy_latency.json")
     args = parser.parse_args()
 
@@ -231,17 +284,20 @@ def main() -> None:
         startup = {"engine_startup_s": lab.engine.startup_seconds, "lab_startup_s": time.perf_counter() - t0}
         peer = LiteLLM(binary, lab.session(harness="litellm").openai_base_url, "unused", _free_port()) \
             if binary else None
+        server = None if args.no_vllm_serve else VllmServe(lab, _free_port())
         try:
-            rows = [asyncio.run(measure(lab, c, n, (peer.url + "/v1", peer.key) if peer else None))
+            rows = [asyncio.run(measure(lab, c, n, (peer.url + "/v1", peer.key) if peer else None,
+                                        server.url if server else None))
                     for c, n in zip(args.concurrency, args.requests)]
         finally:
-            if peer is not None:
-                peer.close()
+            for process in (peer, server):
+                if process is not None:
+                    process.close()
         load = sustained(lab, args.sessions) if args.sessions else None
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
-              "litellm": binary is not None}
+              "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve}
     print(f"engine start-up {startup['engine_startup_s']:.1f} s, Lab start-up {startup['lab_startup_s']:.1f} s")
     if binary is None:
         print("LiteLLM not installed (`make litellm`): its rows are missing")
