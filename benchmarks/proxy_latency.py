@@ -173,8 +173,42 @@ def sustained(lab: Lab, sessions: int, ramp_s: float = 2.0, timeout_s: float = 3
             **_pcts("latency", list(out["latencies_s"].values()) or [float("nan")])}
 
 
-class LiteLLM:
+class _Server:
+    """A server process of a peer on a loopback port: started, waited for until `health` answers 200, stopped by
+    its pid. Its output goes to `<its temp dir>/server.log`: its tail is in the error if it exits while starting,
+    and the folder is removed on close."""
+
+    name = "server"
+
+    def _start(self, argv: list[str], env: dict[str, str], health: str, timeout_s: float) -> None:
+        log = Path(self._dir) / "server.log"
+        self.proc = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"{self.name} did not come up within {timeout_s:.0f} s")
+
+    def close(self) -> None:
+        self.proc.terminate()  # by pid: the server (and the processes it started and stops itself)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class LiteLLM(_Server):
     """A LiteLLM proxy process whose only model forwards to `upstream` (OpenAI-compatible)."""
+
+    name = "litellm"
 
     def __init__(self, binary: str, upstream: str, key: str, port: int):
         self.url = f"http://127.0.0.1:{port}"
@@ -187,34 +221,15 @@ class LiteLLM:
             "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
                "HOME": self._dir, "NO_DOCS": "True", "DISABLE_ADMIN_UI": "True", "LITELLM_MASTER_KEY": self.key}
-        self.proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                                      "--num_workers", "1"], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(Path(self._dir) / "stderr.log", "w"))
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"litellm exited: {(Path(self._dir) / 'stderr.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health/liveliness", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError("litellm did not come up within 180 s")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._start([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                     "--num_workers", "1"], env, "/health/liveliness", 180)
 
 
-class VllmServe:
+class VllmServe(_Server):
     """vLLM's OpenAI server on the Lab's model, with the Lab's engine arguments (fp32, eager, processed logprobs,
     its seed and batch size, the same CPU KV cache) and Hermes tool parsing, on a loopback port."""
+
+    name = "vllm serve"
 
     def __init__(self, lab: Lab, port: int):
         c = lab.config.engine
@@ -227,29 +242,7 @@ class VllmServe:
                 "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),
                 "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(lab.engine.max_model_len),
                 "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-        argv += ["--enforce-eager"] if c.enforce_eager else []
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(Path(self._dir) / "stderr.log", "w"))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited: {(Path(self._dir) / 'stderr.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError("vllm serve did not come up within 300 s")
-
-    def close(self) -> None:
-        self.proc.terminate()  # by pid: the server and the engine core it started
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._start(argv + (["--enforce-eager"] if c.enforce_eager else []), env, "/health", 300)
 
 
 def _litellm_binary(path: str | None) -> str | None:
