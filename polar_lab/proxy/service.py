@@ -152,7 +152,7 @@ class CallService:
         for index, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            candidates = self.turns.find(session.id, message, lambda index=index: histories[index])
+            candidates = self.turns.find(session.id, message, histories[index])
             turn, why = pick(candidates, message)
             if turn is not None:
                 splices[index] = turn

@@ -128,9 +128,9 @@ class TurnLedger:
         self._turns.pop(session_id, None)
         self.nbytes -= self._bytes.pop(session_id, 0)
 
-    def find(self, session_id: str, message: dict[str, Any], history: Callable[[], str]) -> list[Turn]:
+    def find(self, session_id: str, message: dict[str, Any], history: str) -> list[Turn]:
         """The turns this assistant message may echo, from the most specific key that knows any: an issued
-        tool-call id, the history before it (`history()`: `history_keys(messages)[i]`), its content and calls.
+        tool-call id, the history before it (`history`: `history_keys(messages)[i]`), its content and calls.
         More than one: the key is shared (`pick` decides)."""
         calls = message.get("tool_calls") or []
         with self._lock:
@@ -140,7 +140,7 @@ class TurnLedger:
             for call in calls:
                 if isinstance(call, dict) and isinstance(call.get("id"), str) and _id_key(call["id"]) in turns:
                     return list(turns[_id_key(call["id"])])
-            found = turns.get("history:" + history()) or turns.get(_content_key(message.get("content"),
+            found = turns.get("history:" + history) or turns.get(_content_key(message.get("content"),
                                                                                 _message_calls(calls)))
             return list(found or [])
 

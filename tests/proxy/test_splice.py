@@ -151,15 +151,15 @@ def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_history_else_b
     ledger.add("s", text, history="h2")
     anthropic_echo = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "toolu_abc", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}]}
-    assert ledger.find("s", anthropic_echo, lambda: "?") == [call]
-    assert ledger.find("s", _echo(call, with_ids=False), lambda: "?") == [call]  # Google without ids: content, calls
-    assert ledger.find("s", {"role": "assistant", "content": "It is 1."}, lambda: "?") == [text]
+    assert ledger.find("s", anthropic_echo, "?") == [call]
+    assert ledger.find("s", _echo(call, with_ids=False), "?") == [call]  # Google without ids: content, calls
+    assert ledger.find("s", {"role": "assistant", "content": "It is 1."}, "?") == [text]
     # an edited text turn has nothing of its own left: it is known by the history it answered
-    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, lambda: "h2") == [text]
-    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, lambda: "?") == []  # not the proxy's
-    assert ledger.find("other-session", anthropic_echo, lambda: "h1") == []
+    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, "h2") == [text]
+    assert ledger.find("s", {"role": "assistant", "content": "It is 2."}, "?") == []  # not the proxy's
+    assert ledger.find("other-session", anthropic_echo, "h1") == []
     ledger.drop("s")
-    assert ledger.find("s", anthropic_echo, lambda: "h1") == [] and ledger.nbytes == 0
+    assert ledger.find("s", anthropic_echo, "h1") == [] and ledger.nbytes == 0
 
 
 def test_two_turns_alike_to_the_harness_are_told_apart_by_history_or_not_spliced(qwen35):
@@ -171,12 +171,12 @@ def test_two_turns_alike_to_the_harness_are_told_apart_by_history_or_not_spliced
     ledger.add("s", first, history="h1")
     ledger.add("s", second, history="h2")
     echo = {"role": "assistant", "content": "ok"}
-    assert pick(ledger.find("s", echo, lambda: "h1"), echo) == (first, None)
-    assert pick(ledger.find("s", echo, lambda: "h2"), echo) == (second, None)
-    assert pick(ledger.find("s", echo, lambda: "?"), echo)[0] is None  # content alone: ambiguous
+    assert pick(ledger.find("s", echo, "h1"), echo) == (first, None)
+    assert pick(ledger.find("s", echo, "h2"), echo) == (second, None)
+    assert pick(ledger.find("s", echo, "?"), echo)[0] is None  # content alone: ambiguous
     ledger.add("s", _turn(qwen35, [9], content="ok", call_id="t3-choice-1"), history="h3")
     ledger.add("s", _turn(qwen35, [10], content="ok", call_id="t3-choice-2"), history="h3")
-    turn, why = pick(ledger.find("s", echo, lambda: "h3"), echo)
+    turn, why = pick(ledger.find("s", echo, "h3"), echo)
     assert turn is None and why.startswith("ambiguous")
 
 
