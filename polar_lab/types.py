@@ -4,6 +4,7 @@ One place, few types (STYLE.md item 1):
 
 - `SamplingSpec`  what the proxy asks the engine for (already clipped to the context).
 - `Generation`    what the engine returns for one prompt: sampled ids, their logprobs, their policy versions.
+- `TokenDelta`    what one engine step sampled for a streamed request (the pieces of a Generation as they come).
 - `Session`       one harness run: the key it authenticates with, its task, its reward once closed.
 - `ModelCall`     one recorded model call (one per choice of a request), written before the response returns.
 - `Trajectory`    a token sequence a trainer learns from, rebuilt from the calls of one session.
@@ -164,6 +165,17 @@ class Generation:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     top_logprobs: list[dict[int, float]] | None = None  # only when SamplingSpec.num_logprobs > 0
     engine_seconds: float = 0.0  # from submission to the final output, queueing included
+
+
+@dataclass
+class TokenDelta:
+    """The tokens one engine step sampled for a streamed request. The deltas of a request, joined, are its
+    Generation's ids, logprobs and text (the text of a delta is final: vLLM holds back a possible stop string)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    version: int  # the policy version the engine served at that step
 
 
 CONTINUITY = ("splice", "template")  # how an echoed turn goes back into the prompt (proxy/splice.py)

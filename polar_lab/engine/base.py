@@ -2,12 +2,14 @@
 
 The engine knows nothing about chat templates, tools or HTTP; the proxy renders and parses.
 `submit` is thread-safe and returns a `concurrent.futures.Future`, so any thread can use it; `generate` is
-the asyncio form. Cancelling either aborts the request in the engine.
+the asyncio form, which also streams: given `on_delta`, it calls it on the caller's loop with the tokens of
+each engine step as they are sampled (`TokenDelta`), all of them before it returns the Generation.
+Cancelling either aborts the request in the engine.
 
 A new engine (a replica set, a remote engine) provides every member of `Engine` — the proxy, the Lab's
 supervisor and the trainer call nothing else, and probe for nothing:
     identity      model_name, model_path, max_model_len, pid (None when not a local process)
-    state         policy_version, alive, failure, busy_seconds, weights_file
+    state         policy_version, alive, failure, busy_seconds, running, weights_file
     requests      submit, generate
     weights       load_weights(state_dict, version=), load_weights_file(path, version=)
     lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
@@ -24,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from polar_lab.types import Generation, SamplingSpec
+from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 
 @runtime_checkable
@@ -34,6 +36,7 @@ class Engine(Protocol):
     max_model_len: int
     pid: int | None  # the engine process, when there is one
     busy_seconds: float  # wall time spent stepping requests (busy fraction = Δbusy / Δwall)
+    running: int  # requests the engine is working on (as it last reported)
     weights_file: Path | None  # the file of the weights being served, when they came from a load
     on_exit: Callable[[Engine, str], None] | None  # set by the owner; called once if the engine dies unasked
 
@@ -55,7 +58,8 @@ class Engine(Protocol):
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         ...
 
-    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
+                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
         ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:

@@ -1,7 +1,8 @@
 """A scripted stand-in for the engine, for unit tests of the HTTP layer only (never acceptance tests).
 
 It "samples" the next scripted reply (a seeded call: the one its seed picks), tokenised with the model's own
-tokenizer, with logprob -1.0 per token; it can also be told to fail. No vLLM, no weights, no process (`pid` is
+tokenizer, with logprob -1.0 per token, streamed a token at a time when asked (spread over `delay_s`); it
+can also be told to fail. No vLLM, no weights, no process (`pid` is
 None). It implements the whole `Engine` protocol (engine/base.py).
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from polar_lab.errors import EngineError
-from polar_lab.types import Generation, SamplingSpec
+from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 
 class ScriptedEngine:
@@ -31,6 +32,7 @@ class ScriptedEngine:
         self.raise_with: Exception | None = None  # set to make the next submits raise (an engine bug: 500)
         self.delay_s = delay_s  # answer after this long (from a timer thread), to keep calls in flight
         self.busy_seconds = 0.0
+        self.running = 0
         self.pid: int | None = None
         self.weights_file: Path | None = None
         self.on_exit: Callable | None = None
@@ -79,8 +81,20 @@ class ScriptedEngine:
             fut.set_result(generation)
         return fut
 
-    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
-        return await asyncio.wrap_future(self.submit(prompt_ids, spec))
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
+                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
+        if on_delta is None:
+            return await asyncio.wrap_future(self.submit(prompt_ids, spec))
+        delay, self.delay_s = self.delay_s, 0.0  # streamed: the delay is spread over the tokens below
+        try:
+            generation = self.submit(prompt_ids, spec).result()
+        finally:
+            self.delay_s = delay
+        texts = _pieces(self.tokenizer, generation.output_ids, generation.text)
+        for token, text in zip(generation.output_ids, texts):
+            await asyncio.sleep(delay / max(len(texts), 1))
+            on_delta(TokenDelta(ids=[token], logprobs=[-1.0], text=text, version=self._version))
+        return generation
 
     def load_weights(self, state_dict: Mapping, *, version: int | None = None) -> int:
         if self._closed:
@@ -96,3 +110,16 @@ class ScriptedEngine:
 
     def close(self) -> None:
         self._closed = True
+
+
+def _pieces(tokenizer, ids: list[int], text: str) -> list[str]:
+    """The text each token adds (the last takes what is left, so the pieces join to `text`)."""
+    pieces, done = [], ""
+    for n in range(1, len(ids) + 1):
+        upto = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        piece = upto[len(done):] if upto.startswith(done) and n < len(ids) else ""
+        pieces.append(piece)
+        done += piece
+    if pieces:
+        pieces[-1] = text[len(done):]
+    return pieces

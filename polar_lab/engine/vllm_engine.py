@@ -2,9 +2,11 @@
 
 The process (engine/worker.py) is the only code that touches vLLM; this object is its handle in the
 kernel. `submit` from any thread sends the prompt ids and returns a `concurrent.futures.Future`; the
-`generate` coroutine does the same for an asyncio caller. One reader thread ("polar-lab-engine") receives
-each step's finished generations and resolves the futures: thread futures at once, and each event loop's
-futures in one callback per step (a cross-thread wake-up per request cost the loop more than the request).
+`generate` coroutine does the same for an asyncio caller, and with `on_delta` streams: the callback gets each
+step's new tokens (`TokenDelta`) on the caller's loop, all of them before `generate` returns. One reader
+thread ("polar-lab-engine") receives each step's deltas and finished generations and hands them over: thread
+futures at once, and each event loop's share in one callback per step (a cross-thread wake-up per request
+cost the loop more than the request).
 Weights travel as a `torch.save` file in /dev/shm that the worker maps and loads between two steps; given a
 `weights_dir`, the file of the weights being served is kept there (`weights_file`, one at a time) so that a
 replacement engine can load them again without the kernel holding a copy.
@@ -36,7 +38,7 @@ import torch
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection
 from polar_lab.errors import EngineError, RequestError
-from polar_lab.types import Generation, SamplingSpec
+from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +67,14 @@ class VLLMEngine:
         self.startup_seconds = 0.0
         self.busy_seconds = 0.0  # wall time the worker spent inside vLLM steps (busy fraction = Δbusy / Δwall)
         self.steps = 0  # vLLM steps so far (tokens per step = batching)
+        self.running = 0  # requests the engine process is working on, as it last reported
         self.pid: int | None = None
         self._version = 0
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self._pending: dict[str, tuple[concurrent.futures.Future | asyncio.Future, float]] = {}
+        # request id → (its future, when it was sent, its on_delta or None)
+        self._pending: dict[str, tuple[concurrent.futures.Future | asyncio.Future, float, Callable | None]] = {}
         self._weights: concurrent.futures.Future | None = None
         self._weights_lock = threading.Lock()  # one weight load at a time
         self._ids = itertools.count()
@@ -197,26 +201,29 @@ class VLLMEngine:
         fut.add_done_callback(lambda f: f.cancelled() and self._abort(rid))
         return fut
 
-    async def generate(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
-        """`submit` for a caller on an event loop; cancelling the awaiting task aborts the request."""
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
+                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
+        """`submit` for a caller on an event loop; cancelling the awaiting task aborts the request.
+        on_delta: streams — called on this loop with each engine step's new tokens, every one of them before
+        the Generation is returned."""
         fut = asyncio.get_running_loop().create_future()
-        rid = self._add(fut, prompt_ids, spec)
+        rid = self._add(fut, prompt_ids, spec, on_delta)
         try:
             return await fut
         except asyncio.CancelledError:
             self._abort(rid)
             raise
 
-    def _add(self, fut, prompt_ids: list[int], spec: SamplingSpec) -> str:
+    def _add(self, fut, prompt_ids: list[int], spec: SamplingSpec, on_delta: Callable | None = None) -> str:
         """Register `fut` and send the request; a dead engine fails `fut` at once."""
         rid = f"g{next(self._ids)}"
-        self._pending[rid] = (fut, time.perf_counter())
+        self._pending[rid] = (fut, time.perf_counter(), on_delta)
         error = None
         if not self.alive:
             error = EngineError(f"engine is not running ({self._failure})")
         else:
             try:
-                self._send(("add", rid, list(prompt_ids), spec))
+                self._send(("add", rid, list(prompt_ids), spec, on_delta is not None))
             except OSError as exc:
                 error = EngineError(f"engine is not running ({exc!r})")
         if error is not None:
@@ -279,9 +286,14 @@ class VLLMEngine:
         try:
             while True:
                 msg = self._conn.recv()
-                if msg[0] == "done":
-                    self.busy_seconds, self.steps = msg[2]
+                if msg[0] == "delta":
+                    self.busy_seconds, self.steps, self.running = msg[2]
+                    self._deliver(msg[1])
+                elif msg[0] == "done":
+                    self.busy_seconds, self.steps, self.running = msg[2]
                     self._resolve_all([(rid, _outcome(r)) for rid, r in msg[1]])
+                elif msg[0] == "running":
+                    self.running = msg[1]
                 elif msg[0] == "weights":
                     self._weights.set_result(msg[1])
                 elif msg[0] == "fatal":
@@ -305,7 +317,7 @@ class VLLMEngine:
             entry = self._pending.pop(rid, None)
             if entry is None:
                 continue  # aborted by its caller
-            fut, t_submit = entry
+            fut, t_submit, _ = entry
             if isinstance(result, Generation):
                 result.engine_seconds = now - t_submit
             if isinstance(fut, asyncio.Future):
@@ -315,6 +327,20 @@ class VLLMEngine:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_settle_all, items)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is waiting any more
+
+    def _deliver(self, deltas: list[tuple[str, TokenDelta]]) -> None:
+        """Each loop's streamed tokens of one step in one call_soon_threadsafe, queued before that step's
+        answers (same loop, same order): a caller has every delta before its generation."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, delta in deltas:
+            entry = self._pending.get(rid)
+            if entry is not None and entry[2] is not None:
+                by_loop.setdefault(entry[0].get_loop(), []).append((entry[2], delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_call_all, items)
             except RuntimeError:
                 pass  # that loop is closed: nobody is waiting any more
 
@@ -377,6 +403,14 @@ def _settle(fut, result: Generation | Exception) -> None:
             fut.set_result(result)
     except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
         pass  # cancelled between the check and the set
+
+
+def _call_all(items: list) -> None:
+    for on_delta, delta in items:
+        try:
+            on_delta(delta)
+        except Exception:  # noqa: BLE001 - one stream's consumer must not stop the others' deltas
+            log.exception("a stream's on_delta failed")
 
 
 def _settle_all(items: list) -> None:

@@ -4,7 +4,10 @@ Started and stopped by `VLLMEngine` (engine/vllm_engine.py), which holds the oth
 `FD`; this process is the only code that touches vLLM, and it has one thread. Between two engine steps it
 reads every command waiting on the socket (it blocks there when nothing is running), then steps vLLM while
 requests are pending (vLLM batches everything in flight) and sends the generations that finished in that
-step back in one message. Weight loads are commands too, so they land exactly between two steps; vLLM's
+step back in one message. A request added with `stream=True` also has the tokens each step sampled for it
+sent back (one "delta" message per step for all such requests, before that step's "done"): vLLM's DELTA
+output kind, whose text already holds back a possible stop string; the worker keeps the pieces and answers
+the finished request with the whole generation, as for any other. Weight loads are commands too, so they land exactly between two steps; vLLM's
 own weight-version spans then tell which policy version sampled each output token.
 
 Why a process of its own: the proxy's HTTP work and vLLM's Python step loop each need a core's worth of
@@ -22,10 +25,11 @@ it every session of the run. So nothing reaches `add_request` that `SamplingSpec
 to the parent, whose owner restarts the engine (engine/supervisor.py).
 
 Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
-    parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec) | ("abort", rid)
-                      | ("weights", path, version or None) | ("stop",)
-    worker → parent   ("ready", info) | ("done", [(rid, Generation | Rejection)], (busy_s, steps))
-                      | ("weights", version or error text) | ("fatal", message)
+    parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec, stream)
+                      | ("abort", rid) | ("weights", path, version or None) | ("stop",)
+    worker → parent   ("ready", info) | ("delta", [(rid, TokenDelta)], stats) | ("done", [(rid, Generation |
+                      Rejection)], stats) | ("running", n) | ("weights", version or error text)
+                      | ("fatal", message);  stats = (busy_s, steps, requests running)
 When the parent goes away (its end of the socket closes) the worker stops: no engine outlives its kernel.
 """
 
@@ -40,7 +44,7 @@ from typing import Any
 
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection, versions_from_spans
-from polar_lab.types import Generation, SamplingSpec
+from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 log = logging.getLogger("polar_lab.engine.worker")
 
@@ -55,6 +59,7 @@ class Worker:
         self.busy_s = 0.0  # wall time inside vLLM steps, reported with every result
         self.steps = 0
         self.live: set[str] = set()  # request ids vLLM is working on
+        self.streams: dict[str, _Pieces] = {}  # streamed requests: what their deltas carried so far
         self.llm = None
 
     def build(self) -> dict[str, Any]:
@@ -87,40 +92,52 @@ class Worker:
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
+            deltas = [(o.request_id, self.streams[o.request_id].add(o.outputs[0], self.version))
+                      for o in outputs if o.request_id in self.streams]
+            if deltas:  # a finished request's last piece too: its caller has every token before the answer
+                self.conn.send(("delta", deltas, self.stats()))
             done = [(o.request_id, self.generation(o)) for o in outputs if o.finished]
             self.live.difference_update(rid for rid, _ in done)
             if done:
-                self.conn.send(("done", done, (self.busy_s, self.steps)))
+                self.conn.send(("done", done, self.stats()))
+
+    def stats(self) -> tuple[float, int, int]:
+        """(busy seconds, steps, requests running), sent with every answer."""
+        return self.busy_s, self.steps, len(self.live)
 
     def handle(self, msg: tuple) -> str | None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, spec = msg
+            _, rid, prompt_ids, spec, stream = msg
             try:
-                self.add(rid, prompt_ids, spec)
+                self.add(rid, prompt_ids, spec, stream=stream is True)
             except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
                 param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
                 rejection = Rejection(f"{type(exc).__name__}: {exc}", param if isinstance(param, str) else None)
-                self.conn.send(("done", [(rid, rejection)], (self.busy_s, self.steps)))
+                self.conn.send(("done", [(rid, rejection)], self.stats()))
         elif kind == "abort":
             if msg[1] in self.live:
                 self.live.discard(msg[1])
+                self.streams.pop(msg[1], None)
                 self.llm.llm_engine.abort_request([msg[1]])
+                self.conn.send(("running", len(self.live)))
         elif kind == "weights":
             self.conn.send(("weights", self.load_weights(msg[1], msg[2])))
         elif kind == "stop":
             return "stop"
         return None
 
-    def add(self, rid: str, prompt_ids: list[int], spec: SamplingSpec) -> None:
+    def add(self, rid: str, prompt_ids: list[int], spec: SamplingSpec, *, stream: bool = False) -> None:
         """Validate, then add: the request is checked as a SamplingSpec (exact types and ranges, including the
         seed, which vLLM leaves to torch) and by vLLM's SamplingParams and input processor, all before
         `add_request` returns, so no value of it can raise later inside a shared step."""
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec))
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec, stream))
         self.live.add(rid)
+        if stream:
+            self.streams[rid] = _Pieces()
 
     def load_weights(self, path: str, version: int | None) -> int | str:
         """Load a torch.save'd state dict; it becomes `version` (default: the current one + 1)."""
@@ -139,18 +156,37 @@ class Worker:
 
     def generation(self, output) -> Generation:
         c = output.outputs[0]
-        ids = list(c.token_ids)
-        logprob_dicts = c.logprobs or []
+        pieces = self.streams.pop(output.request_id, None)
+        ids = list(c.token_ids) if pieces is None else pieces.ids
+        logprob_dicts = c.logprobs or [] if pieces is None else pieces.logprobs
         spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         return Generation(
             output_ids=ids,
             output_logprobs=[d[t].logprob for t, d in zip(ids, logprob_dicts)],
             output_versions=versions_from_spans(spans, len(ids), default=self.version),
-            text=c.text,
+            text=c.text if pieces is None else "".join(pieces.texts),
             finish_reason=c.finish_reason or "abort",
             stop_reason=c.stop_reason,
             top_logprobs=[{t: lp.logprob for t, lp in d.items()} for d in logprob_dicts],
         )
+
+
+class _Pieces:
+    """A streamed request's output so far: vLLM's DELTA outputs carry only what each step added."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.logprobs: list = []  # vLLM's per-position {token id: Logprob}
+        self.texts: list[str] = []
+
+    def add(self, c, version: int) -> TokenDelta:
+        """Keep one step's piece; the delta sent for it (ids, their logprobs, text)."""
+        ids = list(c.token_ids)
+        self.ids += ids
+        self.logprobs += list(c.logprobs or [])
+        self.texts.append(c.text)
+        logprobs = [d[t].logprob for t, d in zip(ids, c.logprobs or [])]
+        return TokenDelta(ids=ids, logprobs=logprobs, text=c.text, version=version)
 
 
 def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
@@ -169,14 +205,15 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
 
 
-def _sampling_params(spec: SamplingSpec):
+def _sampling_params(spec: SamplingSpec, stream: bool = False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
         seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
-        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY,
+        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=kind,
     )
 
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from polar_lab.errors import ContextLengthError, EngineError, RequestError
+from polar_lab.proxy import streaming
 from polar_lab.proxy.service import CallService
 from polar_lab.types import Session
 
@@ -61,20 +62,24 @@ def error_response(request: Request, status: int, message: str, *, code: str | N
 
 async def serve(request: Request, service: CallService, schema, api: str, to_canonical, *, build,
                  stream) -> Response:
-    """The one request path every API shares: auth → parse → canonical → engine → record → respond."""
+    """The one request path every API shares: auth → parse → canonical → engine → record → respond.
+    build(call, req, body) → the response body; stream(prepared, body) → the API's stream Writer (a streamed
+    request is served by proxy/streaming.py, token by token)."""
     session = service.registry.resolve(session_key(request))
     raw, size = await json_body(request, service.config.max_body_bytes)
     body = validate(schema, raw)
     req = canonical(to_canonical, body)
+    inline = size <= service.config.inline_render_bytes
     try:
-        call = await service.complete(session, req, api=api, inline=size <= service.config.inline_render_bytes)
+        if req.stream:
+            return await streaming.respond(service, session, req, raw, body, api=api, inline=inline, build=build,
+                                           writer=stream)
+        call = await service.complete(session, req, api=api, inline=inline)
         response = build(call, req, body)
         service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
     except Exception as exc:
         note_call_error(session, exc)  # why a run failed decides its reward (rollout.failure_cause)
         raise
-    if req.stream:
-        return StreamingResponse(stream(response, body), media_type="text/event-stream")
     return Response(orjson.dumps(response), media_type="application/json")
 
 

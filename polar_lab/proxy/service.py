@@ -13,7 +13,7 @@ import ctypes
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -29,7 +29,8 @@ from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.proxy.splice import Turn, TurnLedger, history_keys, pick
 from polar_lab.store import RunStore
-from polar_lab.types import SamplingSpec, Session, call_seed, derived_seed, mix_seed
+from polar_lab.proxy.deltas import Splitter
+from polar_lab.types import Generation, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
 
 
 TRIM_BYTES = 64 * 2**20  # release freed memory to the OS after closed sessions dropped this much (estimated)
@@ -43,6 +44,25 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@dataclass
+class Prepared:
+    """A request made ready for the engine (CallService.prepare): its prompt and each choice's sampling."""
+
+    session: Session
+    req: CanonicalRequest
+    api: str
+    request_id: str
+    call_index: int
+    rendered: Rendered
+    prefill: str  # the forced start of a tool call, already in the prompt
+    requested: SamplingSpec  # what the request asked for, before the session's forced sampling
+    specs: list[SamplingSpec]  # what each choice samples with
+    splicing: bool
+    histories: list[str]  # splice.history_keys of the messages (empty when not splicing)
+    in_thought: bool  # the prompt ends inside a thought the template opened
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class CallService:
@@ -72,6 +92,12 @@ class CallService:
     async def complete(self, session: Session, req: CanonicalRequest, *, api: str,
                        inline: bool = False) -> CompletedCall:
         """inline: render on the loop (small requests); otherwise in a worker thread."""
+        prepared = await self.prepare(session, req, api=api, inline=inline)
+        return self.finish(prepared, await self.generate(prepared))
+
+    async def prepare(self, session: Session, req: CanonicalRequest, *, api: str, inline: bool = False) -> Prepared:
+        """Everything before the engine: the prompt (spliced, rendered) and the sampling of each choice. A request
+        the proxy refuses is refused here, before a streamed response has begun."""
         received = time.time()
         self._check_tool_choice(req)
         prefill = self._forced_prefill(session, req)
@@ -85,42 +111,68 @@ class CallService:
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
+        in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
+        return Prepared(session=session, req=req, api=api, request_id=uuid.uuid4().hex[:16], call_index=call_index,
+                        rendered=rendered, prefill=prefill, requested=requested, specs=specs, splicing=splicing,
+                        histories=histories, in_thought=in_thought, timings={"received": received})
+
+    async def generate(self, p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None = None
+                       ) -> list[Generation]:
+        """The engine's generations of each choice, once the gate is open (a weight sync drains these like any
+        call). on_delta[i]: streams choice i's tokens as they are sampled."""
         t_gate = time.perf_counter()
-        session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
+        p.session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
         try:
             await self._await_replacement()
             await self.gate.wait_open()
         finally:
-            session.waiting -= 1
-            session.waited_s += time.perf_counter() - t_gate
+            p.session.waiting -= 1
+            p.session.waited_s += time.perf_counter() - t_gate
         async with self.gate.admit():
             t_engine = time.perf_counter()
-            generations = await asyncio.gather(*(self.engine.generate(rendered.prompt_ids, s) for s in specs))
-            engine_s = time.perf_counter() - t_engine
+            p.timings["paused_s"] = t_engine - t_gate
+            try:
+                return list(await asyncio.gather(*(
+                    self.engine.generate(p.rendered.prompt_ids, s, *([on_delta[i]] if on_delta else []))
+                    for i, s in enumerate(p.specs))))
+            finally:
+                p.timings["engine_s"] = time.perf_counter() - t_engine
+
+    def finish(self, p: Prepared, generations: list[Generation]) -> CompletedCall:
+        """Parse each generation; keep what continues the session (tips, turns) unless the call was cut off."""
+        req, session, rendered = p.req, p.session, p.rendered
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         choices = []
         for i, gen in enumerate(generations):
-            parsed = self.parser.parse(prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
-                                       in_thought=in_thought)
+            parsed = self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
+                                       in_thought=p.in_thought)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
-            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=specs[i].seed))
-            if session.closed_at is not None:  # answered after its run ended: nothing will continue it
-                continue
+            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=p.specs[i].seed))
+            if session.closed_at is not None or gen.finish_reason == "abort":
+                continue  # answered after its run ended, or cut off by its caller: nothing will continue it
             sampled = self.renderer.decode(gen.output_ids)
-            self.tips.add(session.id, Tip(call_id=call_id(session.id, call_index, i), text=rendered.text + sampled,
+            cid = call_id(session.id, p.call_index, i)
+            self.tips.add(session.id, Tip(call_id=cid, text=rendered.text + sampled,
                                           ids=rendered.prompt_ids + gen.output_ids))
-            if splicing and histories:
-                turn = self._turn(session, req, rendered, call_id(session.id, call_index, i), prefill, gen, sampled,
-                                  parsed)
+            if p.splicing and p.histories:
+                turn = self._turn(session, req, rendered, cid, p.prefill, gen, sampled, parsed)
                 if turn is not None:
-                    self.turns.add(session.id, turn, histories[-1])
+                    self.turns.add(session.id, turn, p.histories[-1])
         return CompletedCall(
-            session=session, call_index=call_index, request_id=uuid.uuid4().hex[:16], api=api,
+            session=session, call_index=p.call_index, request_id=p.request_id, api=p.api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
-            sampling=_spec_dict(spec, requested), choices=choices,
-            timings={"received": received, "render_s": rendered.info["render_s"], "engine_s": engine_s,
-                     "paused_s": t_engine - t_gate})
+            sampling=_spec_dict(p.specs[0], p.requested), choices=choices,
+            timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
+
+    def splitter(self, p: Prepared) -> Splitter:
+        """What reads one choice's text into deltas as it streams (proxy/streaming.py)."""
+        fmt = self.renderer.tool_format
+        calls = bool(p.req.tools) and p.req.tool_choice != "none" and self.parser.tool_parser is not None
+        # a family whose call markers are unknown (no formats.FORMATS entry): all text after a thought waits
+        # for the final reading ("" is found at once)
+        opening = (fmt.open if fmt is not None else "") if calls else None
+        return Splitter(thinking=self.parser.thinking, in_thought=p.in_thought, tool_open=opening,
+                        tool_close=fmt.close if calls and fmt is not None else None, own=self.parser.own)
 
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)

@@ -19,7 +19,8 @@ from polar_lab.store import RunStore
 from polar_lab.types import CONTINUITY, SamplingSpec, Session
 
 
-_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings"}
+# ignore_eos: fixed-length outputs through any API, for benchmarks and stream tests
+_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings", "ignore_eos"}
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:

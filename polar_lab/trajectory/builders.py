@@ -82,8 +82,11 @@ def _extend(chain: Trajectory, call: ModelCall) -> None:
         raise ValueError(f"call {call.call_id}: {n} output ids but {len(call.output_logprobs)} logprobs and "
                          f"{len(call.output_versions)} versions; the record is corrupt")
     new_prompt = list(call.prompt_ids[len(chain.token_ids):])
+    trained = call.finish_reason != "abort"  # a turn its caller cut off mid-stream is no completed turn: not trained
+    if not trained:
+        chain.info["aborted"] = chain.info.get("aborted", 0) + 1
     chain.token_ids += new_prompt + list(call.output_ids)
-    chain.loss_mask += [0] * len(new_prompt) + [1] * len(call.output_ids)
+    chain.loss_mask += [0] * len(new_prompt) + [int(trained)] * len(call.output_ids)
     chain.behavior_logprobs += [0.0] * len(new_prompt) + list(call.output_logprobs)
     chain.policy_versions += [-1] * len(new_prompt) + list(call.output_versions)
     chain.call_ids.append(call.call_id)

@@ -42,8 +42,10 @@ def test_streaming_yields_the_recorded_answer(lab):
     client = _client(s)
     chunks = list(client.models.generate_content_stream(model="tiny-calc", contents="What is 2+3?", config=_config()))
     (call,) = session_calls(lab, s)
-    streamed = [p.text for c in chunks for p in c.candidates[0].content.parts]
-    assert streamed == [p.get("text") for p in call.response["candidates"][0]["content"]["parts"]]
+    streamed = "".join(p.text or "" for c in chunks for p in c.candidates[0].content.parts or [])
+    assert len(chunks) > 2, "the answer came in one piece, not as it was sampled"
+    assert streamed == "".join(p.get("text", "") for p in call.response["candidates"][0]["content"]["parts"])
+    assert chunks[-1].candidates[0].finish_reason is not None
 
 
 def test_function_call_then_response_continues_one_exact_chain(lab):

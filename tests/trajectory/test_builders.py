@@ -85,6 +85,17 @@ def test_a_call_cut_by_max_tokens_marks_its_chain_truncated():
     assert whole.truncated is False
 
 
+def test_a_turn_cut_off_by_its_caller_is_kept_but_never_trained():
+    """A stream whose client disconnected is recorded with finish_reason "abort": its tokens stay in the chain
+    (what was sampled), with loss 0 — it is no completed turn."""
+    aborted = _with(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8, 9]), finish_reason="abort")
+    for build in (prefix_merging, per_request):
+        last = build([TURN1, aborted])[-1]
+        assert last.token_ids[-2:] == [8, 9] and last.loss_mask[-2:] == [0, 0] and last.info["aborted"] == 1
+    (whole,) = prefix_merging([TURN1, TURN2])
+    assert whole.loss_mask[-1] == 1 and "aborted" not in whole.info
+
+
 def test_a_chain_sampled_at_two_temperatures_says_so():
     cooler = _with(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), sampling={"temperature": 0.5})
     (mixed,) = prefix_merging([TURN1, cooler])

@@ -11,7 +11,6 @@ and the exact text the model wrote is gone; `ToolArgs` (canonical.py) remembers 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
@@ -21,9 +20,10 @@ from pydantic import Field
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
-from polar_lab.proxy.http import canonical, json_body, serve, session_key, validate
+from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
-from polar_lab.proxy.service import CallService
+from polar_lab.proxy.service import CallService, Prepared
 
 
 class Block(Lenient):
@@ -181,7 +181,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolAr
     if parsed.content:
         blocks.append({"type": "text", "text": parsed.content})
     for tc in parsed.tool_calls:
-        tool_use_id = "toolu_" + tc["id"].removeprefix("call_")
+        tool_use_id = _tool_use_id(tc["id"])
         tool_args.remember(tool_use_id, tc["arguments"])
         blocks.append({"type": "tool_use", "id": tool_use_id, "name": tc["name"], "input": json.loads(tc["arguments"])})
     stop = choice.generation.stop_reason if isinstance(choice.generation.stop_reason, str) else None
@@ -191,39 +191,76 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolAr
             "usage": {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens}}
 
 
-def stream_events(message: dict[str, Any]) -> Iterator[bytes]:
-    """Replay a finished message as Anthropic's SSE events."""
+class MessageStream:
+    """Anthropic's stream events as the tokens come (proxy/streaming.py): `message_start`, then one content block
+    per run of reasoning (a signed `thinking` block), text, or a whole `tool_use`, then `message_delta` with the
+    stop reason and usage, `message_stop`."""
 
+    def __init__(self, p: Prepared, model: str, tool_args: ToolArgs, signer: ThoughtSigner):
+        self.message = {"id": "msg_" + p.request_id, "type": "message", "role": "assistant",
+                        "model": p.req.model or model, "content": [], "stop_reason": None, "stop_sequence": None,
+                        "usage": {"input_tokens": len(p.rendered.prompt_ids), "output_tokens": 0}}
+        self.tool_args, self.signer = tool_args, signer
+        self.index = -1  # the open block's index
+        self.open: str | None = None  # the open block's kind
+        self.thought = ""  # the open thinking block's text, signed when it closes
+
+    @staticmethod
     def event(kind: str, **data: Any) -> bytes:
         return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind, **data}) + b"\n\n"
 
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**message["usage"], "output_tokens": 0}}
-    yield event("message_start", message=start)
-    for i, block in enumerate(message["content"]):
-        yield from _block_events(event, i, block)
-    yield event("message_delta", delta={"stop_reason": message["stop_reason"],
-                                        "stop_sequence": message["stop_sequence"]},
-                usage={"output_tokens": message["usage"]["output_tokens"]})
-    yield event("message_stop")
+    def start(self) -> bytes:
+        return self.event("message_start", message=self.message)
+
+    def delta(self, choice: int, d: Delta) -> bytes:
+        out = []
+        if d.kind == "call" or d.kind != self.open:
+            out.append(self._close())
+            self.index += 1
+            self.open = d.kind
+            out.append(self.event("content_block_start", index=self.index, content_block=_block_start(d)))
+        if d.kind == "reasoning":
+            self.thought += d.text
+            out.append(self.event("content_block_delta", index=self.index,
+                                  delta={"type": "thinking_delta", "thinking": d.text}))
+        elif d.kind == "content":
+            out.append(self.event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": d.text}))
+        else:
+            self.tool_args.remember(_tool_use_id(d.call["id"]), d.call["arguments"])
+            out.append(self.event("content_block_delta", index=self.index,
+                                  delta={"type": "input_json_delta", "partial_json": d.call["arguments"]}))
+        return b"".join(out)
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        out = b""
+        if self.open == "reasoning":
+            out = self.event("content_block_delta", index=self.index,
+                             delta={"type": "signature_delta", "signature": self.signer.sign(self.thought)})
+            self.thought = ""
+        self.open = None
+        return out + self.event("content_block_stop", index=self.index)
+
+    def finish(self, message: dict[str, Any]) -> bytes:
+        return self._close() + self.event(
+            "message_delta", delta={"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+            usage={"output_tokens": message["usage"]["output_tokens"]}) + self.event("message_stop")
+
+    def error(self, status: int, message: str) -> bytes:
+        return self.event("error", error=orjson.loads(anthropic_error(status, message).body)["error"])
 
 
-def _block_events(event, index: int, block: dict[str, Any]) -> Iterator[bytes]:
-    if block["type"] == "text":
-        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-        yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
-    elif block["type"] == "thinking":
-        yield event("content_block_start", index=index, content_block={"type": "thinking", "thinking": "",
-                                                                       "signature": ""})
-        yield event("content_block_delta", index=index, delta={"type": "thinking_delta",
-                                                               "thinking": block["thinking"]})
-        yield event("content_block_delta", index=index, delta={"type": "signature_delta",
-                                                               "signature": block["signature"]})
-    else:
-        yield event("content_block_start", index=index, content_block={**block, "input": {}})
-        yield event("content_block_delta", index=index, delta={"type": "input_json_delta",
-                                                               "partial_json": json.dumps(block["input"])})
-    yield event("content_block_stop", index=index)
+def _block_start(d: Delta) -> dict[str, Any]:
+    if d.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if d.kind == "content":
+        return {"type": "text", "text": ""}
+    return {"type": "tool_use", "id": _tool_use_id(d.call["id"]), "name": d.call["name"], "input": {}}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def register(app: FastAPI, service: CallService) -> None:
@@ -233,7 +270,7 @@ def register(app: FastAPI, service: CallService) -> None:
         return await serve(
             request, service, MessagesRequest, API, lambda body: to_canonical(body, service.tool_args, service.signer),
             build=lambda call, req, body: build_response(call, req, service.tool_args, service.signer),
-            stream=lambda response, body: stream_events(response))
+            stream=lambda p, body: MessageStream(p, service.engine.model_name, service.tool_args, service.signer))
 
     @app.post("/v1/messages/count_tokens")
     @app.post("/s/{key}/v1/messages/count_tokens")

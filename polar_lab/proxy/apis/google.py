@@ -1,15 +1,14 @@
 """Google generateContent (`:generateContent`, `:streamGenerateContent`): the request models, contents/parts →
 canonical request, the GenerateContentResponse or its SSE chunks, and the routes.
 
-`:generateContent` answers JSON; `:streamGenerateContent?alt=sse` answers SSE `data:` chunks (synthesised,
-one chunk). Function-call args travel as objects, so the argument text the model wrote is remembered per
+`:generateContent` answers JSON; `:streamGenerateContent?alt=sse` answers SSE `data:` chunks as the tokens
+come (proxy/streaming.py). Function-call args travel as objects, so the argument text the model wrote is remembered per
 call id (shared `ToolArgs`) and re-rendered when the harness echoes the call back.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -19,10 +18,11 @@ from pydantic import AliasChoices, Field
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
-from polar_lab.proxy.http import serve
+from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.http import google_error, serve
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
                                       TopP, WholeTopK, stop_tuple, whole)
-from polar_lab.proxy.service import CallService
+from polar_lab.proxy.service import CallService, Prepared
 
 API = "google.generate_content"
 _MODES = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}
@@ -147,8 +147,39 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolAr
             "modelVersion": req.model or call.model, "responseId": call.request_id}
 
 
-def stream_chunks(response: dict[str, Any]) -> Iterator[bytes]:
-    yield b"data: " + orjson.dumps(response) + b"\r\n\r\n"
+class ContentStream:
+    """`streamGenerateContent` chunks as the tokens come (proxy/streaming.py): each a GenerateContentResponse
+    with the new part (a thought's text, text, or a whole functionCall); the last one carries the finish
+    reason and the usage."""
+
+    def __init__(self, p: Prepared, model: str, tool_args: ToolArgs):
+        self.envelope = {"modelVersion": p.req.model or model, "responseId": p.request_id}
+        self.tool_args = tool_args
+
+    def chunk(self, parts: list[dict[str, Any]], **candidate: Any) -> bytes:
+        body = {"candidates": [{"content": {"role": "model", "parts": parts}, **candidate, "index": 0}],
+                **self.envelope}
+        return b"data: " + orjson.dumps(body) + b"\r\n\r\n"
+
+    def start(self) -> bytes:
+        return b""  # Google's stream begins with the first part
+
+    def delta(self, choice: int, d: Delta) -> bytes:
+        if d.kind == "call":
+            self.tool_args.remember(d.call["id"], d.call["arguments"])
+            part = {"functionCall": {"id": d.call["id"], "name": d.call["name"], "args": json.loads(d.call["arguments"])}}
+        else:
+            part = {"text": d.text, "thought": True} if d.kind == "reasoning" else {"text": d.text}
+        return self.chunk([part])
+
+    def finish(self, response: dict[str, Any]) -> bytes:
+        (candidate,) = response["candidates"]
+        body = {"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": candidate["finishReason"],
+                                "index": 0}], "usageMetadata": response["usageMetadata"], **self.envelope}
+        return b"data: " + orjson.dumps(body) + b"\r\n\r\n"
+
+    def error(self, status: int, message: str) -> bytes:
+        return b"data: " + google_error(status, message).body + b"\r\n\r\n"
 
 
 def register(app: FastAPI, service: CallService) -> None:
@@ -166,4 +197,4 @@ def register(app: FastAPI, service: CallService) -> None:
             lambda body: to_canonical(body, model, stream=action == "streamGenerateContent",
                                       tool_args=service.tool_args),
             build=lambda call, req, body: build_response(call, req, service.tool_args),
-            stream=lambda response, body: stream_chunks(response))
+            stream=lambda p, body: ContentStream(p, service.engine.model_name, service.tool_args))

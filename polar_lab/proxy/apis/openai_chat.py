@@ -3,16 +3,14 @@ request, the response body or SSE chunks, and the route.
 
 Request fields are in OpenAI's documented order; unknown fields are accepted and ignored (harnesses send
 `store`, `metadata`, `reasoning_effort`...), the raw body is recorded anyway; our extensions are fenced off at
-the end of each model. Streaming is synthesised from the finished call (as Polar does): the record is
-written first, then the chunks go out in OpenAI's shape — role, content, tool calls, finish reason, optional
-usage, `[DONE]`.
+the end of each model. Streams carry the tokens as the engine samples them (proxy/streaming.py), in OpenAI's
+chunk shape; the record is written before the last chunk.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
@@ -22,10 +20,11 @@ from pydantic import Field
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
-from polar_lab.proxy.http import serve
+from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.http import openai_error, serve
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
                                       TopK, TopLogprobs, TopP, stop_tuple)
-from polar_lab.proxy.service import CallService
+from polar_lab.proxy.service import CallService, Prepared
 
 
 class ContentPart(Lenient):
@@ -213,29 +212,44 @@ def _logprobs(gen, tokenizer, top_k: int) -> list[dict[str, Any]]:
     return out
 
 
-def stream_chunks(response: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
-    """Replay a finished chat.completion as OpenAI `chat.completion.chunk` SSE events."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-            "model": response["model"], "system_fingerprint": response["system_fingerprint"]}
+class ChatStream:
+    """`chat.completion.chunk` events as the tokens come (proxy/streaming.py): the role first, then reasoning,
+    content and whole tool calls per choice, each choice's finish reason (with its logprobs, when asked for),
+    the usage when `stream_options.include_usage`, `[DONE]`."""
 
-    def event(choices: list, **extra: Any) -> bytes:
-        return b"data: " + orjson.dumps({**base, "choices": choices, **extra}) + b"\n\n"
+    def __init__(self, p: Prepared, body: ChatCompletionRequest, model: str, version: int):
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.n = p.req.n
+        self.base = {"id": "chatcmpl-" + p.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": p.req.model or model, "system_fingerprint": f"polar_lab-v{version}"}
 
-    for ch in response["choices"]:
-        msg, i = ch["message"], ch["index"]
-        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        if msg.get("reasoning_content"):
-            yield event([{"index": i, "delta": {"reasoning_content": msg["reasoning_content"]},
-                          "finish_reason": None}])
-        if msg.get("content"):
-            yield event([{"index": i, "delta": {"content": msg["content"]}, "logprobs": ch["logprobs"],
-                          "finish_reason": None}])
-        for k, tc in enumerate(msg.get("tool_calls") or []):
-            yield event([{"index": i, "delta": {"tool_calls": [{"index": k, **tc}]}, "finish_reason": None}])
-        yield event([{"index": i, "delta": {}, "finish_reason": ch["finish_reason"]}])
-    if include_usage:
-        yield event([], usage=response["usage"])
-    yield b"data: [DONE]\n\n"
+    def event(self, choices: list, **extra: Any) -> bytes:
+        return b"data: " + orjson.dumps({**self.base, "choices": choices, **extra}) + b"\n\n"
+
+    def start(self) -> bytes:
+        return b"".join(self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]) for i in range(self.n))
+
+    def delta(self, choice: int, d: Delta) -> bytes:
+        if d.kind == "call":
+            tc = d.call
+            delta = {"tool_calls": [{"index": d.index, "id": tc["id"], "type": "function",
+                                     "function": {"name": tc["name"], "arguments": tc["arguments"]}}]}
+        else:
+            delta = {"reasoning_content" if d.kind == "reasoning" else "content": d.text}
+        return self.event([{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def finish(self, response: dict[str, Any]) -> bytes:
+        self.base["system_fingerprint"] = response["system_fingerprint"]
+        out = [self.event([{"index": ch["index"], "delta": {}, "logprobs": ch["logprobs"],
+                            "finish_reason": ch["finish_reason"]}]) for ch in response["choices"]]
+        if self.include_usage:
+            out.append(self.event([], usage=response["usage"]))
+        return b"".join(out) + b"data: [DONE]\n\n"
+
+    def error(self, status: int, message: str) -> bytes:
+        body = orjson.loads(openai_error(status, message).body)
+        return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def register(app: FastAPI, service: CallService) -> None:
@@ -247,5 +261,4 @@ def register(app: FastAPI, service: CallService) -> None:
         return await serve(
             request, service, ChatCompletionRequest, API, to_canonical,
             build=lambda call, req, body: build_response(call, req, tokenizer),
-            stream=lambda response, body: stream_chunks(
-                response, bool(body.stream_options and body.stream_options.include_usage)))
+            stream=lambda p, body: ChatStream(p, body, service.engine.model_name, service.engine.policy_version))

@@ -12,7 +12,6 @@ conversation state; it gets a 400 (send the full input instead, as Codex does).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -21,9 +20,10 @@ from fastapi.responses import Response
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
-from polar_lab.proxy.http import serve
+from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.http import openai_error, serve
 from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
-from polar_lab.proxy.service import CallService
+from polar_lab.proxy.service import CallService, Prepared
 
 
 class ResponsesRequest(Lenient):
@@ -142,52 +142,102 @@ def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRe
     usage = {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens,
              "total_tokens": len(call.prompt_ids) + call.completion_tokens,
              "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": "resp_" + call.request_id, "object": "response", "created_at": time.time(),
-            "status": "incomplete" if truncated else "completed", "error": None,
+    return {**_envelope(call.request_id, req, body, call.model),
+            "status": "incomplete" if truncated else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": req.model or call.model, "output": output, "parallel_tool_calls": bool(body.parallel_tool_calls),
-            "temperature": req.temperature, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
-            "top_p": req.top_p, "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": usage,
-            "metadata": {}}
+            "output": output, "usage": usage}
 
 
-def stream_events(response: dict[str, Any]) -> Iterator[bytes]:
-    """Replay a finished response as Responses API SSE events."""
-    seq = iter(range(10**9))
+def _envelope(request_id: str, req: CanonicalRequest, body: ResponsesRequest, model: str) -> dict[str, Any]:
+    """A response object as it starts: in progress, no output yet."""
+    return {"id": "resp_" + request_id, "object": "response", "created_at": time.time(), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": req.model or model, "output": [],
+            "parallel_tool_calls": bool(body.parallel_tool_calls), "temperature": req.temperature,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": req.top_p,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": None, "metadata": {}}
 
-    def event(kind: str, **data: Any) -> bytes:
-        payload = {"type": kind, "sequence_number": next(seq), **data}
+
+class ResponseStream:
+    """Responses API events as the tokens come (proxy/streaming.py): `response.created`, then one output item per
+    run of reasoning (`reasoning_text` deltas), text (`output_text` deltas) or a whole function call, each
+    closed with its `.done` events, then `response.completed` (or `.incomplete`) with the full response."""
+
+    def __init__(self, p: Prepared, body: ResponsesRequest, model: str):
+        self.envelope = _envelope(p.request_id, p.req, body, model)
+        self.rid = p.request_id
+        self.seq = 0
+        self.index = -1  # the open item's output index
+        self.item: dict[str, Any] | None = None  # the open item, its text growing
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        self.seq += 1
+        payload = {"type": kind, "sequence_number": self.seq - 1, **data}
         return f"event: {kind}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
 
-    pending = {**response, "status": "in_progress", "output": [], "usage": None}
-    yield event("response.created", response=pending)
-    yield event("response.in_progress", response=pending)
-    for i, item in enumerate(response["output"]):
-        yield from _item_events(event, i, item)
-    yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
-                response=response)
+    def start(self) -> bytes:
+        return self.event("response.created", response=self.envelope) + \
+            self.event("response.in_progress", response=self.envelope)
 
+    def delta(self, choice: int, d: Delta) -> bytes:
+        if d.kind == "call":
+            item = {"type": "function_call", "id": "fc_" + d.call["id"].removeprefix("call_"), "call_id": d.call["id"],
+                    "name": d.call["name"], "arguments": d.call["arguments"], "status": "completed"}
+            out = self._close() + self._open(item | {"status": "in_progress", "arguments": ""})
+            ids = {"item_id": item["id"], "output_index": self.index}
+            return out + self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]) + \
+                self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"],
+                           name=item["name"]) + self._close(item)
+        kind = "reasoning" if d.kind == "reasoning" else "message"
+        out = b""
+        if self.item is None or self.item["type"] != kind:
+            out = self._close()
+            if kind == "reasoning":
+                out += self._open({"type": "reasoning", "id": "rs_" + self.rid, "summary": [], "content": []})
+            else:
+                out += self._open({"type": "message", "id": "msg_" + self.rid, "status": "in_progress",
+                                   "role": "assistant", "content": []})
+                out += self.event("response.content_part.added", **self._ids(),
+                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            self.item["text"] = ""
+        self.item["text"] += d.text
+        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + self.event(kind_event, **self._ids(), delta=d.text, **extra)
 
-def _item_events(event, index: int, item: dict[str, Any]) -> Iterator[bytes]:
-    if item["type"] == "message":
-        yield event("response.output_item.added", output_index=index,
-                    item={**item, "status": "in_progress", "content": []})
-        part = item["content"][0]
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        yield event("response.content_part.added", **ids, part={**part, "text": ""})
-        yield event("response.output_text.delta", **ids, delta=part["text"], logprobs=[])
-        yield event("response.output_text.done", **ids, text=part["text"], logprobs=[])
-        yield event("response.content_part.done", **ids, part=part)
-    elif item["type"] == "function_call":
-        yield event("response.output_item.added", output_index=index,
-                    item={**item, "status": "in_progress", "arguments": ""})
-        ids = {"item_id": item["id"], "output_index": index}
-        yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
-        yield event("response.function_call_arguments.done", **ids, arguments=item["arguments"], name=item["name"])
-    else:
-        yield event("response.output_item.added", output_index=index, item=item)
-    yield event("response.output_item.done", output_index=index, item=item)
+    def _ids(self) -> dict[str, Any]:
+        return {"item_id": self.item["id"], "output_index": self.index, "content_index": 0}
+
+    def _open(self, item: dict[str, Any]) -> bytes:
+        self.index += 1
+        self.item = item
+        return self.event("response.output_item.added", output_index=self.index, item=item)
+
+    def _close(self, whole: dict[str, Any] | None = None) -> bytes:
+        """End the open item (a function call is given `whole`)."""
+        item, self.item = self.item, None
+        if item is None:
+            return b""
+        if whole is not None:
+            return self.event("response.output_item.done", output_index=self.index, item=whole)
+        text, ids = item.pop("text"), {"item_id": item["id"], "output_index": self.index, "content_index": 0}
+        if item["type"] == "reasoning":
+            out = self.event("response.reasoning_text.done", **ids, text=text)
+            done = {**item, "content": [{"type": "reasoning_text", "text": text}]}
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out = self.event("response.output_text.done", **ids, text=text, logprobs=[]) + \
+                self.event("response.content_part.done", **ids, part=part)
+            done = {**item, "status": "completed", "content": [part]}
+        return out + self.event("response.output_item.done", output_index=self.index, item=done)
+
+    def finish(self, response: dict[str, Any]) -> bytes:
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return self._close() + self.event(kind, response=response)
+
+    def error(self, status: int, message: str) -> bytes:
+        error = orjson.loads(openai_error(status, message).body)["error"]
+        return self.event("error", code=error["code"] or error["type"], message=message, param=error["param"])
 
 
 def register(app: FastAPI, service: CallService) -> None:
@@ -195,4 +245,4 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/s/{key}/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve(request, service, ResponsesRequest, API, to_canonical, build=build_response,
-                           stream=lambda response, body: stream_events(response))
+                           stream=lambda p, body: ResponseStream(p, body, service.engine.model_name))

@@ -1,0 +1,128 @@
+"""Streaming: time to first token and the gap between tokens — the engine's own, through the proxy, and through
+vLLM's OpenAI server (`vllm serve`) on the same model, engine arguments and requests, in one run.
+
+    engine   `engine.generate(prompt_ids, on_delta=...)` in the kernel: the engine process's deltas as the
+             proxy receives them (no HTTP, no render, no parse)
+    proxy    POST /s/{key}/v1/chat/completions with stream=true from a client process (benchmarks/stream_client.py),
+             each request the first call of its own session
+    vllm     the same request to `vllm serve` (started here; the Lab's engine idles meanwhile); --no-vllm-serve
+             skips it
+Every generation is MAX_TOKENS long (ignore_eos), plain text (no tools). Time to first token (TTFT) is from
+sending the request to the first token delta; the inter-token gap is between consecutive token deltas of one
+stream. Goals (issue 17): proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the
+engine's.
+
+    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from polar_lab import Lab, SamplingSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from proxy_latency import VllmServe, _free_port  # noqa: E402 - the peer server is shared with that benchmark
+
+MESSAGES = [{"role": "user", "content": "Count from one to a hundred, in words."}]
+MAX_TOKENS = 64
+
+
+def _client(url: str, concurrency: int, total: int, keys: list[str] | None = None) -> dict:
+    body = {"model": "tiny-calc", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": True}
+    argv = [sys.executable, str(Path(__file__).with_name("stream_client.py")), url, str(concurrency), str(total),
+            json.dumps(body)]
+    with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
+        if keys:
+            fh.write("\n".join(keys))
+            fh.flush()
+            argv += ["--keys", fh.name]
+        return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout)
+
+
+async def _engine(lab: Lab, concurrency: int, total: int) -> dict:
+    """The engine's own TTFT and gaps, measured where the proxy receives its deltas."""
+    prompt_ids = lab.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+    ttft, gaps = [], []
+    counter = iter(range(total))
+
+    async def worker() -> None:
+        for i in counter:
+            arrivals: list[float] = []
+            t0 = time.perf_counter()
+            await lab.engine.generate(prompt_ids, SamplingSpec(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True),
+                                      lambda d: d.text and arrivals.append(time.perf_counter()))
+            ttft.append(arrivals[0] - t0)
+            gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"ttft_s": ttft, "gaps_s": gaps, "wall_s": time.perf_counter() - t0}
+
+
+def _ms(prefix: str, result: dict) -> dict[str, float]:
+    out = {}
+    for name, values in (("ttft", result["ttft_s"]), ("gap", result["gaps_s"])):
+        ms = np.array(values) * 1000
+        out[f"{prefix}_{name}_p50_ms"] = float(np.percentile(ms, 50))
+        out[f"{prefix}_{name}_p99_ms"] = float(np.percentile(ms, 99))
+    return out
+
+
+def measure(lab: Lab, concurrency: int, total: int, vllm_url: str | None) -> dict[str, float]:
+    lab.submit(_engine(lab, concurrency, 2 * concurrency)).result()  # warm-up
+    engine = lab.submit(_engine(lab, concurrency, total)).result()
+    keys = [lab.session(harness="bench").key for _ in range(total)]
+    _client(lab.url + "/v1/chat/completions", concurrency, concurrency,
+            keys=[lab.session(harness="warmup").key for _ in range(concurrency)])
+    proxy = _client(lab.url + "/v1/chat/completions", concurrency, total, keys=keys)
+    row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy)}
+    row["proxy_ttft_added_p50_ms"] = row["proxy_ttft_p50_ms"] - row["engine_ttft_p50_ms"]
+    row["proxy_gap_over_engine_p50"] = row["proxy_gap_p50_ms"] / row["engine_gap_p50_ms"]
+    if vllm_url:
+        _client(vllm_url + "/v1/chat/completions", concurrency, concurrency)
+        row.update(_ms("vllm_serve", _client(vllm_url + "/v1/chat/completions", concurrency, total)))
+        row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--no-vllm-serve", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
+    args = parser.parse_args()
+    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}") as lab:
+        server = None if args.no_vllm_serve else VllmServe(lab, _free_port())
+        try:
+            rows = [measure(lab, c, n, server.url if server else None)
+                    for c, n in zip(args.concurrency, args.requests)]
+        finally:
+            if server is not None:
+                server.close()
+    for row in rows:
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+              "model": args.model, "max_tokens": MAX_TOKENS, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
