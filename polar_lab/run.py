@@ -27,6 +27,7 @@ import pandas as pd
 from polar_lab.errors import StoreError
 from polar_lab.rewards.table import COLUMNS as REWARD_COLUMNS
 from polar_lab.store import RunStore, calls_frame
+from polar_lab.store.delta import Expander
 from polar_lab.store.runstore import JsonLines
 from polar_lab.trajectory.builders import BUILDERS
 from polar_lab.trajectory.report import chain_breaks, drift_summary
@@ -87,8 +88,8 @@ class Run:
         """The recorded calls, in recording order; only these sessions' when `session_ids` is given."""
         if session_ids is not None and self._store is not None:
             return self._store.read_calls(session_ids)  # by offset, without reading the rest
-        log = JsonLines(self.path / "calls.jsonl")
-        calls = [_call(record, self.path) for record in log.read()]
+        log, expander = JsonLines(self.path / "calls.jsonl"), Expander()
+        calls = [_call(expander.expand(record), self.path) for record in log.read()]
         self._torn_calls = (log.torn, log.tail)
         self._check_torn("calls.jsonl")
         if session_ids is None:

@@ -177,6 +177,7 @@ class CallService:
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)
         self.turns.drop(session.id)
+        self.store.forget(session.id)
         if self._freed >= TRIM_BYTES:  # hand what closed sessions held back to the OS, now and then
             self._freed = 0
             release_memory()

@@ -1,7 +1,9 @@
 """Append-only run folder; the RunStore owns its open files, writers on any thread share one lock.
 
 Layout of `data/runs/<run>/`:
-    calls.jsonl     one `ModelCall` per line, appended before the proxy returns the response
+    calls.jsonl     one `ModelCall` per line, appended before the proxy returns the response; what an earlier
+                    line of the session holds is referenced, not repeated (store/delta.py), and readers
+                    rebuild whole records
     sessions.jsonl  one line per session event (opened, closed with reward)
     config.json     the LabConfig the run was made with
 
@@ -26,6 +28,7 @@ import orjson
 import pandas as pd
 
 from polar_lab.errors import StoreError
+from polar_lab.store.delta import Compactor, Expander
 from polar_lab.types import ModelCall, Session
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -57,34 +60,44 @@ class RunStore:
         self.num_output_tokens = 0  # sampled tokens recorded (dashboards: tokens/s)
         # session id → (offset, length) of its call lines, so a rollout reads back only its own calls
         self._call_index: dict[str, list[tuple[int, int]]] = {}
+        self._compactor = Compactor()  # this store's records only: a reopened folder never points before itself
         for fh in (self._calls, self._sessions):
             _end_torn_line(fh)
         self._calls_end = self._calls.seek(0, os.SEEK_END)
 
     def append_call(self, call: ModelCall) -> None:
-        record = call.record()
-        try:
-            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-        except TypeError:  # a request body nested deeper than orjson writes (254): the call is kept, the body as text
-            record["request"] = {"unrecorded": "nested deeper than 254 levels", "text": _as_text(record["request"])}
-            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         with self._lock:
+            record = self._compactor.compact(call, call.record())
+            try:
+                line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                whole_request = True
+            except TypeError:  # a request nested deeper than orjson writes (254): the call is kept, the body as text
+                record.pop("request_ref", None)
+                record["request"] = {"unrecorded": "nested deeper than 254 levels", "text": _as_text(call.request)}
+                line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                whole_request = False
             self._write(self._calls, line)
+            self._compactor.written(call, whole_request=whole_request)
             self._call_index.setdefault(call.session_id, []).append((self._calls_end, len(line)))
             self._calls_end += len(line)
             self.num_calls += 1
             self.num_output_tokens += len(call.output_ids)
+
+    def forget(self, session_id: str) -> None:
+        """A closed session's calls will not be continued: later records need not point at them."""
+        with self._lock:
+            self._compactor.forget(session_id)
 
     def read_calls(self, session_ids: list[str]) -> list[ModelCall]:
         """The recorded calls of these sessions (of this process's run), in recording order, without
         reading the rest of calls.jsonl."""
         with self._lock:
             spans = sorted(span for sid in set(session_ids) for span in self._call_index.get(sid, []))
-        calls = []
+        calls, expander = [], Expander()  # a session's references are to its own earlier calls
         with open(self.run_dir / "calls.jsonl", "rb") as fh:
             for offset, length in spans:
                 fh.seek(offset)
-                calls.append(ModelCall.from_record(orjson.loads(fh.read(length))))
+                calls.append(ModelCall.from_record(expander.expand(orjson.loads(fh.read(length)))))
         return calls
 
     def append_session(self, session: Session, event: str) -> None:
@@ -157,8 +170,9 @@ class JsonLines:
 
 
 def load_calls(run_dir: str | Path) -> list[ModelCall]:
-    """Every completed call of a run, in the order they were recorded."""
-    return [ModelCall.from_record(r) for r in JsonLines(Path(run_dir) / "calls.jsonl").read()]
+    """Every completed call of a run, in the order they were recorded (whole: references resolved)."""
+    expander = Expander()
+    return [ModelCall.from_record(expander.expand(r)) for r in JsonLines(Path(run_dir) / "calls.jsonl").read()]
 
 
 def load_sessions(run_dir: str | Path) -> pd.DataFrame:
