@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from array import array
 import threading
 import time
 from collections import OrderedDict
@@ -35,11 +36,16 @@ _CONTEXT = 40  # characters of context on each side of a divergence
 
 @dataclass
 class Tip:
-    """What the model has seen and said after one call: text and the exact ids behind it."""
+    """What the model has seen and said after one call: text and the exact ids behind it (held as a 4-byte
+    array: a list of Python ints costs ~36 bytes an id, and a session's tips hold its whole context)."""
 
     call_id: str
     text: str
-    ids: list[int]
+    ids: array
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ids, array):
+            self.ids = array("i", self.ids)
 
 
 @dataclass
@@ -51,7 +57,7 @@ class Rendered:
 
 class TipCache:
     """Per-session tips, bounded: the newest `per_session` tips of the newest `sessions` sessions, within `max_bytes`
-    (estimated: an id in a list of Python ints ~36 bytes, a character ~1); a closed session's are dropped (`drop`).
+    (an id 4 bytes, a character ~1); a closed session's are dropped (`drop`).
     Added to on the proxy's loop, dropped from whichever thread closes the session: locked."""
 
     def __init__(self, per_session: int = 8, sessions: int = 4096, max_bytes: int = 1 << 30):
@@ -84,7 +90,7 @@ class TipCache:
 
 
 def _tip_bytes(tip: Tip) -> int:
-    return 36 * len(tip.ids) + len(tip.text)
+    return tip.ids.itemsize * len(tip.ids) + len(tip.text)
 
 
 class PieceEncoder:
@@ -174,7 +180,7 @@ class Renderer:
         text = "".join(s if isinstance(s, str) else s.text for s in segments)
         tip = _longest_prefix_tip(text, tips or [], segments)
         if tip is not None:
-            ids = tip.ids + self._encode_segments(segments, len(tip.text))
+            ids = tip.ids.tolist() + self._encode_segments(segments, len(tip.text))
             info.update(mode="continued", from_call=tip.call_id, reused_tokens=len(tip.ids))
         else:
             ids = self._encode_segments(segments, 0)
@@ -237,7 +243,7 @@ class Renderer:
     def _divergence(self, text: str, tips: list[Tip]) -> dict[str, Any]:
         """Where the new prompt leaves the closest earlier tip: call, character, token, both sides' context."""
         best, at = max(((tip, common_prefix_len(text, tip.text)) for tip in tips), key=lambda p: p[1])
-        return {"from_call": best.call_id, "char": at, "token": self._token_at(best.ids, at),
+        return {"from_call": best.call_id, "char": at, "token": self._token_at(best.ids.tolist(), at),
                 "tip_chars": len(best.text), "tip_context": best.text[max(0, at - _CONTEXT):at + _CONTEXT],
                 "prompt_context": text[max(0, at - _CONTEXT):at + _CONTEXT]}
 
