@@ -3,7 +3,8 @@
 Part 1 (renderer only, the proxy's exact code path, no engine): a 100-turn session whose history grows
 to ~64k tokens. Each turn adds a ~640-token user message; the "model output" is a fixed reply encoded
 once, as the proxy would have received it from the engine. Reports the per-call render+tokenise time at
-turn 1 and turn 100 with exact-id continuity, and what a full re-tokenisation costs at turn 100.
+turn 1 and turn 100 with exact-id continuity and the template rendering only the new messages (proxy/history.py),
+as the proxy renders a session, and what a full re-tokenisation costs at turn 100.
 
 Part 2 (real Lab, real vLLM, the tiny model): one 10-turn tool-using session (`multi_turn_agent`),
 rebuilt with both builders after 2, 4, ..., 10 turns: samples, tokens, trained tokens.
@@ -38,9 +39,9 @@ def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": f"Step {turn}. " + FILLER * 11})  # ~640 tokens a turn: ~64k by turn 100
         timings = []
-        for _ in range(repeats):
+        for r in range(repeats):  # `repeats` sessions holding the same conversation: each call is a new turn
             t0 = time.perf_counter()
-            rendered = renderer.render(messages, [CALC_TOOL], tips=tips)
+            rendered = renderer.render(messages, [CALC_TOOL], tips=tips, session=f"s{r}")
             timings.append(time.perf_counter() - t0)
         per_turn.append(statistics.median(timings))
         tokens = len(rendered.prompt_ids)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from array import array
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +28,7 @@ import jinja2
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy.formats import FORMATS, ToolFormat
+from polar_lab.proxy.history import TemplateHistory
 from polar_lab.proxy.splice import Glue, Turn, probe_glue, sentinel, splice
 
 _CONTEXT = 40  # characters of context on each side of a divergence
@@ -36,16 +36,13 @@ _CONTEXT = 40  # characters of context on each side of a divergence
 
 @dataclass
 class Tip:
-    """What the model has seen and said after one call: text and the exact ids behind it (held as a 4-byte
-    array: a list of Python ints costs ~36 bytes an id, and a session's tips hold its whole context)."""
+    """What the model has seen and said after one call: text and the exact ids behind it. A list, not a compact
+    array: the next call copies the ids into its prompt, and rebuilding Python ints from an array cost 0.8-2 ms
+    at 63k tokens (more than the rest of the render); memory is bounded by TipCache instead."""
 
     call_id: str
     text: str
-    ids: array
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.ids, array):
-            self.ids = array("i", self.ids)
+    ids: list[int]
 
 
 @dataclass
@@ -57,7 +54,7 @@ class Rendered:
 
 class TipCache:
     """Per-session tips, bounded: the newest `per_session` tips of the newest `sessions` sessions, within `max_bytes`
-    (an id 4 bytes, a character ~1); a closed session's are dropped (`drop`).
+    (estimated: an id in a list of Python ints ~36 bytes, a character ~1); a closed session's are dropped (`drop`).
     Added to on the proxy's loop, dropped from whichever thread closes the session: locked."""
 
     def __init__(self, per_session: int = 8, sessions: int = 4096, max_bytes: int = 1 << 30):
@@ -90,7 +87,7 @@ class TipCache:
 
 
 def _tip_bytes(tip: Tip) -> int:
-    return tip.ids.itemsize * len(tip.ids) + len(tip.text)
+    return 36 * len(tip.ids) + len(tip.text)
 
 
 class PieceEncoder:
@@ -154,6 +151,7 @@ class Renderer:
         self.supports_tool_calls = self.tool_format is not None
         self.pieces = PieceEncoder(tokenizer)
         self._glue: dict[tuple, Glue | None] = {}  # (chat template (None: the model's), thinking) → its glue
+        self.history = TemplateHistory(self._template)  # per session: renders only the new messages
 
     def glue(self, chat_template: str | None = None, thinking: bool | None = None) -> Glue | None:
         """Where a plain assistant turn sits in the template's text (splice.probe_glue); None: cannot splice."""
@@ -165,22 +163,24 @@ class Renderer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str = "",
                tips: list[Tip] | None = None, chat_template: str | None = None,
-               splices: dict[int, Turn] | None = None, thinking: bool | None = None) -> Rendered:
+               splices: dict[int, Turn] | None = None, thinking: bool | None = None,
+               session: str | None = None) -> Rendered:
         """Render messages (+ tools) with the generation prompt, append `prefill`, tokenise (reusing a tip).
 
         splices: message index → the turn this proxy produced there, put in as its sampled ids (splice.py).
         thinking: the template's `enable_thinking` (None: its default).
+        session: render only the messages that follow the session's previous request (TemplateHistory).
         """
         t0 = time.perf_counter()
         info: dict[str, Any] = {}
-        segments = self._spliced(messages, tools, prefill, chat_template, splices, thinking, info) \
+        segments = self._spliced(messages, tools, prefill, chat_template, splices, thinking, info, session) \
             if splices else None
         if segments is None:
-            segments = [self._template(messages, tools, chat_template, thinking=thinking) + prefill]
+            segments = [self.history.render(session, messages, tools, chat_template, thinking, info) + prefill]
         text = "".join(s if isinstance(s, str) else s.text for s in segments)
         tip = _longest_prefix_tip(text, tips or [], segments)
         if tip is not None:
-            ids = tip.ids.tolist() + self._encode_segments(segments, len(tip.text))
+            ids = tip.ids + self._encode_segments(segments, len(tip.text))
             info.update(mode="continued", from_call=tip.call_id, reused_tokens=len(tip.ids))
         else:
             ids = self._encode_segments(segments, 0)
@@ -191,7 +191,8 @@ class Renderer:
         info.update(prompt_chars=len(text), prefill=prefill, render_s=time.perf_counter() - t0)
         return Rendered(prompt_ids=ids, text=text, info=info)
 
-    def _spliced(self, messages, tools, prefill, chat_template, splices, thinking, info) -> list[str | Turn] | None:
+    def _spliced(self, messages, tools, prefill, chat_template, splices, thinking, info,
+                 session=None) -> list[str | Turn] | None:
         """The prompt as template text and spliced turns; None (and why, in info) when the template cannot."""
         glue = self.glue(chat_template, thinking)
         if glue is None:
@@ -199,7 +200,7 @@ class Renderer:
             return None
         marked = [{"role": "assistant", "content": sentinel(i)} if i in splices else m for i, m in enumerate(messages)]
         try:  # a template may refuse a plain turn where the harness sent calls (tool results must follow calls)
-            text = self._template(marked, tools, chat_template, thinking=thinking) + prefill
+            text = self.history.render(session, marked, tools, chat_template, thinking, info) + prefill
         except RequestError as exc:
             info["splice_failed"] = f"the chat template refused the turns in plain form: {exc}"[:300]
             return None
@@ -243,7 +244,7 @@ class Renderer:
     def _divergence(self, text: str, tips: list[Tip]) -> dict[str, Any]:
         """Where the new prompt leaves the closest earlier tip: call, character, token, both sides' context."""
         best, at = max(((tip, common_prefix_len(text, tip.text)) for tip in tips), key=lambda p: p[1])
-        return {"from_call": best.call_id, "char": at, "token": self._token_at(best.ids.tolist(), at),
+        return {"from_call": best.call_id, "char": at, "token": self._token_at(best.ids, at),
                 "tip_chars": len(best.text), "tip_context": best.text[max(0, at - _CONTEXT):at + _CONTEXT],
                 "prompt_context": text[max(0, at - _CONTEXT):at + _CONTEXT]}
 

@@ -104,7 +104,7 @@ class CallService:
         splicing = (session.continuity or self.config.continuity) == "splice"
         histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
-                                     chat_template=session.chat_template, splices=splices)
+                                     chat_template=session.chat_template, splices=splices, session=session.id)
         if edited:
             rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
         requested = self._sampling(req, len(rendered.prompt_ids))
@@ -177,6 +177,7 @@ class CallService:
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)
         self.turns.drop(session.id)
+        self.renderer.history.drop(session.id)
         self.store.forget(session.id)
         if self._freed >= TRIM_BYTES:  # hand what closed sessions held back to the OS, now and then
             self._freed = 0
@@ -238,9 +239,11 @@ class CallService:
             await asyncio.sleep(0.05)
 
     async def render(self, req: CanonicalRequest, *, inline: bool, prefill: str = "", tips: list[Tip] | None = None,
-                     chat_template: str | None = None, splices: dict[int, Turn] | None = None) -> Rendered:
-        """Prompt ids of a request: on the loop when `inline` (small bodies), else in a worker thread."""
-        args = (req.messages, req.tools, prefill, tips, chat_template, splices, req.thinking)
+                     chat_template: str | None = None, splices: dict[int, Turn] | None = None,
+                     session: str | None = None) -> Rendered:
+        """Prompt ids of a request: on the loop when `inline` (small bodies), else in a worker thread. session: the
+        session whose previous request's template text this one extends (history.TemplateHistory)."""
+        args = (req.messages, req.tools, prefill, tips, chat_template, splices, req.thinking, session)
         try:
             return self.renderer.render(*args) if inline else await asyncio.to_thread(self.renderer.render, *args)
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:

@@ -31,7 +31,7 @@ def test_a_continued_prompt_reuses_the_sampled_ids_verbatim(tokenizer):
     follow = [SYSTEM, USER, {"role": "assistant", "content": answer}, {"role": "user", "content": "And 2*3?"}]
     rendered = r.render(follow, [], tips=[tip])
     assert rendered.info["mode"] == "continued" and rendered.info["from_call"] == "c0"
-    assert rendered.prompt_ids[:len(tip.ids)] == tip.ids.tolist()  # the sampled ids, verbatim
+    assert rendered.prompt_ids[:len(tip.ids)] == tip.ids  # the sampled ids, verbatim
     assert rendered.prompt_ids != r.encode(rendered.text)  # (the whole-text tokenisation differs)
     assert r.decode(rendered.prompt_ids) == rendered.text
 
@@ -82,14 +82,14 @@ def test_tip_cache_is_bounded_per_session_and_in_sessions():
 
 
 def test_tips_stay_within_a_byte_budget_and_a_closed_sessions_are_dropped():
-    cache = TipCache(max_bytes=600)
-    cache.add("a", Tip("a0", "x" * 100, [1] * 50))  # 100 + 4 * 50 bytes: ids are held as a 4-byte array
-    cache.add("b", Tip("b0", "y" * 100, [2] * 50))
-    assert cache.nbytes == 600 and cache.get("a") and cache.get("a")[0].ids.itemsize == 4
-    cache.add("c", Tip("c0", "z" * 100, [3] * 50))  # over budget: the oldest session goes
-    assert cache.get("a") == [] and cache.get("b") and cache.get("c") and cache.nbytes == 600
-    assert cache.drop("b") == 300 and cache.drop("never-seen") == 0  # what was freed, for release_memory
-    assert cache.get("b") == [] and cache.nbytes == 300
+    cache = TipCache(max_bytes=1000)
+    cache.add("a", Tip("a0", "x" * 100, [1] * 10))  # 100 + 36 * 10 bytes
+    cache.add("b", Tip("b0", "y" * 100, [2] * 10))
+    assert cache.nbytes == 920 and cache.get("a")
+    cache.add("c", Tip("c0", "z" * 100, [3] * 10))  # over budget: the oldest session goes
+    assert cache.get("a") == [] and cache.get("b") and cache.get("c") and cache.nbytes == 920
+    assert cache.drop("b") == 460 and cache.drop("never-seen") == 0  # what was freed, for release_memory
+    assert cache.get("b") == [] and cache.nbytes == 460
 
 
 # Piece-wise tokenisation must give exactly the ids of whole-text tokenisation. The texts mix the model's

@@ -1,0 +1,118 @@
+"""Rendering only the new messages (proxy/history.py): for every family fixture, a corpus of conversations (not the
+probe's own) sent request by request renders to the same text and ids as rendering each request whole — and the
+incremental path is really taken where the template was found to allow it."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from polar_lab.errors import RequestError
+from polar_lab.proxy.formats import resolve_parsers, tool_format
+from polar_lab.proxy.history import TemplateHistory
+from polar_lab.proxy.render import Renderer
+
+MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
+FIXTURES = ["tiny-calc", "tiny-calc-qwen35", "tiny-calc-llama3", "tiny-calc-mistral"]
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the notes.", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _call(i, name="search", args='{"query": "ab\\"c", "limit": 3}'):
+    return {"id": f"t{i}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+SYSTEM = {"role": "system", "content": "You keep notes.\nBe exact."}
+CORPUS = {  # name -> messages; requests end after each user message and each last tool result
+    "tools and parallel calls": [
+        SYSTEM, {"role": "user", "content": "Find the notes on é and 中文."},
+        {"role": "assistant", "content": None, "tool_calls": [_call(0)]},
+        {"role": "tool", "tool_call_id": "t0", "content": "[1, 2]"},
+        {"role": "assistant", "content": "Two notes."}, {"role": "user", "content": "Write both, then search."},
+        {"role": "assistant", "content": "Doing both.", "tool_calls": [_call(1, "write", "{}"), _call(2)]},
+        {"role": "tool", "tool_call_id": "t1", "content": "ok"}, {"role": "tool", "tool_call_id": "t2", "content": "[]"},
+        {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks.\n\n  Bye."}],
+    "no system": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c " * 50},
+        {"role": "assistant", "content": "d\n"}, {"role": "user", "content": "e"}],
+    "a second system prompt": [
+        SYSTEM, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "system", "content": "Now be brief."}, {"role": "user", "content": "c"}],
+    "thoughts": [
+        SYSTEM, {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [_call(0)]},
+        {"role": "tool", "tool_call_id": "t0", "content": "x"},
+        {"role": "assistant", "content": "x it is.", "reasoning_content": "Found."}, {"role": "user", "content": "b"}],
+    "a thought in the text": [
+        SYSTEM, {"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nb"},
+        {"role": "user", "content": "c"}],
+}
+
+
+def _ends(messages):
+    return [n for n in range(1, len(messages) + 1) if messages[n - 1]["role"] in ("user", "tool")
+            and (n == len(messages) or messages[n]["role"] != "tool")]
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def renderer_pair(request):
+    path = MODELS / request.param
+    if not (path / "tokenizer_config.json").exists():
+        pytest.skip(f"no fixture {request.param}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    fmt = tool_format(resolve_parsers("auto", "auto", tokenizer.chat_template)[0], tokenizer.chat_template)
+    return request.param, Renderer(tokenizer, fmt), Renderer(tokenizer, fmt)
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_a_session_rendered_request_by_request_is_byte_identical_to_rendering_each_whole(renderer_pair, name,
+                                                                                          thinking):
+    fixture, incremental, whole = renderer_pair
+    messages, session = CORPUS[name], f"{name}-{thinking}"
+    for tools in ([], TOOLS):
+        used = 0
+        for n in _ends(messages):
+            try:
+                expected = whole.render(messages[:n], tools, thinking=thinking)
+            except RequestError:
+                pytest.skip(f"{fixture}'s template refuses this conversation")
+            got = incremental.render(messages[:n], tools, thinking=thinking, session=session)
+            assert (got.text, got.prompt_ids) == (expected.text, expected.prompt_ids), (fixture, name, n)
+            used += "template" in got.info
+        stable = incremental.history.generation_prompt(None, thinking, "thought" in name) is not None
+        assert used == (len(_ends(messages)) - 1 if stable else 0), (fixture, name, used)
+        incremental.history.drop(session)
+
+
+def test_the_fixtures_that_render_incrementally_are_the_ones_expected(renderer_pair):
+    """Qwen3.5's template hides the thoughts of turns before the last question: with thoughts in the conversation it
+    is rendered whole; the other fixtures render every conversation incrementally."""
+    fixture, renderer, _ = renderer_pair
+    history = renderer.history
+    assert history.generation_prompt(None, None, False) is not None
+    assert (history.generation_prompt(None, None, True) is None) == (fixture == "tiny-calc-qwen35")
+
+
+def test_a_request_that_does_not_continue_the_last_is_rendered_whole_and_the_history_is_bounded():
+    calls = []
+
+    def template(messages, tools, chat_template, *, generation_prompt=True, thinking=None):
+        calls.append(len(messages))
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<gen>" if generation_prompt else "")
+
+    history = TemplateHistory(template, sessions=2)
+    conversation = [{"role": r, "content": c} for r, c in zip("user assistant user assistant user".split(), "abcde")]
+    assert history.render("s", conversation[:3], [], None, None) == "<user>a<assistant>b<user>c<gen>"
+    calls.clear()
+    assert history.render("s", conversation, [], None, None) == "<user>a<assistant>b<user>c<assistant>d<user>e<gen>"
+    assert max(calls) == 3  # the first message standing in for the history, and the two new ones, not all five
+    edited = [{"role": "user", "content": "A"}] + conversation[1:]
+    calls.clear()
+    assert history.render("s", edited, [], None, None).startswith("<user>A") and calls == [5]
+    for other in ("t", "u"):
+        history.render(other, conversation[:1], [], None, None)
+    calls.clear()
+    history.render("s", edited + [{"role": "assistant", "content": "f"}, {"role": "user", "content": "g"}], [], None, None)
+    assert calls == [7]  # "s" was the oldest of three sessions with room for two: rendered whole
