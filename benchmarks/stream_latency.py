@@ -7,7 +7,8 @@ vLLM's OpenAI server (`vllm serve`) on the same model, engine arguments and requ
              each request the first call of its own session
     vllm     the same request to `vllm serve` (started here; the Lab's engine idles meanwhile); --no-vllm-serve
              skips it
-Every generation is MAX_TOKENS long (ignore_eos), plain text (no tools). Time to first token (TTFT) is from
+Every generation is MAX_TOKENS long (ignore_eos), plain text (no tools are offered, so nothing is held back as a
+possible call). Time to first token (TTFT) is from
 sending the request to the first token delta; the inter-token gap is between consecutive token deltas of one
 stream. Goals (issue 17): proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the
 engine's.
@@ -35,13 +36,17 @@ from polar_lab import Lab, SamplingSpec
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy_latency import VllmServe, _free_port  # noqa: E402 - the peer server is shared with that benchmark
 
-MESSAGES = [{"role": "user", "content": "Count from one to a hundred, in words."}]
+MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
+# tiny-calc ends its turn within a few tokens; past its end-of-turn token (ignore_eos) it samples special tokens,
+# which carry no text to stream. Banned, it writes text for all MAX_TOKENS tokens, on every path alike
+# (`bad_words` for vllm serve, a session's forced banned_strings for the proxy).
+BANNED = ["<|im_end|>"]
 MAX_TOKENS = 64
 
 
 def _client(url: str, concurrency: int, total: int, keys: list[str] | None = None) -> dict:
     body = {"model": "tiny-calc", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "bad_words": BANNED}  # vLLM's name; the proxy's sessions force it instead
     argv = [sys.executable, str(Path(__file__).with_name("stream_client.py")), url, str(concurrency), str(total),
             json.dumps(body)]
     with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
@@ -63,7 +68,8 @@ async def _engine(lab: Lab, concurrency: int, total: int) -> dict:
         for i in counter:
             arrivals: list[float] = []
             t0 = time.perf_counter()
-            await lab.engine.generate(prompt_ids, SamplingSpec(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True),
+            await lab.engine.generate(prompt_ids, SamplingSpec(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True,
+                                                                      banned_strings=tuple(BANNED)),
                                       lambda d: d.text and arrivals.append(time.perf_counter()))
             ttft.append(arrivals[0] - t0)
             gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
@@ -85,9 +91,10 @@ def _ms(prefix: str, result: dict) -> dict[str, float]:
 def measure(lab: Lab, concurrency: int, total: int, vllm_url: str | None) -> dict[str, float]:
     lab.submit(_engine(lab, concurrency, 2 * concurrency)).result()  # warm-up
     engine = lab.submit(_engine(lab, concurrency, total)).result()
-    keys = [lab.session(harness="bench").key for _ in range(total)]
+    forced = {"banned_strings": BANNED}
+    keys = [lab.session(harness="bench", sampling=forced).key for _ in range(total)]
     _client(lab.url + "/v1/chat/completions", concurrency, concurrency,
-            keys=[lab.session(harness="warmup").key for _ in range(concurrency)])
+            keys=[lab.session(harness="warmup", sampling=forced).key for _ in range(concurrency)])
     proxy = _client(lab.url + "/v1/chat/completions", concurrency, total, keys=keys)
     row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy)}
     row["proxy_ttft_added_p50_ms"] = row["proxy_ttft_p50_ms"] - row["engine_ttft_p50_ms"]
