@@ -8,10 +8,11 @@ arrive: each choice's text goes through a `deltas.Splitter`, and the API's `Writ
 events. At the end: the final parse (which the splitter reconciles with what was sent), the response, the
 record, the closing events.
 
-A slow reader does not hold anyone up: the engine's deltas wait in the stream's `Feed`, and the writer takes
-all that waits at once, so a reader that falls behind gets fewer, larger events. What waits is bounded by the
-generation itself (max_tokens); nothing is dropped. The engine and the other sessions never wait for a reader:
-a weight sync drains the engine's generations, not the readers.
+A slow reader does not hold anyone up: the events wait in the stream's own queue and are sent, all that waits at
+once, as fast as the client takes them; what waits is bounded by the generation itself (max_tokens), and nothing
+is dropped. The call is recorded when the generation ends, whether or not the client has read its events, and the
+engine and the other sessions never wait for a reader: a weight sync drains the engine's generations, not the
+readers.
 
 A client that disconnects mid-stream (or whose connection fails) has its request aborted in the engine; what was
 sampled until then is recorded once, with finish_reason "abort" — never continued (no tips, no turns) and
@@ -116,7 +117,9 @@ async def respond(service: CallService, session: Session, req: CanonicalRequest,
 
 
 class EventStream(Response):
-    """The response of one streamed call (see the module docstring)."""
+    """The response of one streamed call (see the module docstring). Two tasks: `_produce` turns the engine's deltas
+    into the API's events and, when the generation ends, records the call and queues the closing events — whether
+    or not anyone reads; `_deliver` sends what is queued, as fast as the client takes it."""
 
     media_type = "text/event-stream"
 
@@ -127,43 +130,71 @@ class EventStream(Response):
         self.raw, self.body, self.build, self.writer = raw, body, build, writer
         self.splitters = [service.splitter(prepared) for _ in range(prepared.req.n)]
         self.recorded = False
+        self.queued: list[bytes] = []  # events produced, not yet sent (a slow reader's backlog)
+        self.ended = False  # the last event is queued
+        self.wake = asyncio.Event()
+        self.producer = asyncio.create_task(self._produce())
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
-        pump = asyncio.create_task(self._pump(send))
+        sender = asyncio.create_task(self._deliver(send))
         gone = asyncio.create_task(_disconnected(receive))
-        done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if pump not in done:
-            pump.cancel()
-        (failure,) = await asyncio.gather(pump, return_exceptions=True)
+        if sender not in done:
+            sender.cancel()
+        (failure,) = await asyncio.gather(sender, return_exceptions=True)
         if failure is not None and not isinstance(failure, (asyncio.CancelledError, OSError)):
             log.error("a stream failed", exc_info=failure)
-        if not self.recorded:
+        if not self.recorded:  # the caller left (or the connection failed) before the generation ended
+            self.producer.cancel()
+            await asyncio.gather(self.producer, return_exceptions=True)
             try:
-                await self._record_abort()  # the caller left (or the connection failed) before the end
+                if not self.recorded:
+                    await self._record_abort()
             except Exception:  # noqa: BLE001 - nobody is listening any more
                 log.exception("recording an aborted stream failed")
 
-    async def _pump(self, send) -> None:
+    async def _deliver(self, send) -> None:
+        while True:
+            while not self.queued and not self.ended:
+                self.wake.clear()
+                await self.wake.wait()
+            data, self.queued = b"".join(self.queued), []
+            await _send(send, data, more=not self.ended)
+            if self.ended and not self.queued:
+                return
+
+    def _queue(self, data: bytes, *, last: bool = False) -> None:
+        if data:
+            self.queued.append(data)
+        self.ended = self.ended or last
+        self.wake.set()
+
+    async def _produce(self) -> None:
+        try:
+            await self._events()
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave the caller waiting forever
+            log.exception("a stream failed")
+            self._queue(self.writer.error(500, f"internal proxy error: {type(exc).__name__}: {exc}"), last=True)
+
+    async def _events(self) -> None:
         p, writer = self.prepared, self.writer
-        first = b"".join(writer.delta(i, d) for i, s in enumerate(self.splitters) for d in s.feed(p.prefill))
-        await _send(send, writer.start() + first)
+        self._queue(writer.start() + b"".join(writer.delta(i, d) for i, s in enumerate(self.splitters)
+                                              for d in s.feed(p.prefill)))
         while True:
             await self.feed.wait(self.task)
             pieces = self.feed.take()
             if not pieces and self.task.done():
                 break
-            out = [writer.delta(i, d) for i, text in pieces.items() for d in self.splitters[i].feed(text)]
-            if out:
-                await _send(send, b"".join(out))
+            self._queue(b"".join(writer.delta(i, d) for i, text in pieces.items() for d in self.splitters[i].feed(text)))
         try:
             generations = self.task.result()
         except (EngineError, RequestError) as exc:
             self._failed(exc)
-            await _send(send, writer.error(503 if isinstance(exc, EngineError) else exc.status, str(exc)), more=False)
+            self._queue(writer.error(503 if isinstance(exc, EngineError) else exc.status, str(exc)), last=True)
             return
         call = self.service.finish(p, generations)
         tails = [writer.delta(c.index, d) for c in call.choices for d in self.splitters[c.index].finish(c.parsed)]
@@ -175,9 +206,9 @@ class EventStream(Response):
             self._record(call, response)
         except Exception as exc:  # noqa: BLE001 - an unrecorded call is not answered (as a non-streamed one)
             log.exception("a streamed call could not be recorded")
-            await _send(send, writer.error(500, f"internal proxy error: {type(exc).__name__}: {exc}"), more=False)
+            self._queue(writer.error(500, f"internal proxy error: {type(exc).__name__}: {exc}"), last=True)
             return
-        await _send(send, b"".join(tails) + writer.finish(response), more=False)
+        self._queue(b"".join(tails) + writer.finish(response), last=True)
 
     def _record(self, call: CompletedCall, response: dict[str, Any]) -> None:
         self.recorded = True  # whatever happens next: a call is never written twice

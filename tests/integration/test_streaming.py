@@ -134,6 +134,75 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request_and_its_partial
     assert r.status_code == 200 and lab.engine.running == 0
 
 
+def _open_stream(s, body, *, rcvbuf=None):
+    """A raw HTTP/1.1 streamed request on a socket the test controls (it can read nothing at all)."""
+    import socket
+
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # a reader with almost no room
+    host, port = s.openai_base_url.split("//")[1].split("/")[0].split(":")
+    sock.connect((host, int(port)))
+    data = orjson.dumps(body)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + s.key.encode() + b"\r\nContent-Length: " + str(len(data)).encode()
+                 + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_a_reader_that_reads_nothing_holds_up_no_one_and_its_call_is_recorded_when_generated(lab):
+    """The stream's events wait in its own queue; the engine finishes the generation, the call is recorded, and
+    another session is served meanwhile as usual. The events are all there when the reader finally reads."""
+    s = lab.session(sampling={"ignore_eos": True, "seed": 9})
+    sock = _open_stream(s, {"messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 1500},
+                        rcvbuf=4096)
+    try:
+        other = lab.session()
+        deadline = time.monotonic() + 120
+        while not session_calls(lab, s) and time.monotonic() < deadline:
+            r = httpx.post(other.openai_base_url + "/chat/completions", headers={"Authorization": f"Bearer {other.key}"},
+                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=30)
+            assert r.status_code == 200
+        (call,) = session_calls(lab, s)  # recorded while its reader has read nothing
+        assert call.finish_reason == "length" and len(call.output_ids) == 1500
+        assert len(session_calls(lab, other)) >= 1
+        sock.settimeout(30)
+        received = b""
+        while b"[DONE]" not in received:
+            chunk = sock.recv(1 << 16)
+            assert chunk, "the stream ended before its last event"
+            received += chunk
+    finally:
+        sock.close()
+    streamed = "".join(orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in received.split(b"\n") if line.startswith(b"data: {") and b'"choices":[{' in line)
+    assert streamed == (call.response["choices"][0]["message"]["content"] or "")
+
+
+def test_a_weight_sync_waits_for_a_streaming_call_to_finish(lab, shipped_weights):
+    """Streams drain like any call: the sync starts loading only after the streamed generation ended, so every
+    one of its tokens is the old version's."""
+    import threading
+
+    s = lab.session(sampling={"ignore_eos": True, "seed": 11})
+    version = lab.engine.policy_version
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", s.openai_base_url + "/chat/completions", json={
+                "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 400},
+                headers={"Authorization": f"Bearer {s.key}"}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the stream is under way
+            synced = {}
+            sync = threading.Thread(target=lambda: synced.update(result=lab.sync_weights(shipped_weights)))
+            sync.start()
+            for _ in lines:
+                pass
+    sync.join(120)
+    (call,) = session_calls(lab, s)
+    assert synced["result"].undrained == 0 and synced["result"].policy_version == version + 1
+    assert set(call.output_versions) == {version} and len(call.output_ids) == 400
+
+
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     if not (QWEN35 / "model.safetensors").exists():
