@@ -77,8 +77,9 @@ class Run:
 
     @property
     def torn_lines(self) -> dict[str, int]:
-        """Lines that could not be read (torn by a machine crash), per file, as of the last read; a last line
-        without its newline counts (in a run still being written it may be a write in progress)."""
+        """Lines that could not be read (torn by a machine crash, or referring to a call not before them), per file,
+        as of the last read; a last line without its newline counts (in a run still being written it may be a write
+        in progress)."""
         calls_torn, calls_tail = self._torn_calls
         log = self._sessions_log
         return {"calls.jsonl": calls_torn + bool(calls_tail), "sessions.jsonl": log.torn + bool(log.tail)}
@@ -89,8 +90,9 @@ class Run:
         if session_ids is not None and self._store is not None:
             return self._store.read_calls(session_ids)  # by offset, without reading the rest
         log, expander = JsonLines(self.path / "calls.jsonl"), Expander()
-        calls = [_call(expander.expand(record), self.path) for record in log.read()]
-        self._torn_calls = (log.torn, log.tail)
+        records = (expander.expand(record) for record in log.read())
+        calls = [_call(record, self.path) for record in records if record is not None]
+        self._torn_calls = (log.torn + len(expander.unresolved), log.tail)  # unreadable lines count as torn
         self._check_torn("calls.jsonl")
         if session_ids is None:
             return calls

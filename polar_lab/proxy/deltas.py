@@ -161,8 +161,11 @@ class Splitter:
             end = close + len(closing)
             call, _ = _parse_block(self.text[start:close].strip(), closed=True)
         if call is not None:
+            if not self.calls and self.held["content"][:-1]:  # one newline before a call is the template's; more are text
+                self.sent["content"] += self.held["content"][:-1]
+                out.append(Delta("content", self.held["content"][:-1]))
+            self.held["content"] = ""
             self.calls.append(call)
-            self.held["content"] = ""  # the newline before a call is the template's
             out.append(Delta("call", call=call, index=len(self.calls) - 1))
         elif not self.calls:
             self._send(out, "content", self.text[self.pos:end])

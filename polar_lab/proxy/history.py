@@ -16,8 +16,10 @@ earlier turn's text changes when a new question comes. So each template (with it
 once, on first use, against a corpus of conversations (system prompts first and later, tools or none, calls,
 consecutive tool results, thoughts, several turns) at every point where a request can end; a template that renders
 any of them differently is always rendered whole. Whatever the template, a session's first call, a request that
-does not continue the previous one (an edited history, compaction, other tools) and a stand-in whose text is not a
-prefix of its extension are rendered whole too. `tests/proxy/test_history.py` renders every family fixture's
+does not continue the previous one (an edited history, compaction, other tools), one that continues it at a point
+the probe does not check (after an assistant message, or a tool result after a tool result) and a stand-in whose
+text is not a prefix of its extension are rendered whole too. The check costs ~0.1-0.2 s, once per template and
+thinking switch, on the call that first needs it. `tests/proxy/test_history.py` renders every family fixture's
 corpus both ways and requires the same text and ids.
 """
 
@@ -85,8 +87,12 @@ class _Previous:
     head: str | None = None  # the text of the first message alone (the short stand-in's), once rendered
 
     def continued_by(self, messages, tools, chat_template, thinking) -> bool:
+        """`messages` extend these at a point the probe checks: after a user or tool message, and not between
+        two tool results (templates join consecutive results into one turn, and look ahead to close it)."""
         k = len(self.messages)
         return len(messages) > k and chat_template == self.chat_template and thinking == self.thinking \
+            and self.messages[-1].get("role") in ("user", "tool") \
+            and not (self.messages[-1].get("role") == "tool" and messages[k].get("role") == "tool") \
             and tools == self.tools and messages[:k] == self.messages
 
 
@@ -102,8 +108,8 @@ class TemplateHistory:
         self.chars = 0
         self._previous: OrderedDict[str, _Previous] = OrderedDict()
         # (chat template, thinking, thoughts) → (its generation prompt, whether the first message alone stands in for
-        # the history); None: not incremental
-        self._checked: dict[tuple, tuple[str, bool] | None] = {}
+        # the history); None: not incremental. Bounded: sessions may bring templates of their own.
+        self._checked: OrderedDict[tuple, tuple[str, bool] | None] = OrderedDict()
         self._lock = threading.Lock()
 
     def render(self, session: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
@@ -176,6 +182,8 @@ class TemplateHistory:
             suffix = self._probe(chat_template, thinking, thoughts, short=False)
             self._checked[key] = None if suffix is None else \
                 (suffix, self._probe(chat_template, thinking, thoughts, short=True) is not None)
+            while len(self._checked) > 64:
+                self._checked.popitem(last=False)
         return self._checked[key]
 
     def _probe(self, chat_template: str | None, thinking: bool | None, thoughts: bool, *, short: bool) -> str | None:

@@ -132,8 +132,8 @@ class OutputParser:
               in_thought: bool = False) -> ParsedOutput:
         """in_thought: the prompt ended inside an open thought (the template opened it), so the output starts
         as reasoning."""
-        if self.own:
-            return parse_output(text, parse_tools=parse_tools)
+        if self.own:  # tool_parser None ("none"): no calls are read, as for the other families
+            return parse_output(text, parse_tools=parse_tools and self.tool_parser is not None)
         thinks = self.thinking is not None and (in_thought or text.lstrip().startswith(self.thinking[0]))
         tool = self.tool_parser if parse_tools and tools else None
         try:

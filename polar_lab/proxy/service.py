@@ -168,11 +168,14 @@ class CallService:
         """What reads one choice's text into deltas as it streams (proxy/streaming.py)."""
         fmt = self.renderer.tool_format
         calls = bool(p.req.tools) and p.req.tool_choice != "none" and self.parser.tool_parser is not None
-        # a family whose call markers are unknown (no formats.FORMATS entry): all text after a thought waits
-        # for the final reading ("" is found at once)
-        opening = (fmt.open if fmt is not None else "") if calls else None
+        # where the text before a call is not known to be content, all text after a thought waits for the final
+        # reading ("" is found at once): a family whose markers are unknown (no formats.FORMATS entry), and one
+        # without an end marker (Llama's and Mistral's parsers read calls without their opening marker, and then
+        # return no content at all)
+        known = fmt is not None and (self.parser.own or fmt.close is not None)
+        opening = (fmt.open if known else "") if calls else None
         return Splitter(thinking=self.parser.thinking, in_thought=p.in_thought, tool_open=opening,
-                        tool_close=fmt.close if calls and fmt is not None else None, own=self.parser.own)
+                        tool_close=fmt.close if calls and known else None, own=self.parser.own)
 
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)
@@ -258,6 +261,8 @@ class CallService:
             self.store.append_call(record)
         call.session.calls += 1
         call.session.last_call_error = None
+        if call.session.closed_at is not None:  # answered after its session closed: keep nothing for later calls
+            self._forget(call.session)
 
     def _check_tool_choice(self, req: CanonicalRequest) -> None:
         if isinstance(req.tool_choice, dict):

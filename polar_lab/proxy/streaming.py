@@ -178,6 +178,7 @@ class EventStream(Response):
             await self._events()
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave the caller waiting forever
             log.exception("a stream failed")
+            self._failed(exc)  # counted as the proxy's failure, as for a non-streamed call; never recorded as "abort"
             self._queue(self.writer.error(500, f"internal proxy error: {type(exc).__name__}: {exc}"), last=True)
 
     async def _events(self) -> None:
@@ -202,12 +203,7 @@ class EventStream(Response):
         if diverged:
             call.render["stream_diverged"] = diverged
         response = self.build(call, p.req, self.body)
-        try:
-            self._record(call, response)
-        except Exception as exc:  # noqa: BLE001 - an unrecorded call is not answered (as a non-streamed one)
-            log.exception("a streamed call could not be recorded")
-            self._queue(writer.error(500, f"internal proxy error: {type(exc).__name__}: {exc}"), last=True)
-            return
+        self._record(call, response)  # if it fails: _produce answers a 500 (an unrecorded call is not answered)
         self._queue(b"".join(tails) + writer.finish(response), last=True)
 
     def _record(self, call: CompletedCall, response: dict[str, Any]) -> None:
@@ -238,7 +234,7 @@ class EventStream(Response):
         from polar_lab.proxy.http import note_call_error
 
         note_call_error(self.prepared.session, exc)
-        self.recorded = True  # nothing completed to record, as for a non-streamed call that fails
+        self.recorded = True  # nothing more will be recorded, as for a non-streamed call that fails
 
 
 async def _send(send, data: bytes, *, more: bool = True) -> None:

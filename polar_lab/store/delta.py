@@ -7,18 +7,21 @@ call whose prompt continues an earlier call of its session (the tip its render r
 
     "prompt_ref":  {"call": <earlier call id>, "tokens": n}   the prompt's first n ids are that call's
                                                                prompt + output ids
-    "prompt_ids":  the ids after those n
+    "prompt_tail": the ids after those n                       (in place of "prompt_ids")
 and, for a request whose message list (`messages`, `input` or `contents`) starts with the session's previous
 request's:
     "request_ref": {"call": <previous call id>, "items": k}   the list's first k items are that request's
-    "request":     the body with only the items after those k
+    "request_tail": the body with only the items after those k (in place of "request")
+The parts get names of their own so that a build from before this format refuses such a record (it lacks
+"prompt_ids") instead of reading a tail as a whole prompt.
 The request is stored as a JSON delta, not compressed: it stays readable line by line, and per-line zstd would
 not see the repetition, which is across lines.
 
 `Expander` rebuilds full records while reading a run in order (`RunStore`'s readers and `Run` use it); records
 without references (every run written before this format) pass through unchanged. Crash safety: a reference
-points only at a call this store wrote whole, earlier, in the same session (a reopened folder starts afresh), so
-a torn line is never referenced; a reference that cannot be resolved (a file cut by hand) raises StoreError.
+points only at a call this store wrote whole, earlier, in the same session (a reopened folder starts afresh; a
+write that fails is not referenced), so a torn line is never referenced. A reference that still cannot be
+resolved (a file cut by hand) makes that record unreadable, like a torn line: readers skip it and count it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from polar_lab.errors import StoreError
 
 LIST_KEYS = ("messages", "input", "contents")  # where each API keeps its conversation
 
@@ -47,13 +49,15 @@ class Compactor:
         ref, tokens = call.render.get("from_call"), call.render.get("reused_tokens")
         if ref is not None and self._lengths.get(call.session_id, {}).get(ref) == tokens:
             out["prompt_ref"] = {"call": ref, "tokens": tokens}
-            out["prompt_ids"] = call.prompt_ids[tokens:]
+            out["prompt_tail"] = call.prompt_ids[tokens:]
+            del out["prompt_ids"]
         key, items = _conversation(call.request)
         last = self._last.get(call.session_id)
         if key is not None and last is not None and last[1] == key and len(items) >= len(last[2]) \
                 and items[:len(last[2])] == last[2]:
             out["request_ref"] = {"call": last[0], "items": len(last[2])}
-            out["request"] = {**call.request, key: items[len(last[2]):]}
+            out["request_tail"] = {**call.request, key: items[len(last[2]):]}
+            del out["request"]
         return out
 
     def written(self, call, *, whole_request: bool = True) -> None:
@@ -80,19 +84,26 @@ class Expander:
     def __init__(self):
         self._ids: dict[str, tuple[list[int], list[int]]] = {}  # call id → (prompt ids, output ids)
         self._items: dict[str, tuple[str, list]] = {}  # call id → (list key, the request's whole list)
+        self.unresolved: list[str] = []  # records whose reference could not be resolved (skipped)
 
-    def expand(self, record: dict[str, Any]) -> dict[str, Any]:
+    def expand(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The whole record; None (and counted in `unresolved`) when it refers to a call not read before it."""
         call_id = record.get("call_id")
         prompt_ref, request_ref = record.get("prompt_ref"), record.get("request_ref")
         if prompt_ref is not None or request_ref is not None:
             record = dict(record)
+            if (prompt_ref is not None and prompt_ref.get("call") not in self._ids) or \
+                    (request_ref is not None and request_ref.get("call") not in self._items):
+                self.unresolved.append(str(call_id))
+                return None
         if prompt_ref is not None:
-            prompt, output = self._target(self._ids, prompt_ref["call"], call_id)
-            record["prompt_ids"] = (prompt + output)[:prompt_ref["tokens"]] + record["prompt_ids"]
+            prompt, output = self._ids[prompt_ref["call"]]
+            record["prompt_ids"] = (prompt + output)[:prompt_ref["tokens"]] + record.pop("prompt_tail")
             del record["prompt_ref"]
         if request_ref is not None:
-            key, items = self._target(self._items, request_ref["call"], call_id)
-            record["request"] = {**record["request"], key: items[:request_ref["items"]] + record["request"][key]}
+            key, items = self._items[request_ref["call"]]
+            tail = record.pop("request_tail")
+            record["request"] = {**tail, key: items[:request_ref["items"]] + tail[key]}
             del record["request_ref"]
         if call_id is not None:
             self._ids[call_id] = (record.get("prompt_ids", []), record.get("output_ids", []))
@@ -100,14 +111,6 @@ class Expander:
             if key is not None:
                 self._items[call_id] = (key, items)
         return record
-
-    @staticmethod
-    def _target(table: dict, ref: str, call_id: str | None):
-        try:
-            return table[ref]
-        except KeyError:
-            raise StoreError(f"call {call_id} refers to call {ref}, which is not before it in calls.jsonl "
-                             f"(read the session's calls in order, from the whole file)") from None
 
 
 def _conversation(request: Any) -> tuple[str | None, list]:

@@ -73,6 +73,7 @@ class RunStore:
                 whole_request = True
             except TypeError:  # a request nested deeper than orjson writes (254): the call is kept, the body as text
                 record.pop("request_ref", None)
+                record.pop("request_tail", None)
                 record["request"] = {"unrecorded": "nested deeper than 254 levels", "text": _as_text(call.request)}
                 line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
                 whole_request = False
@@ -97,7 +98,9 @@ class RunStore:
         with open(self.run_dir / "calls.jsonl", "rb") as fh:
             for offset, length in spans:
                 fh.seek(offset)
-                calls.append(ModelCall.from_record(expander.expand(orjson.loads(fh.read(length)))))
+                record = expander.expand(orjson.loads(fh.read(length)))
+                if record is not None:
+                    calls.append(ModelCall.from_record(record))
         return calls
 
     def append_session(self, session: Session, event: str) -> None:
@@ -114,7 +117,12 @@ class RunStore:
     def _write(self, fh, line: bytes) -> None:
         if fh.closed:
             raise StoreError(f"run store {self.run_dir} is closed")
-        fh.write(line)  # unbuffered: one write() syscall per record
+        view = memoryview(line)
+        while view:  # unbuffered: one write() per record, unless the OS takes less (a full disk): then the rest
+            written = fh.write(view)
+            if not written:
+                raise StoreError(f"run store {self.run_dir}: a record could not be written whole")
+            view = view[written:]
         if self.fsync:
             os.fsync(fh.fileno())
 
@@ -170,9 +178,11 @@ class JsonLines:
 
 
 def load_calls(run_dir: str | Path) -> list[ModelCall]:
-    """Every completed call of a run, in the order they were recorded (whole: references resolved)."""
+    """Every completed call of a run, in the order they were recorded (whole: references resolved; a record whose
+    reference cannot be resolved is skipped, as a torn line is)."""
     expander = Expander()
-    return [ModelCall.from_record(expander.expand(r)) for r in JsonLines(Path(run_dir) / "calls.jsonl").read()]
+    records = (expander.expand(r) for r in JsonLines(Path(run_dir) / "calls.jsonl").read())
+    return [ModelCall.from_record(r) for r in records if r is not None]
 
 
 def load_sessions(run_dir: str | Path) -> pd.DataFrame:

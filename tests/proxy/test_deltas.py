@@ -41,6 +41,8 @@ def stream(splitter: Splitter, text: str, rng: random.Random, parsed) -> tuple[s
         at += cut
     sent_calls = [d.call for d in deltas if d.kind == "call"]
     deltas += splitter.finish(parsed)
+    order = [d.kind for d in deltas]
+    assert order == sorted(order, key=["reasoning", "content", "call"].index), order  # blocks in the response's order
     return ("".join(d.text for d in deltas if d.kind == "reasoning"), "".join(d.text for d in deltas if d.kind == "content"),
             [d.call for d in deltas if d.kind == "call"], sent_calls)
 

@@ -86,6 +86,21 @@ def test_a_session_rendered_request_by_request_is_byte_identical_to_rendering_ea
         incremental.history.drop(session)
 
 
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_requests_that_end_anywhere_still_render_as_whole(renderer_pair, name):
+    """Harnesses do not always end a request after a user message: after an assistant message (a prefill), or in
+    the middle of a group of tool results (one result sent as soon as it is ready). Every prefix, in order."""
+    fixture, incremental, whole = renderer_pair
+    messages, session = CORPUS[name], f"anywhere-{name}"
+    for n in range(1, len(messages) + 1):
+        try:
+            expected = whole.render(messages[:n], TOOLS)
+        except RequestError:
+            continue  # this template refuses that prefix (a strict role order)
+        got = incremental.render(messages[:n], TOOLS, session=session)
+        assert (got.text, got.prompt_ids) == (expected.text, expected.prompt_ids), (fixture, name, n)
+
+
 def test_the_fixtures_that_render_incrementally_are_the_ones_expected(renderer_pair):
     """Qwen3.5's template hides the thoughts of turns before the last question: with thoughts in the conversation it
     is rendered whole; the other fixtures render every conversation incrementally."""
