@@ -61,7 +61,10 @@ train: setup
 
 bench: setup litellm
 	$(BIN)/python benchmarks/proxy_latency.py
+	$(BIN)/python benchmarks/stream_latency.py
 	$(BIN)/python benchmarks/trajectory_cost.py
+	$(BIN)/python benchmarks/storage.py
+	$(BIN)/python benchmarks/kernel_memory.py
 	$(BIN)/python benchmarks/grpo_step.py
 
 model: setup

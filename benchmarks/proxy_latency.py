@@ -8,8 +8,8 @@ For each concurrency level, the same prompt (the calculator's first turn) with t
   litellm  the same request to a LiteLLM proxy (a separate process, `make litellm`) whose upstream is
            this Lab's proxy, in the same run, in front of the same engine and prompts
   vllm     the same request to vLLM's own OpenAI server (`vllm serve`, a separate process started here on the
-           same model with the same engine arguments: what a researcher would run instead of polar_lab);
-           `--no-vllm-serve` skips it. The Lab's engine idles meanwhile (the two never run at once)
+           same model with the same engine arguments: what a researcher would run instead of polar_lab), after
+           the Lab's rows, while the Lab's engine idles; `--no-vllm-serve` skips it
 Added latency is paired per request: the client's latency minus the server-side time of the same request
 (found by its seed in the call records) — for the proxy, minus the engine's time (`engine_s`); for
 LiteLLM, minus this proxy's whole time (`total_s`). direct p50 vs proxy p50 is printed too, but identical
@@ -101,8 +101,7 @@ def _paired(lab: Lab, before: int, result: dict, server_field: str) -> list[floa
     return [lat - server[int(seed)] for seed, lat in result["latencies_s"].items() if int(seed) in server]
 
 
-async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, str] | None,
-                  vllm_url: str | None = None) -> dict[str, float]:
+async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, str] | None) -> dict[str, float]:
     """direct (in-process) vs proxy vs LiteLLM-in-front-of-the-proxy (both HTTP paths from a client process).
 
     proxy: every request is the first call of its own session, as when `total` harness runs start.
@@ -140,13 +139,20 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
                    **_pcts("litellm_added", _paired(lab, before, peer, "total_s")),
                    litellm_failed=peer["failed"] + peer["timed_out"])
         row["litellm_over_proxy_added_p50"] = row["litellm_added_p50_ms"] / row["added_p50_ms"]
-    if vllm_url:
-        peer = await asyncio.to_thread(_load, vllm_url + "/v1/chat/completions", concurrency, total, warmup=warmup)
-        row.update(**_pcts("vllm_serve", list(peer["latencies_s"].values())),
-                   vllm_serve_failed=peer["failed"] + peer["timed_out"],
-                   throughput_vs_vllm_serve=peer["wall_s"] / proxy["wall_s"] if peer["completed"] == total
-                   else float("nan"))  # the same tokens moved, or no comparison
+    row["proxy_wall_s"] = proxy["wall_s"]
     return row
+
+
+def measure_vllm_serve(row: dict, url: str) -> None:
+    """`vllm serve`'s figures for a row measured before it started (only one of the two servers runs at a time:
+    an idle `vllm serve` beside the Lab slowed the Lab's rows — c=1 proxy ÷ direct throughput 0.62 with it, 1.05
+    without, same day)."""
+    concurrency, total = row["concurrency"], row["requests"]
+    peer = _load(url + "/v1/chat/completions", concurrency, total, warmup=2 * concurrency)
+    row.update(**_pcts("vllm_serve", list(peer["latencies_s"].values())),
+               vllm_serve_failed=peer["failed"] + peer["timed_out"],
+               throughput_vs_vllm_serve=peer["wall_s"] / row["proxy_wall_s"] if peer["completed"] == total
+               else float("nan"))  # the same tokens moved, or no comparison
 
 
 def sustained(lab: Lab, sessions: int, ramp_s: float = 2.0, timeout_s: float = 300.0) -> dict[str, float]:
@@ -284,16 +290,20 @@ def main() -> None:
         startup = {"engine_startup_s": lab.engine.startup_seconds, "lab_startup_s": time.perf_counter() - t0}
         peer = LiteLLM(binary, lab.session(harness="litellm").openai_base_url, "unused", _free_port()) \
             if binary else None
-        server = None if args.no_vllm_serve else VllmServe(lab, _free_port())
         try:
-            rows = [asyncio.run(measure(lab, c, n, (peer.url + "/v1", peer.key) if peer else None,
-                                        server.url if server else None))
+            rows = [asyncio.run(measure(lab, c, n, (peer.url + "/v1", peer.key) if peer else None))
                     for c, n in zip(args.concurrency, args.requests)]
         finally:
-            for process in (peer, server):
-                if process is not None:
-                    process.close()
+            if peer is not None:
+                peer.close()
         load = sustained(lab, args.sessions) if args.sessions else None
+        if not args.no_vllm_serve:  # after the Lab's rows, alone (measure_vllm_serve says why)
+            server = VllmServe(lab, _free_port())
+            try:
+                for row in rows:
+                    measure_vllm_serve(row, server.url)
+            finally:
+                server.close()
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,

@@ -5,8 +5,8 @@ vLLM's OpenAI server (`vllm serve`) on the same model, engine arguments and requ
              proxy receives them (no HTTP, no render, no parse)
     proxy    POST /s/{key}/v1/chat/completions with stream=true from a client process (benchmarks/stream_client.py),
              each request the first call of its own session
-    vllm     the same request to `vllm serve` (started here; the Lab's engine idles meanwhile); --no-vllm-serve
-             skips it
+    vllm     the same request to `vllm serve`, started after the Lab's rows, while the Lab's engine idles;
+             --no-vllm-serve skips it
 Every generation is MAX_TOKENS long (ignore_eos), plain text (no tools are offered, so nothing is held back as a
 possible call). Time to first token (TTFT) is from
 sending the request to the first token delta; the inter-token gap is between consecutive token deltas of one
@@ -88,7 +88,7 @@ def _ms(prefix: str, result: dict) -> dict[str, float]:
     return out
 
 
-def measure(lab: Lab, concurrency: int, total: int, vllm_url: str | None) -> dict[str, float]:
+def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
     lab.submit(_engine(lab, concurrency, 2 * concurrency)).result()  # warm-up
     engine = lab.submit(_engine(lab, concurrency, total)).result()
     forced = {"banned_strings": BANNED}
@@ -99,11 +99,14 @@ def measure(lab: Lab, concurrency: int, total: int, vllm_url: str | None) -> dic
     row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy)}
     row["proxy_ttft_added_p50_ms"] = row["proxy_ttft_p50_ms"] - row["engine_ttft_p50_ms"]
     row["proxy_gap_over_engine_p50"] = row["proxy_gap_p50_ms"] / row["engine_gap_p50_ms"]
-    if vllm_url:
-        _client(vllm_url + "/v1/chat/completions", concurrency, concurrency)
-        row.update(_ms("vllm_serve", _client(vllm_url + "/v1/chat/completions", concurrency, total)))
-        row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
     return row
+
+
+def measure_vllm_serve(row: dict, url: str) -> None:
+    """Run after the Lab's rows, with `vllm serve` alone (an idle one beside the Lab slows the Lab's figures)."""
+    _client(url + "/v1/chat/completions", row["concurrency"], row["concurrency"])
+    row.update(_ms("vllm_serve", _client(url + "/v1/chat/completions", row["concurrency"], row["requests"])))
+    row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
 
 
 def main() -> None:
@@ -115,12 +118,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
     with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}") as lab:
-        server = None if args.no_vllm_serve else VllmServe(lab, _free_port())
-        try:
-            rows = [measure(lab, c, n, server.url if server else None)
-                    for c, n in zip(args.concurrency, args.requests)]
-        finally:
-            if server is not None:
+        rows = [measure(lab, c, n) for c, n in zip(args.concurrency, args.requests)]
+        if not args.no_vllm_serve:
+            server = VllmServe(lab, _free_port())
+            try:
+                for row in rows:
+                    measure_vllm_serve(row, server.url)
+            finally:
                 server.close()
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
