@@ -36,13 +36,12 @@ MUTANTS = [
            [("    for version, start, end in spans:\n", "    for version, start, end in []:\n")],
            ["tests/engine/test_base.py"]),
     Mutant("record written after the response (a background task)", "polar_lab/proxy/http.py",
-           [("    service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded\n",
-             "    from starlette.background import BackgroundTask\n"
-             "    later = BackgroundTask(service.record, call, raw, response)\n"),
-            ('media_type="text/event-stream")', 'media_type="text/event-stream", background=later)'),
+           [("        service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded\n",
+             "        from starlette.background import BackgroundTask\n"
+             "        later = BackgroundTask(service.record, call, raw, response)\n"),
             ('return Response(orjson.dumps(response), media_type="application/json")',
              'return Response(orjson.dumps(response), media_type="application/json", background=later)')],
-           ["tests/proxy/test_http_errors.py::test_no_byte_of_a_response_leaves_before_its_record_is_written"]),
+           ["tests/proxy/test_http_errors.py::test_no_answer_leaves_before_its_record_is_written[False]"]),
     Mutant("a trainer rank's deadline deleted", "polar_lab/grpo/distributed.py",
            [("            if time.monotonic() > deadline:\n", "            if False:\n")],
            ["tests/grpo/test_distributed.py::test_a_rank_that_dies_or_hangs_is_an_error_not_a_hang[hangs]"]),
@@ -87,6 +86,26 @@ MUTANTS = [
     Mutant("an echoed thinking signature never checked", "polar_lab/proxy/apis/anthropic.py",
            [("and not signer.verify(", "and False and not signer.verify(")],
            ["tests/proxy/test_thinking.py::test_an_anthropic_thought_is_signed_and_an_edited_one_is_refused"]),
+    # issue 17: real streams, compact records, the incremental template
+    Mutant("a stream's end sent before its record", "polar_lab/proxy/streaming.py",
+           [("        self._record(call, response)  # if it fails: _produce answers a 500 (an unrecorded call is not "
+             "answered)\n        self._queue(b\"\".join(tails) + writer.finish(response), last=True)\n",
+             "        self._queue(b\"\".join(tails) + writer.finish(response), last=True)\n"
+             "        await asyncio.sleep(0.5)\n        self._record(call, response)\n")],
+           ["tests/proxy/test_http_errors.py::test_no_answer_leaves_before_its_record_is_written[True]"]),
+    Mutant("a disconnected stream not aborted in the engine", "polar_lab/proxy/streaming.py",
+           [("        self.task.cancel()  # aborts the engine's requests", "        pass  # aborts the engine's requests")],
+           ["tests/integration/test_streaming.py::"
+            "test_a_client_that_disconnects_mid_stream_aborts_its_request_and_its_partial_call_is_recorded_once"]),
+    Mutant("a referenced prompt rebuilt without the earlier call's output", "polar_lab/store/delta.py",
+           [('record["prompt_ids"] = (prompt + output)[:prompt_ref["tokens"]]',
+             'record["prompt_ids"] = prompt[:prompt_ref["tokens"]]')],
+           ["tests/store/test_delta.py"]),
+    Mutant("the template extended at any point a request ends", "polar_lab/proxy/history.py",
+           [('            and self.messages[-1].get("role") in ("user", "tool") \\\n'
+             '            and not (self.messages[-1].get("role") == "tool" and messages[k].get("role") == "tool") \\\n',
+             "")],
+           ["tests/proxy/test_history.py"]),
 ]
 
 
