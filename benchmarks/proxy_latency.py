@@ -258,6 +258,17 @@ class VllmServe(_Server):
         self._start(argv + (["--enforce-eager"] if c.enforce_eager else []), env, "/health", 300)
 
 
+def against_vllm_serve(lab: Lab, rows: list[dict], measure_row) -> None:
+    """Start `vllm serve` once the Lab's rows are measured, measure each row against it (`measure_row(row, url)`),
+    stop it: the two servers never run at once."""
+    server = VllmServe(lab, _free_port())
+    try:
+        for row in rows:
+            measure_row(row, server.url)
+    finally:
+        server.close()
+
+
 def _litellm_binary(path: str | None) -> str | None:
     for candidate in (path, os.environ.get("POLAR_LAB_LITELLM"), ".cache/litellm/bin/litellm"):
         if candidate and Path(candidate).exists():
@@ -298,12 +309,7 @@ def main() -> None:
                 peer.close()
         load = sustained(lab, args.sessions) if args.sessions else None
         if not args.no_vllm_serve:  # after the Lab's rows, alone (measure_vllm_serve says why)
-            server = VllmServe(lab, _free_port())
-            try:
-                for row in rows:
-                    measure_vllm_serve(row, server.url)
-            finally:
-                server.close()
+            against_vllm_serve(lab, rows, measure_vllm_serve)
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,

@@ -34,7 +34,7 @@ import numpy as np
 from polar_lab import Lab, SamplingSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from proxy_latency import VllmServe, _free_port  # noqa: E402 - the peer server is shared with that benchmark
+from proxy_latency import against_vllm_serve  # noqa: E402 - the peer server is shared with that benchmark
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 # tiny-calc ends its turn within a few tokens; past its end-of-turn token (ignore_eos) it samples special tokens,
@@ -120,12 +120,7 @@ def main() -> None:
     with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}") as lab:
         rows = [measure(lab, c, n) for c, n in zip(args.concurrency, args.requests)]
         if not args.no_vllm_serve:
-            server = VllmServe(lab, _free_port())
-            try:
-                for row in rows:
-                    measure_vllm_serve(row, server.url)
-            finally:
-                server.close()
+            against_vllm_serve(lab, rows, measure_vllm_serve)
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
