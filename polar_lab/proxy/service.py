@@ -27,7 +27,7 @@ from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
-from polar_lab.proxy.splice import Turn, TurnLedger, history_keys, pick
+from polar_lab.proxy.splice import HistoryDigests, Turn, TurnLedger, pick
 from polar_lab.store import RunStore
 from polar_lab.proxy.deltas import Splitter
 from polar_lab.types import Generation, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
@@ -76,6 +76,7 @@ class CallService:
         self.config = config
         self.tips = TipCache()  # per-session exact ids for continuity (see render.py)
         self.turns = TurnLedger()  # per-session turns this proxy produced, spliced back as sampled (splice.py)
+        self.digests = HistoryDigests()  # per-session history digests, hashing only new messages (splice.py)
         self.tool_args = ToolArgs()  # tool_use id → argument text as generated (Anthropic echoes objects)
         self.signer = ThoughtSigner()  # Anthropic thinking signatures, checked when a thought is echoed
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
@@ -180,6 +181,7 @@ class CallService:
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)
         self.turns.drop(session.id)
+        self.digests.drop(session.id)
         self.renderer.history.drop(session.id)
         self.store.forget(session.id)
         if self._freed >= TRIM_BYTES:  # hand what closed sessions held back to the OS, now and then
@@ -202,7 +204,7 @@ class CallService:
         what the harness changed, or why the turn is ambiguous]). Messages nested past what orjson or json take
         are not spliced: rendering them is the template's to refuse or not."""
         try:
-            histories = history_keys(messages)
+            histories = self.digests.keys(session.id, messages)
         except (TypeError, ValueError, RecursionError):
             return [], {}, []
         splices, edited = {}, []

@@ -170,6 +170,34 @@ def history_keys(messages: list[dict[str, Any]]) -> list[str]:
     return keys
 
 
+class HistoryDigests:
+    """`history_keys` per session, hashing only what is new: when a request's messages start with the session's
+    previous request's (equal as values), its digests and the hash state after them are reused. Bounded to the newest
+    `sessions` sessions; a closed session's are dropped (`drop`). Used from the proxy's loop only."""
+
+    def __init__(self, sessions: int = 4096):
+        self.sessions = sessions
+        self._last: OrderedDict[str, tuple[list[dict[str, Any]], Any, list[str]]] = OrderedDict()
+
+    def keys(self, session_id: str, messages: list[dict[str, Any]]) -> list[str]:
+        last = self._last.pop(session_id, None)
+        if last is not None and len(messages) >= len(last[0]) and messages[:len(last[0])] == last[0]:
+            done, digest, keys = len(last[0]), last[1].copy(), list(last[2])
+        else:
+            done, digest, keys = 0, hashlib.blake2b(digest_size=16), []
+            keys.append(digest.hexdigest())
+        for message in messages[done:]:
+            digest.update(orjson.dumps(message, default=str))
+            keys.append(digest.hexdigest())
+        self._last[session_id] = (list(messages), digest, keys)
+        while len(self._last) > self.sessions:
+            self._last.popitem(last=False)
+        return keys
+
+    def drop(self, session_id: str) -> None:
+        self._last.pop(session_id, None)
+
+
 def edits(turn: Turn, message: dict[str, Any]) -> str | None:
     """What the harness changed in an echoed turn (None: nothing). A thought the harness did not echo is not an
     edit: most APIs' clients drop it."""

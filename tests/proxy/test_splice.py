@@ -239,3 +239,24 @@ def test_echoes_nested_past_what_json_takes_are_a_4xx_or_served_never_a_500(scri
         {"type": "function_call", "call_id": "call_y", "name": "f", "arguments": nested},
         {"type": "function_call_output", "call_id": "call_y", "output": "1"}]})
     assert r.status_code < 500, r.text[:300]
+
+
+def test_history_digests_hash_only_the_new_messages_and_equal_history_keys(monkeypatch):
+    from polar_lab.proxy import splice
+    from polar_lab.proxy.splice import HistoryDigests, history_keys
+
+    hashed = []
+    dumps = splice.orjson.dumps
+    monkeypatch.setattr(splice.orjson, "dumps", lambda m, **kw: hashed.append(m) or dumps(m, **kw))
+    conversation = [{"role": "system", "content": "s"}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(6)]
+    digests, before = HistoryDigests(), 0
+    for n in (2, 4, 6, 7):  # a session's requests, each the previous one plus new messages
+        hashed.clear()
+        keys = digests.keys("s", conversation[:n])
+        assert len(hashed) == n - before  # only the new messages were hashed
+        assert keys == history_keys(conversation[:n])
+        before = n
+    edited = [dict(conversation[0], content="S")] + conversation[1:]
+    assert digests.keys("s", edited) == history_keys(edited)  # not a continuation: hashed whole
+    assert digests.keys("t", conversation[:3]) == history_keys(conversation[:3])  # another session, its own
