@@ -93,6 +93,21 @@ def test_streaming_chunks_reassemble_to_the_non_streaming_answer(scripted_lab):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_a_stream_of_n_choices_carries_each_choice_as_recorded(scripted_lab):
+    scripted_lab.engine.replies = ["Hello there.", "Goodbye now, friend."]
+    s = scripted_lab.session()
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key)
+    chunks = list(client.chat.completions.create(model="m", messages=MSG, stream=True, n=2, seed=0))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    records = sorted(scripted_lab.call_records(), key=lambda c: c.choice_index)
+    assert texts == {r.choice_index: r.response["choices"][r.choice_index]["message"]["content"] for r in records}
+    assert texts[0] != texts[1]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+
+
 def test_n_choices_are_recorded_one_per_choice(scripted_lab):
     s = scripted_lab.session()
     client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key)
