@@ -93,6 +93,12 @@ MUTANTS = [
              "        self._queue(b\"\".join(tails) + writer.finish(response), last=True)\n"
              "        await asyncio.sleep(0.5)\n        self._record(call, response)\n")],
            ["tests/proxy/test_http_errors.py::test_no_answer_leaves_before_its_record_is_written[True]"]),
+    Mutant("a streamed call recorded only once its reader took the events", "polar_lab/proxy/streaming.py",
+           [("        self._record(call, response)  # if it fails",
+             "        while self.queued:\n            await asyncio.sleep(0.01)\n"
+             "        self._record(call, response)  # if it fails")],
+           ["tests/proxy/test_http_errors.py::"
+            "test_a_streamed_call_is_recorded_when_generated_even_if_its_reader_takes_nothing"]),
     Mutant("a disconnected stream not aborted in the engine", "polar_lab/proxy/streaming.py",
            [("        self.task.cancel()  # aborts the engine's requests", "        pass  # aborts the engine's requests")],
            ["tests/integration/test_streaming.py::"

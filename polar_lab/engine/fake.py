@@ -56,11 +56,23 @@ class ScriptedEngine:
 
     def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+        try:
+            generation = self._sample(prompt_ids, spec)
+        except EngineError as exc:
+            fut.set_exception(exc)
+            return fut
+        if self.delay_s:
+            threading.Timer(self.delay_s, fut.set_result, args=(generation,)).start()
+        else:
+            fut.set_result(generation)
+        return fut
+
+    def _sample(self, prompt_ids: list[int], spec: SamplingSpec) -> Generation:
+        """The scripted generation (raises `raise_with`, or EngineError when told to fail or closed)."""
         if self.raise_with is not None:
             raise self.raise_with
         if self.fail_with is not None or self._closed:
-            fut.set_exception(EngineError(str(self.fail_with or "engine closed")))
-            return fut
+            raise EngineError(str(self.fail_with or "engine closed"))
         if self.keep_prompts:
             self.prompts.append(list(prompt_ids))
         # a seeded call "samples" the reply its seed picks (reproducible, like vLLM's seeded sampling); an
@@ -71,28 +83,19 @@ class ScriptedEngine:
         finish = "length" if len(ids) == spec.max_tokens else "stop"
         if finish == "stop":
             ids = ids + [self.eos_id]
-        generation = Generation(
+        return Generation(
             output_ids=ids, output_logprobs=[-1.0] * len(ids), output_versions=[self._version] * len(ids),
             text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
         )
-        if self.delay_s:
-            threading.Timer(self.delay_s, fut.set_result, args=(generation,)).start()
-        else:
-            fut.set_result(generation)
-        return fut
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
                        on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
         if on_delta is None:
             return await asyncio.wrap_future(self.submit(prompt_ids, spec))
-        delay, self.delay_s = self.delay_s, 0.0  # streamed: the delay is spread over the tokens below
-        try:
-            generation = self.submit(prompt_ids, spec).result()
-        finally:
-            self.delay_s = delay
+        generation = self._sample(prompt_ids, spec)  # streamed: the delay is spread over the tokens
         texts = _pieces(self.tokenizer, generation.output_ids, generation.text)
         for token, text in zip(generation.output_ids, texts):
-            await asyncio.sleep(delay / max(len(texts), 1))
+            await asyncio.sleep(self.delay_s / max(len(texts), 1))
             on_delta(TokenDelta(ids=[token], logprobs=[-1.0], text=text, version=self._version))
         return generation
 

@@ -7,8 +7,9 @@ requests are pending (vLLM batches everything in flight) and sends the generatio
 step back in one message. A request added with `stream=True` also has the tokens each step sampled for it
 sent back (one "delta" message per step for all such requests, before that step's "done"): vLLM's DELTA
 output kind, whose text already holds back a possible stop string; the worker keeps the pieces and answers
-the finished request with the whole generation, as for any other. Weight loads are commands too, so they land exactly between two steps; vLLM's
-own weight-version spans then tell which policy version sampled each output token.
+the finished request with the whole generation, as for any other. Weight loads are commands too, so they
+land exactly between two steps; vLLM's own weight-version spans then tell which policy version sampled each
+output token.
 
 Why a process of its own: the proxy's HTTP work and vLLM's Python step loop each need a core's worth of
 interpreter time under load; in one process they share one GIL, and at 64 concurrent sessions the steps
@@ -158,7 +159,7 @@ class Worker:
         c = output.outputs[0]
         pieces = self.streams.pop(output.request_id, None)
         ids = list(c.token_ids) if pieces is None else pieces.ids
-        logprob_dicts = c.logprobs or [] if pieces is None else pieces.logprobs
+        logprob_dicts = (c.logprobs or []) if pieces is None else pieces.logprobs
         spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         return Generation(
             output_ids=ids,

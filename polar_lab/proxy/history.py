@@ -167,11 +167,6 @@ class TemplateHistory:
             old = self._previous.pop(session, None)
             self.chars -= len(old.text) if old else 0
 
-    def generation_prompt(self, chat_template: str | None, thinking: bool | None, thoughts: bool = True) -> str | None:
-        """The template's generation prompt if it renders incrementally, else None (see `checked`)."""
-        checked = self.checked(chat_template, thinking, thoughts)
-        return None if checked is None else checked[0]
-
     def checked(self, chat_template: str | None, thinking: bool | None, thoughts: bool) -> tuple[str, bool] | None:
         """(generation prompt, short stand-in) if the template renders the probe corpus incrementally — checked once,
         first with the two-message stand-in, then with the first message alone (one render per call instead of

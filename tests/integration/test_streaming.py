@@ -150,11 +150,12 @@ def _open_stream(s, body, *, rcvbuf=None):
     return sock
 
 
-def test_a_reader_that_reads_nothing_holds_up_no_one_and_its_call_is_recorded_when_generated(lab):
-    """The stream's events wait in its own queue; the engine finishes the generation, the call is recorded, and
-    another session is served meanwhile as usual. The events are all there when the reader finally reads."""
+def test_a_reader_that_reads_nothing_holds_up_no_one_and_gets_every_event_later(lab):
+    """On the real engine: the call is recorded, another session is served meanwhile as usual, and the events are
+    all there when the reader finally reads. (The socket buffers absorb this stream; a reader whose buffers are
+    full is driven directly in tests/proxy/test_http_errors.py.)"""
     s = lab.session(sampling={"ignore_eos": True, "seed": 9})
-    sock = _open_stream(s, {"messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 1500},
+    sock = _open_stream(s, {"messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 300},
                         rcvbuf=4096)
     try:
         other = lab.session()
@@ -164,7 +165,7 @@ def test_a_reader_that_reads_nothing_holds_up_no_one_and_its_call_is_recorded_wh
                            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, timeout=30)
             assert r.status_code == 200
         (call,) = session_calls(lab, s)  # recorded while its reader has read nothing
-        assert call.finish_reason == "length" and len(call.output_ids) == 1500
+        assert call.finish_reason == "length" and len(call.output_ids) == 300
         assert len(session_calls(lab, other)) >= 1
         sock.settimeout(30)
         received = b""
@@ -213,7 +214,8 @@ def qwen35(tmp_path_factory):
 
 def test_thoughts_and_tool_calls_stream_through_vllms_parsers_as_the_record_reads_them(qwen35):
     """Qwen3.5's template opens a thought and its calls are XML (vLLM's qwen3_coder parser): the thought streams
-    as reasoning before the generation ends, and the streamed calls are the recorded calls, ids included."""
+    as reasoning within the first half of the stream's time, and the streamed calls are the recorded calls, ids
+    included."""
     import openai
 
     from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
@@ -225,14 +227,15 @@ def test_thoughts_and_tool_calls_stream_through_vllms_parsers_as_the_record_read
         stream = client.chat.completions.create(
             model="m", stream=True, tools=[CALC_TOOL],
             messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 12*7+5?"}])
-        reasoning, content, calls, at_last_reasoning = "", "", {}, None
-        for i, chunk in enumerate(stream):
+        reasoning, content, calls, first_thought = "", "", {}, None
+        t0 = time.perf_counter()
+        for chunk in stream:
             delta = chunk.choices[0].delta if chunk.choices else None
             if delta is None:
                 continue
             if (delta.model_extra or {}).get("reasoning_content"):
                 reasoning += delta.model_extra["reasoning_content"]
-                at_last_reasoning = i
+                first_thought = first_thought if first_thought is not None else time.perf_counter() - t0
             content += delta.content or ""
             for tc in delta.tool_calls or []:
                 calls[tc.index] = (tc.id, tc.function.name, tc.function.arguments)
@@ -243,5 +246,6 @@ def test_thoughts_and_tool_calls_stream_through_vllms_parsers_as_the_record_read
         assert [calls[k] for k in sorted(calls)] == [(tc["id"], tc["function"]["name"], tc["function"]["arguments"])
                                                      for tc in message.get("tool_calls") or []]
         assert "stream_diverged" not in call.render
-        seen += bool(calls) and reasoning != "" and at_last_reasoning is not None and at_last_reasoning < i
-    assert seen >= 3, "too few generations with both a thought and a call"
+        total = time.perf_counter() - t0
+        seen += bool(calls) and first_thought is not None and first_thought < 0.5 * total
+    assert seen >= 3, "too few generations whose thought streamed in the first half and that then called"

@@ -81,7 +81,7 @@ def test_a_session_rendered_request_by_request_is_byte_identical_to_rendering_ea
             got = incremental.render(messages[:n], tools, thinking=thinking, session=session)
             assert (got.text, got.prompt_ids) == (expected.text, expected.prompt_ids), (fixture, name, n)
             used += "template" in got.info
-        stable = incremental.history.generation_prompt(None, thinking, "thought" in name) is not None
+        stable = incremental.history.checked(None, thinking, "thought" in name) is not None
         assert used == (len(_ends(messages)) - 1 if stable else 0), (fixture, name, used)
         incremental.history.drop(session)
 
@@ -106,8 +106,8 @@ def test_the_fixtures_that_render_incrementally_are_the_ones_expected(renderer_p
     is rendered whole; the other fixtures render every conversation incrementally."""
     fixture, renderer, _ = renderer_pair
     history = renderer.history
-    assert history.generation_prompt(None, None, False) is not None
-    assert (history.generation_prompt(None, None, True) is None) == (fixture == "tiny-calc-qwen35")
+    assert history.checked(None, None, False) is not None
+    assert (history.checked(None, None, True) is None) == (fixture == "tiny-calc-qwen35")
 
 
 def test_a_request_that_does_not_continue_the_last_is_rendered_whole_and_the_history_is_bounded():

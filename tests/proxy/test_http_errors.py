@@ -265,3 +265,44 @@ def test_a_record_that_cannot_be_written_is_an_error_to_the_caller_not_an_answer
     r = _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key)
     _assert_openai_error(r, 500)
     assert "disk full" in r.json()["error"]["message"] and "choices" not in r.text
+
+
+def test_a_streamed_call_is_recorded_when_generated_even_if_its_reader_takes_nothing(scripted_lab):
+    """The stream's ASGI response driven directly, with a `send` that never returns (a reader whose socket
+    buffers are full): the call is still recorded once its generation ends, and the stream keeps its events."""
+    import asyncio
+
+    from polar_lab.proxy import streaming
+    from polar_lab.proxy.apis.openai_chat import ChatCompletionRequest, ChatStream, build_response, to_canonical
+
+    service, session = scripted_lab.service, scripted_lab.session()
+    body = ChatCompletionRequest.model_validate({"messages": MSG, "stream": True})
+
+    async def scenario():
+        stream = await streaming.respond(
+            service, session, to_canonical(body), {"messages": MSG}, body, api="openai.chat", inline=True,
+            build=lambda call, req, b: build_response(call, req, service.renderer.tokenizer),
+            writer=lambda p, b: ChatStream(p, b, "scripted", 0))
+        stuck = asyncio.Event()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                await stuck.wait()  # never set: not one event is taken
+
+        async def receive():
+            await stuck.wait()
+            return {"type": "http.disconnect"}
+
+        serving = asyncio.create_task(stream({"type": "http"}, receive, send))
+        for _ in range(200):
+            if service.store.num_calls:
+                break
+            await asyncio.sleep(0.01)
+        recorded, waiting = service.store.num_calls, b"".join(stream.queued)
+        serving.cancel()
+        return recorded, waiting
+
+    recorded, waiting = scripted_lab.submit(scenario()).result(30)
+    assert recorded == 1 and b"[DONE]" in waiting  # recorded, and its end waits for the reader
+    (call,) = scripted_lab.call_records()
+    assert call.finish_reason == "stop" and call.session_id == session.id

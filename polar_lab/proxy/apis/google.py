@@ -156,10 +156,10 @@ class ContentStream:
         self.envelope = {"modelVersion": p.req.model or model, "responseId": p.request_id}
         self.tool_args = tool_args
 
-    def chunk(self, parts: list[dict[str, Any]], **candidate: Any) -> bytes:
-        body = {"candidates": [{"content": {"role": "model", "parts": parts}, **candidate, "index": 0}],
-                **self.envelope}
-        return b"data: " + orjson.dumps(body) + b"\r\n\r\n"
+    def chunk(self, parts: list[dict[str, Any]], finish: str | None = None, **extra: Any) -> bytes:
+        candidate = {"content": {"role": "model", "parts": parts}, **({"finishReason": finish} if finish else {}),
+                     "index": 0}
+        return b"data: " + orjson.dumps({"candidates": [candidate], **extra, **self.envelope}) + b"\r\n\r\n"
 
     def start(self) -> bytes:
         return b""  # Google's stream begins with the first part
@@ -174,9 +174,7 @@ class ContentStream:
 
     def finish(self, response: dict[str, Any]) -> bytes:
         (candidate,) = response["candidates"]
-        body = {"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": candidate["finishReason"],
-                                "index": 0}], "usageMetadata": response["usageMetadata"], **self.envelope}
-        return b"data: " + orjson.dumps(body) + b"\r\n\r\n"
+        return self.chunk([], candidate["finishReason"], usageMetadata=response["usageMetadata"])
 
     def error(self, status: int, message: str) -> bytes:
         return b"data: " + google_error(status, message).body + b"\r\n\r\n"
