@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,20 +126,21 @@ class Run:
         return pd.DataFrame(rows, columns=REWARD_COLUMNS)
 
     # ---- what is built from them -------------------------------------------------------------
-    def trajectories(self, builder: str = "prefix_merging", *, session_ids: list[str] | None = None,
-                     ) -> list[Trajectory]:
-        """Training samples rebuilt from the recorded calls; each carries its session's reward.
+    def trajectories(self, builder: str | Callable[[list[ModelCall]], list[Trajectory]] = "prefix_merging", *,
+                     session_ids: list[str] | None = None) -> list[Trajectory]:
+        """Training samples rebuilt from the recorded calls; each carries its session's reward. builder: a name in
+        `BUILDERS`, or a function of the calls (e.g. `partial(prefix_merging, train_constrained=True)`).
 
         A call answered after its session closed (one still in the engine when a run hit its deadline) is left
         out: the run is what its harness saw, and whether that call was written before the group was built
         would otherwise depend on timing."""
-        if builder not in BUILDERS:
+        if not callable(builder) and builder not in BUILDERS:
             raise ValueError(f"unknown builder {builder!r}; choose from {sorted(BUILDERS)}")
         self._read_sessions()
         closed = {sid: r.get("closed_at") for sid, r in self._sessions.items() if r.get("status") != "open"}
         calls = [c for c in self.call_records(session_ids)
                  if closed.get(c.session_id) is None or c.timings.get("responded", 0.0) <= closed[c.session_id]]
-        trajectories = BUILDERS[builder](calls)
+        trajectories = (builder if callable(builder) else BUILDERS[builder])(calls)
         for traj in trajectories:
             traj.reward = self._sessions.get(traj.session_id, {}).get("reward")
         return trajectories

@@ -38,6 +38,11 @@ TEMPERATURE_MAX = 2.0  # SamplingParams._verify_args: temperature in [0, 2], fin
 TOP_LOGPROBS_MAX = 20  # vLLM's ModelConfig.max_logprobs default (and OpenAI's documented cap)
 STOP_MAX = 16  # ours: at most this many stop strings (OpenAI allows 4); vLLM forbids empty ones
 STOP_CHARS_MAX = 1000  # ours: each stop string is checked against the tail of the text after every step
+PENALTY_MAX = 2.0  # SamplingParams._verify_args: presence/frequency penalty in [-2, 2] (OpenAI's range too)
+LOGIT_BIAS_MAX = 300  # OpenAI's cap on logit_bias entries
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's range of a bias
+INT32_MAX = 2**31 - 1  # token ids; vLLM refuses ids beyond the vocabulary when the request is added
+STRUCTURE_CHARS_MAX = 2**20  # ours: a structural tag (proxy/constraints.py) of at most 1 MiB
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class SamplingSpec:
     banned_strings: tuple[str, ...] = ()  # never sampled, e.g. "<tool_call>" under tool_choice="none"
     num_logprobs: int = 0  # alternatives per position beyond the sampled token
     ignore_eos: bool = False  # keep sampling past end-of-turn (benchmarks: fixed output length)
+    presence_penalty: float = 0.0  # OpenAI's meaning, as vLLM applies them
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    structure: str | None = None  # an xgrammar structural tag (JSON) every sampled token must keep the output in
 
     def __post_init__(self) -> None:
         for name, value in _normalised(self).items():
@@ -78,6 +87,20 @@ class SamplingSpec:
         if type(self.ignore_eos) is not bool:
             raise SamplingError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}",
                                 param="ignore_eos")
+        _float_in("presence_penalty", self.presence_penalty, -PENALTY_MAX, PENALTY_MAX)
+        _float_in("frequency_penalty", self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX)
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > LOGIT_BIAS_MAX:
+            raise SamplingError(f"logit_bias must be a tuple of at most {LOGIT_BIAS_MAX} (id, bias) pairs",
+                                param="logit_bias")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise SamplingError("logit_bias entries must be (token id, bias) pairs", param="logit_bias")
+            _int_in("logit_bias", pair[0], 0, INT32_MAX)
+            _float_in("logit_bias", pair[1], -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
+        if self.structure is not None and (type(self.structure) is not str
+                                           or not 0 < len(self.structure) <= STRUCTURE_CHARS_MAX):
+            raise SamplingError(f"structure must be a JSON string of at most {STRUCTURE_CHARS_MAX} characters",
+                                param="structure")
 
 
 def _normalised(spec: SamplingSpec) -> dict[str, Any]:
@@ -92,6 +115,9 @@ def _normalised(spec: SamplingSpec) -> dict[str, Any]:
             out[f.name] = float(value)
         elif isinstance(value, list) and f.name in ("stop", "banned_strings"):
             out[f.name] = tuple(value)
+        elif f.name == "logit_bias" and isinstance(value, (dict, list)):  # {id: bias} or [(id, bias)]
+            pairs = value.items() if isinstance(value, dict) else value
+            out[f.name] = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in pairs)
     if out.get("seed", spec.seed) == -1 and type(out.get("seed", spec.seed)) is int:
         out["seed"] = None
     return out

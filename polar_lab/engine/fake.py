@@ -37,6 +37,7 @@ class ScriptedEngine:
         self.weights_file: Path | None = None
         self.on_exit: Callable | None = None
         self.prompts: list[list[int]] = []  # every prompt it was sent, for tests (keep_prompts=False: none)
+        self.specs: list[SamplingSpec] = []  # and the sampling of each (a grammar is not applied: the script is)
         self.keep_prompts = keep_prompts
         self._version = 0
         self._turn = 0
@@ -75,6 +76,7 @@ class ScriptedEngine:
             raise EngineError(str(self.fail_with or "engine closed"))
         if self.keep_prompts:
             self.prompts.append(list(prompt_ids))
+            self.specs.append(spec)
         # a seeded call "samples" the reply its seed picks (reproducible, like vLLM's seeded sampling); an
         # unseeded one the next in turn
         text = self.replies[(self._turn if spec.seed is None else spec.seed) % len(self.replies)]

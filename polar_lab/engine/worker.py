@@ -74,6 +74,8 @@ class Worker:
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
+            # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
+            structured_outputs_config={"backend": "xgrammar"},
             **_prefill_args(c, torch.cuda.is_available()),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -208,13 +210,16 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
 
 def _sampling_params(spec: SamplingSpec, stream: bool = False):
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    structured = StructuredOutputsParams(structural_tag=spec.structure) if spec.structure is not None else None
     return SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
         seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
         logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=kind,
+        presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+        logit_bias=dict(spec.logit_bias) or None, structured_outputs=structured,
     )
 
 

@@ -28,6 +28,9 @@ class GRPOConfig:
     temperature: float = _f(1.0, "sampling temperature forced on every rollout call, whatever the harness sends")
     max_completion_length: int = _f(128, "cap on each call's max_tokens; also dr_grpo's per-run normaliser")
     builder: str = _f("prefix_merging", "trajectory builder: prefix_merging or per_request")
+    train_constrained: bool = _f(False, "train on tokens sampled under a grammar (a structured output, a forced "
+                                        "tool call); off: their logprobs are of the renormalised distribution, "
+                                        "not the policy's, so they get loss 0")
     concurrency: int = _f(64, "harness runs in flight at once")
     deadline_s: float = _f(120.0, "a run still going after this long is stopped (and gets timeout_reward)")
     timeout_reward: float | None = _f(0.0, "reward of a run the policy kept going past deadline_s (looping, "

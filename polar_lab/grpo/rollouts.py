@@ -17,18 +17,21 @@ call has its own seed (`types.call_seed`): the same config gives the same groups
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import random
 import threading
 import uuid
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from polar_lab.grpo.batch import group_staleness
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.rollout import harness_name, make_groups, run_one
-from polar_lab.types import Evaluator, Group, Harness, derived_seed, mix_seed
+from polar_lab.trajectory.builders import BUILDERS
+from polar_lab.types import Evaluator, Group, Harness, ModelCall, Trajectory, derived_seed, mix_seed
 
 if TYPE_CHECKING:
     from polar_lab.lab import Lab
@@ -89,7 +92,7 @@ class SyncRollouts:
         self.rollouts += 1
         groups = self.lab.rollout(self.tasks.take(c.tasks_per_step), self.harness, num_generations=c.num_generations,
                                   evaluator=self.evaluator, concurrency=c.concurrency, deadline_s=c.deadline_s,
-                                  builder=c.builder, progress=progress, sampling=rollout_sampling(c), seed=seed,
+                                  builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c), seed=seed,
                                   **failure_rewards(c))
         return groups, dropped_stats([])
 
@@ -166,7 +169,7 @@ class AsyncRollouts:
                         deadline_s=c.deadline_s, name=harness_name(self.harness),
                         sampling=rollout_sampling(c) | {"seed": derived_seed(seed, i)}, **failure_rewards(c))
                 for i in range(c.num_generations)))
-            groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions), c.builder)
+            groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions), trajectory_builder(c))
             self.ready.put(groups[0])
         except asyncio.CancelledError:
             raise
@@ -190,14 +193,24 @@ class AsyncRollouts:
         return item
 
 
+def trajectory_builder(config: GRPOConfig) -> str | Callable[[list[ModelCall]], list[Trajectory]]:
+    """The builder the config names, keeping grammar-constrained tokens in the loss when `train_constrained`."""
+    if not config.train_constrained:
+        return config.builder
+    return functools.partial(BUILDERS[config.builder], train_constrained=True)
+
+
 def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     """What every training and evaluation call is forced to, whatever the harness sends: the distribution the
     loss assumes. The trainer computes the full softmax at the training temperature, so the sampler must draw
     from it too: no top-p/top-k truncation and no banned strings (each renormalises over fewer tokens, and the
-    engine's logprobs then belong to another distribution: a systematic TIS bias, not noise). A harness's own
-    values are kept in the call's record (`sampling["overridden"]`), not applied."""
+    engine's logprobs then belong to another distribution: a systematic TIS bias, not noise); penalties and
+    logit biases likewise reshape it. A harness's own values are kept in the call's record
+    (`sampling["overridden"]`), not applied. (Grammars stay: a harness asking for JSON gets JSON; those tokens
+    are left out of the loss instead, see trajectory.builders._extend.)"""
     return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
-            "top_p": 1.0, "top_k": -1, "banned_strings": ()}
+            "top_p": 1.0, "top_k": -1, "banned_strings": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "logit_bias": ()}
 
 
 def failure_rewards(config: GRPOConfig) -> dict[str, float | None]:

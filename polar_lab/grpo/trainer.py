@@ -36,7 +36,7 @@ from polar_lab.errors import TrainerError
 from polar_lab.grpo.batch import Batch, build_batch
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.policy import Policy, resolve_device
-from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling
+from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
 from polar_lab.harness.registry import get_harness
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rewards.table import reward_rows, rewards_frame
@@ -162,7 +162,7 @@ class GRPOTrainer:
         tasks = tasks[:limit or c.eval_limit or len(tasks)]
         t0 = time.perf_counter()
         groups = self.lab.rollout(tasks, self.harness, num_generations=1, evaluator=self.evaluator,
-                                  concurrency=c.concurrency, deadline_s=c.deadline_s, builder=c.builder,
+                                  concurrency=c.concurrency, deadline_s=c.deadline_s, builder=trajectory_builder(c),
                                   progress=progress, sampling=rollout_sampling(c),
                                   seed=c.eval_seed if seed is None else seed)
         self.last_eval_groups = groups

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from polar_lab.proxy.constraints import OutputFormat
 from polar_lab.types import Generation, Session
 
 
@@ -40,6 +41,12 @@ class CanonicalRequest:
     model: str = ""
     ignore_eos: bool = False  # vLLM extension
     thinking: bool | None = None  # the template's `enable_thinking` switch; None: the template's default
+    output: OutputFormat | None = None  # structured output: the text must be this JSON (proxy/constraints.py)
+    allowed_tools: list[str] | None = None  # a forced call may name only these (Google's allowedFunctionNames)
+    parallel_tool_calls: bool = True  # False: at most one call per turn (enforced where a call is forced)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass

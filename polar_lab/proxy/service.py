@@ -21,6 +21,7 @@ from jinja2 import TemplateError
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
+from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
@@ -57,6 +58,7 @@ class Prepared:
     call_index: int
     rendered: Rendered
     prefill: str  # the forced start of a tool call, already in the prompt
+    constraint: str | None  # what the grammar holds the output to: "json_schema" | "json_object" | "tool_call"
     requested: SamplingSpec  # what the request asked for, before the session's forced sampling
     specs: list[SamplingSpec]  # what each choice samples with
     splicing: bool
@@ -101,20 +103,23 @@ class CallService:
         the proxy refuses is refused here, before a streamed response has begun."""
         received = time.time()
         self._check_tool_choice(req)
-        prefill = self._forced_prefill(session, req)
+        structure, constraint, not_enforced = self._structure(req)
+        prefill = self._forced_prefill(session, req, call=constraint != "tool_call")
         splicing = (session.continuity or self.config.continuity) == "splice"
         histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
                                      chat_template=session.chat_template, splices=splices, session=session.id)
         if edited:
             rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
-        requested = self._sampling(req, len(rendered.prompt_ids))
+        if not_enforced:
+            rendered.info["not_enforced"] = not_enforced  # tool schema keywords the forced call's grammar dropped
+        requested = self._sampling(req, len(rendered.prompt_ids), structure)
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         return Prepared(session=session, req=req, api=api, request_id=uuid.uuid4().hex[:16], call_index=call_index,
-                        rendered=rendered, prefill=prefill, requested=requested, specs=specs, splicing=splicing,
+                        rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs, splicing=splicing,
                         histories=histories, in_thought=in_thought, timings={"received": received})
 
     async def generate(self, p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None = None
@@ -162,7 +167,7 @@ class CallService:
         return CompletedCall(
             session=session, call_index=p.call_index, request_id=p.request_id, api=p.api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
-            sampling=_spec_dict(p.specs[0], p.requested), choices=choices,
+            sampling=_spec_dict(p.specs[0], p.requested, p.constraint), choices=choices,
             timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
 
     def splitter(self, p: Prepared) -> Splitter:
@@ -188,12 +193,34 @@ class CallService:
             self._freed = 0
             release_memory()
 
-    def _forced_prefill(self, session: Session, req: CanonicalRequest) -> str:
-        """The start of a forced call (Renderer.forced_prefill). Where the generation prompt opens a thought, the
-        thought is closed first, empty, as the template's thinking-off prompt closes it: a call written inside
-        a thought is no call."""
-        prefill = self.renderer.forced_prefill(req.tool_choice) if req.tools else ""
-        glue = self.renderer.glue(session.chat_template, req.thinking) if prefill else None
+    def _structure(self, req: CanonicalRequest) -> tuple[str | None, str | None, list[str]]:
+        """(structural tag, its kind, tool-schema keywords it could not enforce) for a request whose output is
+        constrained (proxy/constraints.py): a structured output, or a forced call in a family with a grammar."""
+        if req.output is not None:
+            if req.tools and req.tool_choice != "none" and self._forces_call(req):
+                raise RequestError("a structured output and a forced tool call cannot both constrain one turn",
+                                   param="tool_choice")
+            constraints.checked_schema(req.output.schema or {}, param="response_format", strict=True)  # 400s early
+            return None, req.output.kind, []  # built in _sampling, once max_tokens is known
+        if req.tools and self._forces_call(req):
+            tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]
+            built = constraints.tool_structure(self.parser.tool_parser, tools, req.tool_choice,
+                                               parallel=req.parallel_tool_calls)
+            if built is not None:
+                return built[0], "tool_call", built[1]
+        return None, None, []
+
+    @staticmethod
+    def _forces_call(req: CanonicalRequest) -> bool:
+        return isinstance(req.tool_choice, dict) or req.tool_choice == "required"
+
+    def _forced_prefill(self, session: Session, req: CanonicalRequest, *, call: bool = True) -> str:
+        """The start of a forced call (Renderer.forced_prefill) when `call` (a family the grammar cannot force).
+        Where the generation prompt opens a thought, the thought is closed first, empty, as the template's
+        thinking-off prompt closes it: a call written inside a thought is no call."""
+        forced = req.tools and self._forces_call(req)
+        prefill = self.renderer.forced_prefill(req.tool_choice) if forced and call else ""
+        glue = self.renderer.glue(session.chat_template, req.thinking) if forced else None
         if glue is not None and self.parser.thinking and self.parser.opens_thought(glue.opening):
             prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
         return prefill
@@ -274,8 +301,14 @@ class CallService:
                                    f"{sorted(names)}", param="tool_choice")
         elif req.tool_choice == "required" and not req.tools:
             raise RequestError("tool_choice 'required' needs at least one tool", param="tool_choice")
+        if req.allowed_tools is not None:
+            names = {t["function"]["name"] for t in req.tools}
+            unknown = sorted(set(req.allowed_tools) - names)
+            if unknown or not req.allowed_tools:
+                raise RequestError(f"allowed tool names {unknown or '[]'} are not among the tools {sorted(names)}",
+                                   param="tool_choice")
 
-    def _sampling(self, req: CanonicalRequest, prompt_len: int) -> SamplingSpec:
+    def _sampling(self, req: CanonicalRequest, prompt_len: int, structure: str | None = None) -> SamplingSpec:
         room = self.engine.max_model_len - prompt_len
         if room < 1:
             raise ContextLengthError(
@@ -286,9 +319,13 @@ class CallService:
         max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
         fmt = self.renderer.tool_format
         banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
+        if req.output is not None:
+            structure = constraints.output_structure(req.output, max_tokens=max_tokens, param="response_format")
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
-                            num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos)
+                            num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos,
+                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                            logit_bias=tuple(req.logit_bias.items()), structure=structure)
 
 
 def _override(spec: SamplingSpec, forced: dict[str, Any], call_index: int) -> SamplingSpec:
@@ -314,9 +351,18 @@ def _nth_seed(spec: SamplingSpec, i: int, *, hashed: bool = False) -> SamplingSp
     return replace(spec, seed=mix_seed(spec.seed, "choice", i) if hashed else derived_seed(spec.seed, i))
 
 
-def _spec_dict(spec: SamplingSpec, requested: SamplingSpec) -> dict[str, Any]:
+def _spec_dict(spec: SamplingSpec, requested: SamplingSpec, constraint: str | None = None) -> dict[str, Any]:
     """The recorded sampling: what the engine applied, and under "overridden" what the request asked for where
-    a session's forced sampling replaced it."""
-    applied, asked = asdict(spec), asdict(requested)
+    a session's forced sampling replaced it. The grammar itself is not repeated (the request body holds its
+    schema): "constraint" says which kind held the output, every output token of it (proxy/constraints.py)."""
+    applied, asked = _recorded(spec), _recorded(requested)
     overridden = {name: asked[name] for name in applied if asked[name] != applied[name]}
+    applied["constraint"] = constraint
     return {**applied, "overridden": overridden} if overridden else applied
+
+
+def _recorded(spec: SamplingSpec) -> dict[str, Any]:
+    out = asdict(spec)
+    del out["structure"]
+    out["logit_bias"] = {str(token): bias for token, bias in spec.logit_bias}  # JSON object keys are strings
+    return out

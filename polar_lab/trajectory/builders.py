@@ -1,6 +1,7 @@
 """Trajectory builders: the recorded calls of one session → `Trajectory` samples. Pure functions, no state.
 
 per_request     one sample per call: prompt (loss 0) + sampled tokens (loss 1).
+                (Both: tokens sampled under a grammar get loss 0 unless `train_constrained`; see _extend.)
 prefix_merging  calls are chained: a call whose prompt ids start with a chain's ids (its last prompt +
                 sampled ids) extends that chain (longest chain wins). The prompt tokens between two
                 model turns — tool results, user turns, template glue — get loss_mask 0 and no
@@ -35,17 +36,17 @@ class ChainBreak:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def per_request(calls: Iterable[ModelCall]) -> list[Trajectory]:
+def per_request(calls: Iterable[ModelCall], *, train_constrained: bool = False) -> list[Trajectory]:
     out = []
     for call in _ordered(calls):
         traj = _new_chain(call.session_id, len(out), call)
-        _extend(traj, call)
+        _extend(traj, call, train_constrained)
         out.append(traj)
     return out
 
 
 def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak], None] | None = None,
-                   ) -> list[Trajectory]:
+                   train_constrained: bool = False) -> list[Trajectory]:
     """Merge each session's calls into chains. `on_break` receives every chain break (for diagnostics)."""
     out: list[Trajectory] = []
     by_session: dict[str, list[Trajectory]] = {}
@@ -58,7 +59,7 @@ def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak
                 on_break(_break(call, chains, chain.chain_index))
             chains.append(chain)
             out.append(chain)
-        _extend(chain, call)
+        _extend(chain, call, train_constrained)
     return out
 
 
@@ -74,8 +75,11 @@ def _new_chain(session_id: str, index: int, first: ModelCall) -> Trajectory:
                       behavior_logprobs=[], policy_versions=[], temperature=first.sampling.get("temperature", 1.0))
 
 
-def _extend(chain: Trajectory, call: ModelCall) -> None:
-    """Append the call's new prompt tokens (loss 0) and its sampled tokens (loss 1, with logprobs)."""
+def _extend(chain: Trajectory, call: ModelCall, train_constrained: bool = False) -> None:
+    """Append the call's new prompt tokens (loss 0) and its sampled tokens (loss 1, with logprobs). Tokens sampled
+    under a grammar (a structured output, a forced call: `sampling["constraint"]`) get loss 0 unless
+    `train_constrained`: the grammar renormalised the distribution over the tokens it allowed, so the engine's
+    logprobs are not the policy's, and the loss would push up tokens the policy never chose freely."""
     n = len(call.output_ids)
     if len(call.output_logprobs) != n or len(call.output_versions) != n:
         # one short list would shift every later token's logprob and version, and with them its TIS weight
@@ -85,6 +89,9 @@ def _extend(chain: Trajectory, call: ModelCall) -> None:
     trained = call.finish_reason != "abort"  # a turn its caller cut off mid-stream is no completed turn: not trained
     if not trained:
         chain.info["aborted"] = chain.info.get("aborted", 0) + 1
+    if call.sampling.get("constraint") and trained:
+        chain.info["constrained"] = chain.info.get("constrained", 0) + 1
+        trained = train_constrained
     chain.token_ids += new_prompt + list(call.output_ids)
     chain.loss_mask += [0] * len(new_prompt) + [int(trained)] * len(call.output_ids)
     chain.behavior_logprobs += [0.0] * len(new_prompt) + list(call.output_logprobs)

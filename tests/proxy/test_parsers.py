@@ -2,6 +2,8 @@
 every family but Hermes, and what the proxy needs besides parsing (forcing and forbidding a call) per format.
 The tiny-calc tokenizer serves: vLLM's Qwen3 XML and reasoning parsers need only its vocabulary."""
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -94,13 +96,16 @@ def test_a_lab_serves_xml_tool_calls_as_structured_calls_on_every_sdk(xml_lab):
     assert (block.name, block.input, message.stop_reason) == ("calculator", {"expression": "12*7+5"}, "tool_use")
 
 
-def test_a_forced_call_is_prefilled_in_the_families_format(xml_lab):
+def test_a_forced_call_is_held_to_the_families_format_by_a_grammar(xml_lab):
     session = xml_lab.session()
     chat = openai.OpenAI(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
     chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "12*7+5?"}], tools=[CALC_TOOL],
                                  tool_choice={"type": "function", "function": {"name": "calculator"}})
     (record,) = [c for c in xml_lab.recorded.call_records() if c.session_id == session.id]
-    assert record.render["prefill"] == "<tool_call>\n<function=calculator>\n"
+    assert record.render["prefill"] == "" and record.sampling["constraint"] == "tool_call"
+    tag = xml_lab.engine.specs[-1].structure  # xgrammar's Qwen3.5 XML call with the tool's parameters inside
+    assert json.loads(tag)["format"]["begin"] == "<tool_call>\n<function=calculator>\n"
+    assert json.loads(tag)["format"]["content"]["style"] == "qwen_xml"
 
 
 def test_an_unknown_parser_name_stops_the_lab_before_it_serves(model_path, tokenizer, tmp_path):

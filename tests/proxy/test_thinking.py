@@ -1,6 +1,7 @@
 """Thinking over HTTP with the Qwen3.5-format fixture's tokenizer and template (the engine is scripted): each API's
 switch reaches the template as `enable_thinking`, and Anthropic's thinking signature is checked when echoed."""
 
+import json
 from pathlib import Path
 
 import httpx
@@ -59,8 +60,8 @@ def test_each_apis_thinking_switch_reaches_the_template(lab, path, off, on):
 
 
 def test_a_forced_call_closes_the_thought_the_prompt_opened(lab):
-    """A call prefilled inside the opened thought would be a thought, not a call: the prefill closes it first,
-    empty, as the template's thinking-off prompt does."""
+    """A call forced inside the opened thought would be a thought, not a call: the prefill closes it first,
+    empty, as the template's thinking-off prompt does; the grammar then holds the output to the call."""
     from polar_lab.harness.calculator import CALC_TOOL
 
     s = lab.session()
@@ -68,7 +69,8 @@ def test_a_forced_call_closes_the_thought_the_prompt_opened(lab):
                                           "tool_choice": {"type": "function", "function": {"name": "calculator"}}})
     assert r.status_code == 200
     prompt = lab.tokenizer.decode(lab.engine.prompts[-1], skip_special_tokens=False)
-    assert prompt.endswith(CLOSED + "<tool_call>\n<function=calculator>\n")
+    assert prompt.endswith(CLOSED)
+    assert json.loads(lab.engine.specs[-1].structure)["format"]["begin"] == "<tool_call>\n<function=calculator>\n"
 
 
 def test_chat_template_kwargs_take_only_enable_thinking(lab):

@@ -22,6 +22,7 @@ from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
+from polar_lab.proxy import constraints
 from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
 from polar_lab.proxy.service import CallService, Prepared
 
@@ -73,6 +74,8 @@ class MessagesRequest(Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name for output_config.format
 
 
 class CountTokensRequest(Lenient):
@@ -99,7 +102,8 @@ def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSign
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
         stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model,
-        thinking=_thinking(body.thinking))
+        thinking=_thinking(body.thinking), output=constraints.anthropic_format(body.output_config, body.output_format),
+        parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use))
 
 
 def _thinking(config: dict[str, Any] | None) -> bool | None:

@@ -22,6 +22,7 @@ from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import google_error, serve
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
                                       TopP, WholeTopK, stop_tuple, whole)
+from polar_lab.proxy import constraints
 from polar_lab.proxy.service import CallService, Prepared
 
 API = "google.generate_content"
@@ -51,6 +52,9 @@ class GenerationConfig(Lenient):
     responseLogprobs: Flag | None = _name("responseLogprobs", "response_logprobs")  # noqa: N815
     logprobs: TopLogprobs | None = None
     thinkingConfig: dict[str, Any] | None = _name("thinkingConfig", "thinking_config")  # noqa: N815
+    responseMimeType: str | None = _name("responseMimeType", "response_mime_type")  # noqa: N815
+    responseSchema: dict[str, Any] | None = _name("responseSchema", "response_schema")  # noqa: N815
+    responseJsonSchema: Any = _name("responseJsonSchema", "response_json_schema")  # noqa: N815
 
 
 class GenerateContentRequest(Lenient):
@@ -71,11 +75,14 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
     if config.candidateCount not in (None, 1):
         raise RequestError("candidateCount other than 1 is not supported", param="generationConfig.candidateCount")
     top_k = whole(config.topK, param="generationConfig.topK")
+    tool_choice, allowed = _tool_choice(body.toolConfig)
     return CanonicalRequest(
-        messages=messages, tools=_tools(body.tools), tool_choice=_tool_choice(body.toolConfig),
+        messages=messages, tools=_tools(body.tools), tool_choice=tool_choice, allowed_tools=allowed,
         max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
         top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
-        stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig))
+        stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig),
+        output=constraints.google_format(config.model_dump(exclude_none=True)),
+        presence_penalty=config.presencePenalty or 0.0, frequency_penalty=config.frequencyPenalty or 0.0)
 
 
 def _thinking(config: dict[str, Any] | None) -> bool | None:
@@ -116,17 +123,25 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     for tool in tools or []:
         for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
             function = {k: decl[k] for k in ("name", "description") if k in decl}
-            function["parameters"] = (decl.get("parameters") or decl.get("parametersJsonSchema")
-                                      or decl.get("parameters_json_schema") or {})  # google-genai sends this one
+            openapi = decl.get("parameters")  # OpenAPI's subset, upper-case types; google-genai sends the other
+            function["parameters"] = constraints.from_openapi(openapi, param="tools") if openapi else (
+                decl.get("parametersJsonSchema") or decl.get("parameters_json_schema") or {})
             out.append({"type": "function", "function": function})
     return out
 
 
-def _tool_choice(config: dict[str, Any] | None) -> str | dict[str, Any]:
-    calling = (config or {}).get("functionCallingConfig") or {}
+def _tool_choice(config: dict[str, Any] | None) -> tuple[str | dict[str, Any], list[str] | None]:
+    """(tool choice, the names a forced call may take): mode ANY with `allowedFunctionNames` forces a call of
+    one of them (one name: that tool)."""
+    calling = (config or {}).get("functionCallingConfig") or (config or {}).get("function_calling_config") or {}
     mode = _MODES.get(str(calling.get("mode", "AUTO")).upper(), "auto")
-    names = calling.get("allowedFunctionNames") or []
-    return {"name": names[0]} if mode == "required" and len(names) == 1 else mode
+    names = calling.get("allowedFunctionNames") or calling.get("allowed_function_names") or []
+    if mode != "required" or not names:
+        return mode, None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise RequestError("allowedFunctionNames must be a list of names",
+                           param="toolConfig.functionCallingConfig.allowedFunctionNames")
+    return ({"name": names[0]} if len(names) == 1 else mode), list(names)
 
 
 def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs) -> dict[str, Any]:

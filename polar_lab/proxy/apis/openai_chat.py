@@ -22,6 +22,7 @@ from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
+from polar_lab.proxy import constraints
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
                                       TopK, TopLogprobs, TopP, stop_tuple)
 from polar_lab.proxy.service import CallService, Prepared
@@ -126,7 +127,22 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
         stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
         thinking=_thinking(body.chat_template_kwargs),
+        output=constraints.openai_format(body.response_format, param="response_format"),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(body.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias in [-100, 100]}; ids beyond the vocabulary are refused by the engine (a 400)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias maps token ids (digits) to numbers in [-100, 100], got {key!r}: {value}",
+                               param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _thinking(kwargs: dict[str, Any] | None) -> bool | None:

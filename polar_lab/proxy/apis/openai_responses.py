@@ -22,6 +22,7 @@ from polar_lab.errors import RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
+from polar_lab.proxy import constraints
 from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 from polar_lab.proxy.service import CallService, Prepared
 
@@ -41,6 +42,7 @@ class ResponsesRequest(Lenient):
     tools: list[dict[str, Any]] | None = None
     top_logprobs: TopLogprobs | None = None
     top_p: TopP | None = None
+    text: dict[str, Any] | None = None
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
     seed: Seed | None = None
@@ -63,7 +65,9 @@ def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
         messages=messages, tools=tools, tool_choice=_tool_choice(body.tool_choice),
         max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        seed=body.seed, stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning))
+        seed=body.seed, stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning),
+        output=constraints.openai_format((body.text or {}).get("format"), param="text.format"),
+        parallel_tool_calls=body.parallel_tool_calls is not False)
 
 
 def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
