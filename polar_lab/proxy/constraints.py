@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ FORMATS = {"email", "date-time", "date", "time", "uuid", "uri", "ipv4", "ipv6", 
 
 NUMBER_BOUND = 2**53 - 1  # unbounded numbers get [-NUMBER_BOUND, NUMBER_BOUND]
 MAX_DEPTH = 32  # nesting of a schema (and of any value in it); deeper is a 400 before any compiler sees it
+JSON_MODE_SHARE = 0.125  # JSON mode: a string may take this share of max_tokens, in characters
+CALL_CHARS = 40  # characters of a call's wrapper besides its name and arguments (`<tool_call>\n{"name": ...}`)
 ARRAY_BOUND = 8  # items of an array whose schema sets no maxItems (budgeted)
 PROPERTY_CHARS = 8  # characters a property takes besides its name and value: quotes, colon, comma, whitespace
 NUMBER_CHARS = 20  # characters a bounded number takes at most: 16 digits, sign, point, whitespace
@@ -78,7 +81,7 @@ def output_structure(fmt: OutputFormat, *, max_tokens: int, param: str) -> str:
     """The structural tag (JSON text) that makes the whole output one JSON document of `fmt`, able to close
     within `max_tokens` (see `budgeted`)."""
     if fmt.kind == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
+        schema = any_object(max_tokens)
     else:
         schema = budgeted(checked_schema(fmt.schema, param=param, strict=True)[0], max_tokens)
     tag = {"type": "structural_tag",
@@ -86,22 +89,26 @@ def output_structure(fmt: OutputFormat, *, max_tokens: int, param: str) -> str:
     return _compiles(json.dumps(tag), param=param)
 
 
+def can_force(tool_parser: str | None) -> bool:
+    """Whether a grammar here can force this family's calls (else its prefill alone does)."""
+    return (tool_parser or "") in XGRAMMAR_FAMILIES
+
+
 def tool_structure(tool_parser: str | None, tools: list[dict[str, Any]], choice: str | dict[str, Any], *,
-                   parallel: bool) -> tuple[str, list[str]] | None:
-    """(structural tag, keywords dropped from the tools' schemas) forcing a call in the family's own format:
-    of the named tool when `choice` is {"name": ...}, of any tool in `tools` when it is "required" (at most
-    one call unless `parallel`). None when the family has no grammar here (its prefill alone forces the call)."""
-    family = XGRAMMAR_FAMILIES.get(tool_parser or "")
-    if family is None:
-        return None
+                   parallel: bool, max_tokens: int) -> tuple[str, list[str]]:
+    """(structural tag, keywords dropped from the tools' schemas) forcing a call in the family's own format
+    (`can_force`): of the named tool when `choice` is {"name": ...}, of any tool in `tools` when it is
+    "required" (at most one call unless `parallel`); each tool's arguments `budgeted` to close in max_tokens."""
     import xgrammar
 
+    family = XGRAMMAR_FAMILIES[tool_parser or ""]
     dropped: list[str] = []
     bounded = []
     for tool in tools:
         function = tool["function"]
         schema, lost = checked_schema(function.get("parameters") or {"type": "object"},
                                       param=f"tools.{function['name']}.parameters", strict=False)
+        schema = budgeted(schema, max_tokens - CALL_CHARS - len(function["name"]))
         dropped += [f"{function['name']}: {k}" for k in lost]
         bounded.append({"type": "function", "function": {"name": function["name"], "parameters": schema}})
     named = {"type": "function", "function": {"name": choice["name"]}} if isinstance(choice, dict) else "required"
@@ -144,6 +151,18 @@ def checked_schema(schema: Any, *, param: str, strict: bool) -> tuple[dict[str, 
             if "maximum" not in node and "exclusiveMaximum" not in node:
                 node["maximum"] = NUMBER_BOUND
     return out, dropped
+
+
+def any_object(max_tokens: int) -> dict[str, Any]:
+    """JSON mode's schema: any JSON object, with every string at most JSON_MODE_SHARE of the budget in characters
+    and numbers bounded (see `budgeted`); nesting and sizes are free, so a document can still run out of
+    tokens, and then ends with finish_reason "length", as OpenAI's does."""
+    bound = {"minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND}
+    value = {"anyOf": [{"type": "string", "maxLength": max(8, int(max_tokens * JSON_MODE_SHARE))},
+                       {"type": "integer", **bound}, {"type": "number", **bound}, {"type": "boolean"},
+                       {"type": "null"}, {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                       {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+    return {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": value}}
 
 
 def budgeted(schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -287,7 +306,8 @@ def google_format(config: dict[str, Any]) -> OutputFormat | None:
 
 
 def from_openapi(schema: Any, *, param: str) -> Any:
-    """Google's OpenAPI-style schema as JSON Schema: its upper-case type names lowered, the rest as it is."""
+    """Google's OpenAPI-style schema as JSON Schema: its upper-case type names lowered, its keywords in camelCase
+    (google-genai sends protobuf's names: `any_of`, `property_ordering`), the rest as it is."""
     _check_depth(schema, param)
     return _from_openapi(schema)
 
@@ -299,6 +319,7 @@ def _from_openapi(schema: Any) -> Any:
         return schema
     out = {}
     for key, value in schema.items():
+        key = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), key)
         if key == "type" and isinstance(value, str):
             out[key] = value.lower()
         elif key in ("properties", "$defs", "definitions") and isinstance(value, dict):

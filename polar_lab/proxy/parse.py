@@ -47,16 +47,14 @@ def parse_output(text: str, *, parse_tools: bool = True) -> ParsedOutput:
     if not parse_tools or TOOL_OPEN not in text:
         return ParsedOutput(content=text or None, reasoning=reasoning)
     calls, errors, first_start = [], [], None
-    starts = [m.start() for m in re.finditer(re.escape(TOOL_OPEN), text)]
-    for start, end in zip(starts, starts[1:] + [len(text)]):
-        body, closed, trailing = text[start + len(TOOL_OPEN):end].partition(TOOL_CLOSE)
-        call, error = _parse_block(body.strip(), closed=bool(closed))
+    for start, body, closed, trailing, last in _blocks(text):
+        call, error = _parse_block(body.strip(), closed=closed)
         if call is None:
             errors.append(error)
             continue
         calls.append(call)
         first_start = start if first_start is None else first_start
-        if trailing.strip() and end == len(text):
+        if trailing.strip() and last:
             errors.append(f"text after a tool call was dropped: {trailing.strip()[:80]!r}")
     if not calls:
         # Nothing usable: hand back exactly what the model wrote, so a harness that echoes it re-renders
@@ -65,6 +63,49 @@ def parse_output(text: str, *, parse_tools: bool = True) -> ParsedOutput:
     head = text[:first_start]
     content = head[:-1] if head.endswith("\n") else head  # the template puts one "\n" before a call
     return ParsedOutput(content=content or None, reasoning=reasoning, tool_calls=calls, errors=errors)
+
+
+def _blocks(text: str) -> list[tuple[int, str, bool, str, bool]]:
+    r"""(start, body, closed, text after the close, last) of each `<tool_call>` block. A block whose body is one
+    JSON object followed by the close marker ends there, even when a string inside it holds a marker (a model
+    may write "<tool_call>" into an argument; the grammar of a forced call allows it); any other block ends at
+    the first close marker, or at the next opening.
+
+    >>> [b[1] for b in _blocks('<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}}\n</tool_call>')]
+    ['\n{"name": "f", "arguments": {"s": "</tool_call>"}}\n']
+    """
+    out = []
+    at = text.find(TOOL_OPEN)
+    while at != -1:
+        inner = at + len(TOOL_OPEN)
+        end = _json_block_end(text, inner)
+        if end is not None:
+            following = text.find(TOOL_OPEN, end)
+            body, closed = text[inner:end - len(TOOL_CLOSE)], True
+            trailing = text[end:following if following != -1 else len(text)]
+        else:
+            following = text.find(TOOL_OPEN, inner)
+            body, close, trailing = text[inner:following if following != -1 else len(text)].partition(TOOL_CLOSE)
+            closed = bool(close)
+        out.append((at, body, closed, trailing, following == -1))
+        at = following
+    return out
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_block_end(text: str, at: int) -> int | None:
+    """The end of the close marker after one JSON object starting (after whitespace) at `at`; None if none."""
+    i = len(text) - len(text[at:].lstrip())
+    if not text.startswith("{", i):
+        return None
+    try:
+        _, j = _DECODER.raw_decode(text, i)
+    except ValueError:
+        return None
+    k = len(text) - len(text[j:].lstrip())
+    return k + len(TOOL_CLOSE) if text.startswith(TOOL_CLOSE, k) else None
 
 
 def _split_reasoning(text: str) -> tuple[str | None, str]:

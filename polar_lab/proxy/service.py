@@ -103,7 +103,7 @@ class CallService:
         the proxy refuses is refused here, before a streamed response has begun."""
         received = time.time()
         self._check_tool_choice(req)
-        structure, constraint, not_enforced = self._structure(req)
+        constraint = self._constraint(req)
         prefill = self._forced_prefill(session, req, call=constraint != "tool_call")
         splicing = (session.continuity or self.config.continuity) == "splice"
         histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
@@ -111,15 +111,14 @@ class CallService:
                                      chat_template=session.chat_template, splices=splices, session=session.id)
         if edited:
             rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
-        if not_enforced:
-            rendered.info["not_enforced"] = not_enforced  # tool schema keywords the forced call's grammar dropped
-        requested = self._sampling(req, len(rendered.prompt_ids), structure)
+        requested = self._sampling(req, len(rendered.prompt_ids), constraint, rendered.info)
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         return Prepared(session=session, req=req, api=api, request_id=uuid.uuid4().hex[:16], call_index=call_index,
-                        rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs, splicing=splicing,
+                        rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs,
+                        splicing=splicing,
                         histories=histories, in_thought=in_thought, timings={"received": received})
 
     async def generate(self, p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None = None
@@ -193,22 +192,19 @@ class CallService:
             self._freed = 0
             release_memory()
 
-    def _structure(self, req: CanonicalRequest) -> tuple[str | None, str | None, list[str]]:
-        """(structural tag, its kind, tool-schema keywords it could not enforce) for a request whose output is
-        constrained (proxy/constraints.py): a structured output, or a forced call in a family with a grammar."""
+    def _constraint(self, req: CanonicalRequest) -> str | None:
+        """What a grammar will hold the output to (proxy/constraints.py): "json_schema" | "json_object" for a
+        structured output, "tool_call" for a forced call in a family with a grammar; None: nothing. A schema the
+        grammar cannot take is refused here, before anything is rendered or streamed."""
         if req.output is not None:
             if req.tools and req.tool_choice != "none" and self._forces_call(req):
                 raise RequestError("a structured output and a forced tool call cannot both constrain one turn",
                                    param="tool_choice")
-            constraints.checked_schema(req.output.schema or {}, param="response_format", strict=True)  # 400s early
-            return None, req.output.kind, []  # built in _sampling, once max_tokens is known
-        if req.tools and self._forces_call(req):
-            tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]
-            built = constraints.tool_structure(self.parser.tool_parser, tools, req.tool_choice,
-                                               parallel=req.parallel_tool_calls)
-            if built is not None:
-                return built[0], "tool_call", built[1]
-        return None, None, []
+            constraints.checked_schema(req.output.schema or {}, param="response_format", strict=True)
+            return req.output.kind
+        if req.tools and self._forces_call(req) and constraints.can_force(self.parser.tool_parser):
+            return "tool_call"
+        return None
 
     @staticmethod
     def _forces_call(req: CanonicalRequest) -> bool:
@@ -308,7 +304,10 @@ class CallService:
                 raise RequestError(f"allowed tool names {unknown or '[]'} are not among the tools {sorted(names)}",
                                    param="tool_choice")
 
-    def _sampling(self, req: CanonicalRequest, prompt_len: int, structure: str | None = None) -> SamplingSpec:
+    def _sampling(self, req: CanonicalRequest, prompt_len: int, constraint: str | None = None,
+                  info: dict[str, Any] | None = None) -> SamplingSpec:
+        """The request's sampling, with the grammar of its `constraint` sized to the max_tokens it gets (a tool
+        schema's keywords the grammar dropped are listed in `info["not_enforced"]`)."""
         room = self.engine.max_model_len - prompt_len
         if room < 1:
             raise ContextLengthError(
@@ -319,8 +318,15 @@ class CallService:
         max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
         fmt = self.renderer.tool_format
         banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
+        structure = None
         if req.output is not None:
             structure = constraints.output_structure(req.output, max_tokens=max_tokens, param="response_format")
+        elif constraint == "tool_call":
+            tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]
+            structure, dropped = constraints.tool_structure(self.parser.tool_parser, tools, req.tool_choice,
+                                                            parallel=req.parallel_tool_calls, max_tokens=max_tokens)
+            if dropped and info is not None:
+                info["not_enforced"] = dropped  # tool schema keywords the forced call's grammar could not hold
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos,

@@ -68,3 +68,12 @@ def test_content_and_calls_re_render_to_the_generated_text(tokenizer):
         prompt = renderer.render([{"role": "user", "content": "q"}], []).text
         full = renderer.render([{"role": "user", "content": "q"}, message, {"role": "user", "content": "n"}], []).text
         assert full.startswith(prompt + text + "<|im_end|>"), text
+
+
+def test_a_marker_inside_an_argument_string_does_not_end_the_call():
+    """Seen on the real engine under a forced call's grammar: the JSON is valid, a string in it holds a marker."""
+    for inner in ("<tool_call>+3", "x</tool_call>!4"):
+        args = json.dumps({"expression": inner})
+        parsed = parse_output(f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call>')
+        assert [(c["name"], c["arguments"]) for c in parsed.tool_calls] == [("calculator", args)], parsed
+        assert parsed.errors == [] and parsed.content is None
