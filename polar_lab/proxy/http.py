@@ -61,13 +61,16 @@ def error_response(request: Request, status: int, message: str, *, code: str | N
 
 
 async def serve(request: Request, service: CallService, schema, api: str, to_canonical, *, build,
-                 stream) -> Response:
+                 stream, expand=None) -> Response:
     """The one request path every API shares: auth → parse → canonical → engine → record → respond.
     build(call, req, body) → the response body; stream(prepared, body) → the API's stream Writer (a streamed
-    request is served by proxy/streaming.py, token by token)."""
+    request is served by proxy/streaming.py, token by token); expand(session, body) → the body with what the
+    session keeps for it filled in (a stored previous response), before its conversion."""
     session = service.registry.resolve(session_key(request))
     raw, size = await json_body(request, service.config.max_body_bytes)
     body = validate(schema, raw)
+    if expand is not None:
+        body = expand(session, body)
     req = canonical(to_canonical, body)
     inline = size <= service.config.inline_render_bytes
     try:

@@ -83,6 +83,8 @@ class CallService:
         self.signer = ThoughtSigner()  # Anthropic thinking signatures, checked when a thought is echoed
         self.gate = PauseState()  # pause/drain/resume around weight syncs (see pause.py)
         registry.on_close.append(self._forget)  # a closed session's tips and turns are dropped
+        # called with (call, request, response) once a call is recorded (the Responses API keeps its responses)
+        self.on_record: list[Callable[[CompletedCall, dict[str, Any], dict[str, Any]], None]] = []
         self._freed = 0  # bytes dropped (estimated) since memory was last released
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
@@ -286,6 +288,8 @@ class CallService:
             self.store.append_call(record)
         call.session.calls += 1
         call.session.last_call_error = None
+        for hook in self.on_record:
+            hook(call, request, response)
         if call.session.closed_at is not None:  # answered after its session closed: keep nothing for later calls
             self._forget(call.session)
 

@@ -66,9 +66,56 @@ def test_errors_come_back_as_openai_sdk_exceptions(lab):
         openai.OpenAI(base_url=lab.url + "/v1", api_key="pl-wrong", max_retries=0).responses.create(
             model="m", input="hi")
     s = lab.session()
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         _client(s).responses.create(model="m", input="hi", previous_response_id="resp_123")
-    assert err.value.param == "previous_response_id"
+    assert err.value.param == "previous_response_id" and "resp_123" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
         _client(s).responses.create(model="m", input="x " * 40000)
     assert err.value.code == "context_length_exceeded"
+
+
+def test_the_agents_sdk_continues_a_stored_response_in_one_chain(lab):
+    """Runner.run(previous_response_id=...) across three turns: each call sends only its new input, the proxy
+    rebuilds the rest from the session's stored responses, and the session stays one token-exact chain."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    s = lab.session(sampling={"seed": 2})
+    agent = Agent(name="calc", instructions=SYSTEM_PROMPT, model_settings=ModelSettings(max_tokens=24),
+                  model=OpenAIResponsesModel("m", openai.AsyncOpenAI(base_url=s.openai_base_url, api_key=s.key,
+                                                                     max_retries=0)))
+
+    async def three_turns():
+        previous = None
+        for question in ("What is 2+3?", "And 4*5?", "And 9-1?"):
+            result = await Runner.run(agent, question, previous_response_id=previous, max_turns=1)
+            previous = result.last_response_id
+        return previous
+
+    last = asyncio.run(three_turns())
+    calls = session_calls(lab, s)
+    assert len(calls) == 3 and [c.request.get("previous_response_id") is None for c in calls] == [True, False, False]
+    assert all(len(c.request["input"]) == 1 for c in calls)  # only the new question went over the wire
+    (chain,) = prefix_merging(calls)
+    assert chain.call_ids == [c.call_id for c in calls]
+    assert _client(s).responses.retrieve(last).id == last == calls[-1].response["id"]
+
+
+def test_a_stored_response_belongs_to_its_session(lab):
+    s, other = lab.session(), lab.session()
+    first = _client(s).responses.create(model="m", input="What is 2+3?", max_output_tokens=8)
+    assert first.store is True and first.parallel_tool_calls is True  # OpenAI's defaults, echoed
+    for client in (_client(other),):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="m", input="and?", previous_response_id=first.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+    unstored = _client(s).responses.create(model="m", input="What is 1+1?", max_output_tokens=8, store=False)
+    with pytest.raises(openai.NotFoundError):
+        _client(s).responses.retrieve(unstored.id)
+    assert _client(s).responses.retrieve(first.id).output_text == first.output_text
+    s.close(1.0)
+    with pytest.raises(openai.NotFoundError):  # dropped with its session
+        _client(lab.session()).responses.retrieve(first.id)

@@ -19,10 +19,10 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from polar_lab.errors import RequestError
+from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
-from polar_lab.proxy import constraints
 from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
 from polar_lab.proxy.service import CallService, Prepared
 

@@ -17,12 +17,12 @@ from fastapi.responses import Response
 from pydantic import AliasChoices, Field
 
 from polar_lab.errors import RequestError
+from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import google_error, serve
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
                                       TopP, WholeTopK, stop_tuple, whole)
-from polar_lab.proxy import constraints
 from polar_lab.proxy.service import CallService, Prepared
 
 API = "google.generate_content"

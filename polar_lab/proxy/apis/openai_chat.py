@@ -19,10 +19,10 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from polar_lab.errors import RequestError
+from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
-from polar_lab.proxy import constraints
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
                                       TopK, TopLogprobs, TopP, stop_tuple)
 from polar_lab.proxy.service import CallService, Prepared

@@ -5,26 +5,30 @@ Input items are kept as loose dicts with a `type`: Codex and the Agents SDK send
 to understand in full. Non-function tools (Codex's `namespace`, `web_search`, `local_shell`...) are accepted
 and not offered to the model. Items map onto chat messages: `message` → a message (developer → system),
 consecutive `function_call` items → one assistant turn's tool calls, `function_call_output` → a tool message,
-`reasoning` → the next assistant turn's reasoning. `previous_response_id` would need server-side
-conversation state; it gets a 400 (send the full input instead, as Codex does).
+`reasoning` → the next assistant turn's reasoning. Responses are stored (`StoredResponses`) unless the request
+says `store: false`: `previous_response_id` continues one of its own session's (its items go before the new
+input, and the chain stays token-exact: they are the items this proxy answered), `GET /v1/responses/{id}`
+returns one.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from polar_lab.errors import RequestError
+from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
-from polar_lab.proxy.http import openai_error, serve
-from polar_lab.proxy import constraints
+from polar_lab.proxy.http import openai_error, serve, session_key
 from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 from polar_lab.proxy.service import CallService, Prepared
+from polar_lab.types import Session
 
 
 class ResponsesRequest(Lenient):
@@ -43,6 +47,8 @@ class ResponsesRequest(Lenient):
     top_logprobs: TopLogprobs | None = None
     top_p: TopP | None = None
     text: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # echoed; "auto" is not applied (docs/api-conformance.md)
+    metadata: dict[str, str] | None = None
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
     seed: Seed | None = None
@@ -53,9 +59,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 
 
 def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
-    if body.previous_response_id:
-        raise RequestError("previous_response_id is not supported: send the whole conversation as input",
-                           param="previous_response_id")
+    """`body` with any previous response already expanded into its input (StoredResponses.expand)."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     messages += _messages(items)
@@ -129,6 +133,59 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
     return "auto"  # hosted-tool choices name tools we do not offer
 
 
+class StoredResponses:
+    """The responses a session keeps for `previous_response_id` and `GET /v1/responses/{id}` (`store`, true unless
+    the request says false, as OpenAI's). Each keeps its own input items, its output items, its previous
+    response's id and its body — what its recorded call holds — so a conversation is rebuilt by walking back
+    through the previous responses. A response belongs to its session: another session's id is a 404, as an
+    unknown one. Dropped when the session closes, and bounded (the newest `size`, oldest dropped first)."""
+
+    def __init__(self, size: int = 100_000):
+        self.size = size
+        self._kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._by_session: dict[str, list[str]] = {}
+
+    def keep(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
+        if call.api != API or request.get("store") is False or response.get("status") not in ("completed",
+                                                                                                 "incomplete"):
+            return
+        items = request.get("input")
+        self._kept[response["id"]] = {
+            "session": call.session.id, "previous": request.get("previous_response_id"), "response": response,
+            "input": [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items}
+        self._by_session.setdefault(call.session.id, []).append(response["id"])
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+    def get(self, session: Session, response_id: str) -> dict[str, Any]:
+        kept = self._kept.get(response_id)
+        if kept is None or kept["session"] != session.id:
+            raise RequestError(f"Response with id '{response_id}' not found.", status=404,
+                               param="previous_response_id")
+        return kept
+
+    def expand(self, session: Session, body: ResponsesRequest) -> ResponsesRequest:
+        """The body with its previous responses' input and output items before its own input (their
+        instructions are not carried over, as OpenAI documents)."""
+        if not body.previous_response_id:
+            return body
+        items: list[Any] = []
+        at: str | None = body.previous_response_id
+        seen = set()
+        while at and at not in seen:
+            seen.add(at)
+            kept = self.get(session, at)
+            items = kept["input"] + kept["response"]["output"] + items
+            at = kept["previous"]
+        own = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
+            else body.input
+        return body.model_copy(update={"input": items + own})
+
+    def drop(self, session: Session) -> None:
+        for response_id in self._by_session.pop(session.id, []):
+            self._kept.pop(response_id, None)
+
+
 def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRequest) -> dict[str, Any]:
     (choice,) = call.choices
     parsed, output = choice.parsed, []
@@ -157,9 +214,12 @@ def _envelope(request_id: str, req: CanonicalRequest, body: ResponsesRequest, mo
     return {"id": "resp_" + request_id, "object": "response", "created_at": time.time(), "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": req.model or model, "output": [],
-            "parallel_tool_calls": bool(body.parallel_tool_calls), "temperature": req.temperature,
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": req.temperature,
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": req.top_p,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": None, "metadata": {}}
+            "text": body.text or {"format": {"type": "text"}}, "truncation": body.truncation or "disabled",
+            "previous_response_id": body.previous_response_id, "store": body.store is not False,
+            "reasoning": body.reasoning or {"effort": None, "summary": None}, "usage": None,
+            "metadata": body.metadata or {}}
 
 
 class ResponseStream:
@@ -245,8 +305,19 @@ class ResponseStream:
 
 
 def register(app: FastAPI, service: CallService) -> None:
+    stored = StoredResponses()
+    service.on_record.append(stored.keep)
+    service.registry.on_close.append(stored.drop)
+
     @app.post("/v1/responses")
     @app.post("/s/{key}/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve(request, service, ResponsesRequest, API, to_canonical, build=build_response,
-                           stream=lambda p, body: ResponseStream(p, body, service.engine.model_name))
+                           stream=lambda p, body: ResponseStream(p, body, service.engine.model_name),
+                           expand=stored.expand)
+
+    @app.get("/v1/responses/{response_id}")
+    @app.get("/s/{key}/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Response:
+        session = service.registry.resolve(session_key(request))
+        return Response(orjson.dumps(stored.get(session, response_id)["response"]), media_type="application/json")
