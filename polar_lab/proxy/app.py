@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.proxy import apis
-from polar_lab.proxy.http import error_response, session_key
+from polar_lab.proxy.http import error_response, provider, session_key
 from polar_lab.proxy.service import CallService
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,43 @@ def create_app(service: CallService) -> FastAPI:
 
     @app.get("/v1/models")
     @app.get("/s/{key}/v1/models")
+    @app.get("/v1beta/models")
+    @app.get("/s/{key}/v1beta/models")
     async def models(request: Request) -> dict[str, Any]:
+        """The served model, in the caller's provider's list shape (every model name is served by it)."""
         service.registry.resolve(session_key(request))
-        engine = service.engine
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "polar_lab", "max_model_len": engine.max_model_len}]}
+        kind = provider(request)
+        model = model_object(kind, service.engine.model_name, service.engine)
+        if kind == "google":
+            return {"models": [model]}
+        if kind == "anthropic":
+            return {"data": [model], "has_more": False, "first_id": model["id"], "last_id": model["id"]}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{model_id:path}")
+    @app.get("/s/{key}/v1/models/{model_id:path}")
+    @app.get("/v1beta/models/{model_id:path}")
+    @app.get("/s/{key}/v1beta/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        """Any model name, as the model that serves it (the proxy answers every name with its one model)."""
+        service.registry.resolve(session_key(request))
+        return model_object(provider(request), model_id.removeprefix("models/"), service.engine)
 
     for api in apis.SURFACES:
         api.register(app, service)
     return app
+
+
+def model_object(kind: str, name: str, engine) -> dict[str, Any]:
+    """One model in a provider's shape: OpenAI's `model`, Anthropic's `ModelInfo`, Google's `Model`."""
+    if kind == "google":
+        return {"name": f"models/{name}", "baseModelId": name, "version": str(engine.policy_version),
+                "displayName": name, "description": f"served by polar_lab ({engine.model_name})",
+                "inputTokenLimit": engine.max_model_len, "outputTokenLimit": engine.max_model_len,
+                "supportedGenerationMethods": ["generateContent", "streamGenerateContent", "countTokens"]}
+    if kind == "anthropic":
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "polar_lab", "max_model_len": engine.max_model_len}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -101,10 +101,27 @@ class Lenient(BaseModel):
 
 class ThoughtSigner:
     """Signs the thoughts the proxy returns (Anthropic's thinking `signature`), so that an echoed thought can be
-    checked: HMAC-SHA256 over its text with a secret of this proxy's, never sent anywhere."""
+    checked: HMAC-SHA256 over its text with a secret of this proxy's, never sent anywhere. Also seals them (the
+    Responses API's `encrypted_content`): Fernet (AES-128-CBC + HMAC) under another secret, opaque to the client
+    and refused when altered."""
 
     def __init__(self) -> None:
+        from cryptography.fernet import Fernet
+
         self._key = secrets.token_bytes(32)
+        self._fernet = Fernet(Fernet.generate_key())
+
+    def seal(self, thinking: str) -> str:
+        return self._fernet.encrypt(thinking.encode()).decode()
+
+    def unseal(self, blob: str) -> str | None:
+        """The sealed thought, or None when `blob` is not one this proxy sealed (or was altered)."""
+        from cryptography.fernet import InvalidToken
+
+        try:
+            return self._fernet.decrypt(blob.encode()).decode()
+        except (InvalidToken, ValueError, TypeError):
+            return None
 
     def sign(self, thinking: str) -> str:
         return base64.b64encode(hmac.new(self._key, thinking.encode(), hashlib.sha256).digest()).decode()

@@ -53,11 +53,27 @@ def _naming(message: str, param: str | None) -> str:
 
 def error_response(request: Request, status: int, message: str, *, code: str | None = None,
                    param: str | None = None) -> JSONResponse:
-    """An error in the shape of the API the caller was speaking (decided by the path)."""
-    path = request.url.path
-    google = "/v1beta/" in path or path.endswith((":generateContent", ":streamGenerateContent"))
-    shape = anthropic_error if "/v1/messages" in path else google_error if google else openai_error
+    """An error in the shape of the API the caller was speaking."""
+    shape = {"anthropic": anthropic_error, "google": google_error}.get(provider(request), openai_error)
     return shape(status, message, code=code, param=param)
+
+
+def provider(request: Request) -> str:
+    """Which provider's API a request speaks: "anthropic" | "google" | "openai". By the path where it tells
+    (`/v1/messages`, `/v1beta/`, a `model:method` path), else by the provider's own headers — the paths
+    `/v1/models...` are shared: google-genai with a base_url uses `/v1/models/...` and sends `x-goog-api-key`,
+    the anthropic SDK sends `anthropic-version`."""
+    path = request.url.path
+    if "/v1/messages" in path:
+        return "anthropic"
+    if "/v1beta/" in path or ":" in path.rsplit("/", 1)[-1]:
+        return "google"
+    if "/v1/models" in path:  # shared by all three: the caller's headers tell
+        if "x-goog-api-key" in request.headers:
+            return "google"
+        if "anthropic-version" in request.headers:
+            return "anthropic"
+    return "openai"
 
 
 async def serve(request: Request, service: CallService, schema, api: str, to_canonical, *, build,

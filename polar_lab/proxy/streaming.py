@@ -54,6 +54,8 @@ class Writer(Protocol):
     def error(self, status: int, message: str) -> bytes:
         """A failure after the stream began (the status line is gone)."""
 
+    # a writer may set `content_type` (bytes) for a stream that is not server-sent events
+
 
 class Feed:
     """The tokens the engine streamed for each choice, waiting for the writer (see the module docstring), and
@@ -136,8 +138,9 @@ class EventStream(Response):
         self.producer = asyncio.create_task(self._produce())
 
     async def __call__(self, scope, receive, send) -> None:
+        content_type = getattr(self.writer, "content_type", b"text/event-stream; charset=utf-8")
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"content-type", content_type), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
         sender = asyncio.create_task(self._deliver(send))
         gone = asyncio.create_task(_disconnected(receive))

@@ -73,7 +73,7 @@ FIELDS = {
         "maxOutputTokens": ints(1, INT64_MAX), "temperature": floats(0, 2), "topP": floats(0, 1, low_open=True),
         "topK": [(v, ok or (type(v) is float and v.is_integer())) for v, ok in ints(0, INT64_MAX)]  # 8.0: a number
                 + [(2.0**60, False)], "seed": ints(INT64_MIN, INT64_MAX),
-        "stopSequences": stops(single_string_ok=False), "candidateCount": [(1, True), (None, True), (2, False),
+        "stopSequences": stops(single_string_ok=False), "candidateCount": [(1, True), (None, True), (2, True), (129, False),
                                                                              ("1", False), (1.0, False)],
         "presencePenalty": floats(-2, 2), "frequencyPenalty": floats(-2, 2), "responseLogprobs": flags(),
         "logprobs": ints(0, 20)},

@@ -38,7 +38,7 @@ BAD = [
     ("anthropic.messages", {"top_k": -1}, "top_k"),
     ("google.generate_content", {"seed": INT64_MAX + 1}, "generationConfig.seed"),
     ("google.generate_content", {"topK": 2.5}, "generationConfig.topK"),
-    ("google.generate_content", {"candidateCount": 2}, "generationConfig.candidateCount"),
+    ("google.generate_content", {"candidateCount": 129}, "generationConfig.candidateCount"),
     ("google.generate_content", {"max_output_tokens": "8"}, "generationConfig.max_output_tokens"),  # proto name
     # floats: out of range, not a number
     ("openai.chat", {"temperature": 2.5}, "temperature"),

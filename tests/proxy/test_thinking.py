@@ -42,7 +42,7 @@ SWITCHES = [  # (path, body with thinking off, body with thinking on): each API'
     ("/v1/responses", {"input": "What is 2+2?", "reasoning": {"effort": "none"}},
      {"input": "What is 2+2?", "reasoning": {"effort": "low"}}),
     ("/v1/messages", {"max_tokens": 16, "messages": USER, "thinking": {"type": "disabled"}},
-     {"max_tokens": 16, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+     {"max_tokens": 2048, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
     ("/v1beta/models/m:generateContent", {"contents": [{"role": "user", "parts": [{"text": "What is 2+2?"}]}],
                                           "generationConfig": {"thinkingConfig": {"thinkingBudget": 0}}},
      {"contents": [{"role": "user", "parts": [{"text": "What is 2+2?"}]}],

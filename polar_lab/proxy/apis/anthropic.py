@@ -11,6 +11,7 @@ and the exact text the model wrote is gone; `ToolArgs` (canonical.py) remembers 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import orjson
@@ -90,6 +91,9 @@ Block.model_rebuild()
 API = "anthropic.messages"
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request line; it would break every chain
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+TOOL_ERROR = "Error: "  # what a failed tool result (`is_error`) starts with in the prompt
+VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")  # an `anthropic-version` is a date (2023-06-01; the SDK 2.14 sends 2026-10-21)
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSigner) -> CanonicalRequest:
@@ -102,13 +106,26 @@ def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSign
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
         stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model,
-        thinking=_thinking(body.thinking), output=constraints.anthropic_format(body.output_config, body.output_format),
+        thinking=_thinking(body.thinking, body.max_tokens),
+        output=constraints.anthropic_format(body.output_config, body.output_format),
         parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use))
 
 
-def _thinking(config: dict[str, Any] | None) -> bool | None:
-    """`thinking: {"type": "enabled" | "adaptive" | "disabled"}` → the template's enable_thinking."""
+def _thinking(config: dict[str, Any] | None, max_tokens: int) -> bool | None:
+    """`thinking: {"type": "enabled" | "adaptive" | "disabled"}` → the template's enable_thinking, checked as
+    Anthropic checks it: "enabled" needs an integer `budget_tokens` of at least 1024 and below max_tokens.
+    (The budget is not enforced on the thought's length: docs/api-conformance.md.)"""
     kind = (config or {}).get("type")
+    if kind not in (None, "enabled", "adaptive", "disabled"):
+        raise RequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}",
+                           param="thinking.type")
+    if kind == "enabled":
+        budget = config.get("budget_tokens")
+        if type(budget) is not int or budget < MIN_THINKING_BUDGET:
+            raise RequestError(f"thinking.budget_tokens: Input should be an integer >= {MIN_THINKING_BUDGET}",
+                               param="thinking.budget_tokens")
+        if budget >= max_tokens:
+            raise RequestError("`max_tokens` must be greater than `thinking.budget_tokens`", param="max_tokens")
     return None if kind is None else kind != "disabled"
 
 
@@ -154,9 +171,17 @@ def _assistant(blocks: list[Block], tool_args: ToolArgs, signer: ThoughtSigner) 
 
 
 def _result_text(block: Block) -> str:
+    """A tool result's text; one that failed (`is_error`) says so first, as Anthropic's own prompt does
+    (the chat templates have no flag for it). Content other than text is refused, as at the top level."""
     if isinstance(block.content, list):
-        return "\n".join(b.text or "" for b in block.content if b.type == "text")
-    return block.content or ""
+        other = [b.type for b in block.content if b.type != "text"]
+        if other:
+            raise RequestError(f"tool_result content blocks of type '{other[0]}' are not supported by this text "
+                               f"model", param="messages")
+        text = "\n".join(b.text or "" for b in block.content)
+    else:
+        text = block.content or ""
+    return f"{TOOL_ERROR}{text}" if block.is_error else text
 
 
 def _tool(t: Tool) -> dict[str, Any]:
@@ -267,10 +292,21 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+def check_version(request: Request) -> None:
+    """`anthropic-version`: a value that is not a version (a date) is a 400, as Anthropic answers one it does not
+    know; every dated version is served alike (the request's fields decide what it gets). A request without the
+    header is served too (Anthropic refuses it; curl users and raw harnesses omit it, every SDK sends it)."""
+    version = request.headers.get("anthropic-version")
+    if version is not None and not VERSION.fullmatch(version.strip()):
+        raise RequestError(f"anthropic-version: {version!r} is not a valid version (e.g. 2023-06-01)",
+                           param="anthropic-version")
+
+
 def register(app: FastAPI, service: CallService) -> None:
     @app.post("/v1/messages")
     @app.post("/s/{key}/v1/messages")
     async def messages(request: Request) -> Response:
+        check_version(request)
         return await serve(
             request, service, MessagesRequest, API, lambda body: to_canonical(body, service.tool_args, service.signer),
             build=lambda call, req, body: build_response(call, req, service.tool_args, service.signer),
@@ -280,9 +316,11 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/s/{key}/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
         service.registry.resolve(session_key(request))
+        check_version(request)
         raw, size = await json_body(request, service.config.max_body_bytes)
         validate(CountTokensRequest, raw)
-        body = validate(MessagesRequest, {**raw, "max_tokens": 1})  # every field checked as for a real call
+        # every field checked as for a real call; no max_tokens here, so none that a thinking budget must stay under
+        body = validate(MessagesRequest, {**raw, "max_tokens": 2**62})
         req = canonical(lambda b: to_canonical(b, service.tool_args, service.signer), body)
         rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
         return {"input_tokens": len(rendered.prompt_ids)}

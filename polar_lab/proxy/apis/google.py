@@ -20,7 +20,7 @@ from polar_lab.errors import RequestError
 from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
 from polar_lab.proxy.deltas import Delta
-from polar_lab.proxy.http import google_error, serve
+from polar_lab.proxy.http import canonical, google_error, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
                                       TopP, WholeTopK, stop_tuple, whole)
 from polar_lab.proxy.service import CallService, Prepared
@@ -72,8 +72,6 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
     for content in body.contents:
         messages += _convert(content, tool_args)
     config = body.generationConfig or GenerationConfig()
-    if config.candidateCount not in (None, 1):
-        raise RequestError("candidateCount other than 1 is not supported", param="generationConfig.candidateCount")
     top_k = whole(config.topK, param="generationConfig.topK")
     tool_choice, allowed = _tool_choice(body.toolConfig)
     return CanonicalRequest(
@@ -81,6 +79,7 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
         max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
         top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
         stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig),
+        n=config.candidateCount or 1, logprobs=bool(config.responseLogprobs), top_logprobs=config.logprobs or 0,
         output=constraints.google_format(config.model_dump(exclude_none=True)),
         presence_penalty=config.presencePenalty or 0.0, frequency_penalty=config.frequencyPenalty or 0.0)
 
@@ -144,22 +143,45 @@ def _tool_choice(config: dict[str, Any] | None) -> tuple[str | dict[str, Any], l
     return ({"name": names[0]} if len(names) == 1 else mode), list(names)
 
 
-def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs) -> dict[str, Any]:
-    (choice,) = call.choices
-    parsed, parts = choice.parsed, []
-    if parsed.reasoning is not None:
-        parts.append({"text": parsed.reasoning, "thought": True})
-    if parsed.content:
-        parts.append({"text": parsed.content})
-    for tc in parsed.tool_calls:
-        tool_args.remember(tc["id"], tc["arguments"])
-        parts.append({"functionCall": {"id": tc["id"], "name": tc["name"], "args": json.loads(tc["arguments"])}})
-    finish = "MAX_TOKENS" if choice.finish_reason == "length" else "STOP"
+def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolArgs, tokenizer) -> dict[str, Any]:
+    """One candidate per choice (`candidateCount`), with `logprobsResult` when `responseLogprobs` asks for it."""
+    candidates = []
+    for choice in call.choices:
+        parsed, parts = choice.parsed, []
+        if parsed.reasoning is not None:
+            parts.append({"text": parsed.reasoning, "thought": True})
+        if parsed.content:
+            parts.append({"text": parsed.content})
+        for tc in parsed.tool_calls:
+            tool_args.remember(tc["id"], tc["arguments"])
+            parts.append({"functionCall": {"id": tc["id"], "name": tc["name"], "args": json.loads(tc["arguments"])}})
+        candidate = {"content": {"role": "model", "parts": parts}, "finishReason": _finish(choice.finish_reason),
+                     "index": choice.index}
+        if req.logprobs:
+            candidate.update(_logprobs(choice.generation, tokenizer, req.top_logprobs))
+        candidates.append(candidate)
     prompt = len(call.prompt_ids)
-    return {"candidates": [{"content": {"role": "model", "parts": parts}, "finishReason": finish, "index": 0}],
+    return {"candidates": candidates,
             "usageMetadata": {"promptTokenCount": prompt, "candidatesTokenCount": call.completion_tokens,
                               "totalTokenCount": prompt + call.completion_tokens},
             "modelVersion": req.model or call.model, "responseId": call.request_id}
+
+
+def _finish(reason: str) -> str:
+    return "MAX_TOKENS" if reason == "length" else "STOP"
+
+
+def _logprobs(gen, tokenizer, k: int) -> dict[str, Any]:
+    """Google's `logprobsResult`: the chosen token at each step, and the k most likely there (`logprobs`)."""
+    def candidate(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokenizer.decode([token_id]), "tokenId": token_id, "logProbability": logprob}
+
+    tops = gen.top_logprobs or [{}] * len(gen.output_ids)
+    chosen = [candidate(t, lp) for t, lp in zip(gen.output_ids, gen.output_logprobs)]
+    top = [{"candidates": [candidate(t, v) for t, v in sorted(alt.items(), key=lambda kv: -kv[1])[:k]]}
+           for alt in tops]
+    mean = sum(gen.output_logprobs) / len(gen.output_logprobs) if gen.output_logprobs else 0.0
+    return {"logprobsResult": {"topCandidates": top, "chosenCandidates": chosen}, "avgLogprobs": mean}
 
 
 class ContentStream:
@@ -167,14 +189,24 @@ class ContentStream:
     with the new part (a thought's text, text, or a whole functionCall); the last one carries the finish
     reason and the usage."""
 
-    def __init__(self, p: Prepared, model: str, tool_args: ToolArgs):
+    def __init__(self, p: Prepared, model: str, tool_args: ToolArgs, *, sse: bool = True):
         self.envelope = {"modelVersion": p.req.model or model, "responseId": p.request_id}
         self.tool_args = tool_args
+        self.sse = sse  # `alt=sse`; without it Google streams one JSON array, element by element
+        self.content_type = b"text/event-stream; charset=utf-8" if sse else b"application/json; charset=utf-8"
+        self.elements = 0
 
-    def chunk(self, parts: list[dict[str, Any]], finish: str | None = None, **extra: Any) -> bytes:
+    def element(self, data: bytes) -> bytes:
+        """One response of the stream: an SSE event, or the array's next element."""
+        self.elements += 1
+        if self.sse:
+            return b"data: " + data + b"\r\n\r\n"
+        return (b"[" if self.elements == 1 else b",\r\n") + data
+
+    def chunk(self, parts: list[dict[str, Any]], finish: str | None = None, index: int = 0, **extra: Any) -> bytes:
         candidate = {"content": {"role": "model", "parts": parts}, **({"finishReason": finish} if finish else {}),
-                     "index": 0}
-        return b"data: " + orjson.dumps({"candidates": [candidate], **extra, **self.envelope}) + b"\r\n\r\n"
+                     "index": index}
+        return self.element(orjson.dumps({"candidates": [candidate], **extra, **self.envelope}))
 
     def start(self) -> bytes:
         return b""  # Google's stream begins with the first part
@@ -185,14 +217,15 @@ class ContentStream:
             part = {"functionCall": {"id": d.call["id"], "name": d.call["name"], "args": json.loads(d.call["arguments"])}}
         else:
             part = {"text": d.text, "thought": True} if d.kind == "reasoning" else {"text": d.text}
-        return self.chunk([part])
+        return self.chunk([part], index=choice)
 
     def finish(self, response: dict[str, Any]) -> bytes:
-        (candidate,) = response["candidates"]
-        return self.chunk([], candidate["finishReason"], usageMetadata=response["usageMetadata"])
+        out = b"".join(self.chunk([], c["finishReason"], c["index"], usageMetadata=response["usageMetadata"])
+                       for c in response["candidates"])
+        return out + (b"" if self.sse else b"]")
 
     def error(self, status: int, message: str) -> bytes:
-        return b"data: " + google_error(status, message).body + b"\r\n\r\n"
+        return self.element(google_error(status, message).body) + (b"" if self.sse else b"]")
 
 
 def register(app: FastAPI, service: CallService) -> None:
@@ -202,12 +235,28 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/s/{key}/v1/models/{model_action}")
     async def generate_content(request: Request, model_action: str) -> Response:
         model, _, action = model_action.partition(":")
+        if action == "countTokens":
+            return await count_tokens(request, model)
         if action not in ("generateContent", "streamGenerateContent"):
-            raise RequestError(f"unknown method '{action}': use generateContent or streamGenerateContent",
-                               status=404)
+            raise RequestError(f"unknown method '{action}': use generateContent, streamGenerateContent or "
+                               f"countTokens", status=404)
+        sse = request.query_params.get("alt") == "sse"
         return await serve(
             request, service, GenerateContentRequest, API,
             lambda body: to_canonical(body, model, stream=action == "streamGenerateContent",
                                       tool_args=service.tool_args),
-            build=lambda call, req, body: build_response(call, req, service.tool_args),
-            stream=lambda p, body: ContentStream(p, service.engine.model_name, service.tool_args))
+            build=lambda call, req, body: build_response(call, req, service.tool_args, service.renderer.tokenizer),
+            stream=lambda p, body: ContentStream(p, service.engine.model_name, service.tool_args, sse=sse))
+
+    async def count_tokens(request: Request, model: str) -> Response:
+        """`countTokens`: the prompt's tokens as this model renders it (`contents`, or a whole
+        `generateContentRequest` with its system instruction and tools). Nothing is generated or recorded."""
+        service.registry.resolve(session_key(request))
+        raw, size = await json_body(request, service.config.max_body_bytes)
+        inner = raw.get("generateContentRequest", raw)
+        if not isinstance(inner, dict):
+            raise RequestError("generateContentRequest must be an object", param="generateContentRequest")
+        body = validate(GenerateContentRequest, {k: v for k, v in inner.items() if k != "model"})
+        req = canonical(lambda b: to_canonical(b, model, stream=False, tool_args=service.tool_args), body)
+        rendered = await service.render(req, inline=size <= service.config.inline_render_bytes)
+        return Response(orjson.dumps({"totalTokens": len(rendered.prompt_ids)}), media_type="application/json")

@@ -200,7 +200,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
                 for tc in c.parsed.tool_calls]
         choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
         if req.logprobs:
-            choice["logprobs"] = {"content": _logprobs(c.generation, tokenizer, req.top_logprobs)}
+            choice["logprobs"] = {"content": token_logprobs(c.generation, tokenizer, req.top_logprobs)}
         choices.append(choice)
     prompt_tokens = len(call.prompt_ids)
     return {
@@ -213,7 +213,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
     }
 
 
-def _logprobs(gen, tokenizer, top_k: int) -> list[dict[str, Any]]:
+def token_logprobs(gen, tokenizer, top_k: int) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content`: each sampled token with its logprob and the `top_k` most likely tokens at
     that position (the sampled one among them when it is one of the k; vLLM adds it to its top k otherwise)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from fastapi.responses import Response
 
 from polar_lab.errors import RequestError
 from polar_lab.proxy import constraints
-from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
+from polar_lab.proxy.apis.openai_chat import token_logprobs
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve, session_key
 from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
@@ -47,6 +48,7 @@ class ResponsesRequest(Lenient):
     top_logprobs: TopLogprobs | None = None
     top_p: TopP | None = None
     text: dict[str, Any] | None = None
+    include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None  # echoed; "auto" is not applied (docs/api-conformance.md)
     metadata: dict[str, str] | None = None
     # --- extensions (vLLM's names) ---
@@ -58,16 +60,30 @@ API = "openai.responses"
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
-    """`body` with any previous response already expanded into its input (StoredResponses.expand)."""
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# `include` values OpenAI documents; the two this proxy can fill are served, the rest name hosted tools and images
+# this text model does not have (docs/api-conformance.md)
+INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
+            "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+            "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
+
+
+def to_canonical(body: ResponsesRequest, signer: ThoughtSigner | None = None) -> CanonicalRequest:
+    """`body` with any previous response already expanded into its input (StoredResponses.expand). signer opens
+    the `encrypted_content` of echoed reasoning items."""
+    unknown = sorted(set(body.include or []) - INCLUDES)
+    if unknown:
+        raise RequestError(f"include: unknown value {unknown[0]!r} (supported: {', '.join(sorted(INCLUDES))})",
+                           param="include")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    messages += _messages(items)
+    messages += _messages(items, signer)
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
              for t in body.tools or [] if t.get("type") == "function" and t.get("name")]
     return CanonicalRequest(
         messages=messages, tools=tools, tool_choice=_tool_choice(body.tool_choice),
         max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        logprobs="message.output_text.logprobs" in (body.include or []), top_logprobs=body.top_logprobs or 0,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
         seed=body.seed, stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning),
         output=constraints.openai_format((body.text or {}).get("format"), param="text.format"),
@@ -75,12 +91,16 @@ def to_canonical(body: ResponsesRequest) -> CanonicalRequest:
 
 
 def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
-    """`reasoning: {"effort": "none"}` turns thinking off (OpenAI's value for no reasoning); any other effort on."""
+    """`reasoning: {"effort": "none"}` turns thinking off (OpenAI's value for no reasoning); any other effort on.
+    The templates have one switch, not levels: minimal to xhigh all think (docs/api-conformance.md)."""
     effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise RequestError(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}",
+                           param="reasoning.effort")
     return None if effort is None else effort != "none"
 
 
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(items: list[dict[str, Any]], signer: ThoughtSigner | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for item in items:
@@ -99,7 +119,7 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
         elif kind == "reasoning":
-            reasoning.append(_text(item.get("content") or item.get("summary")) or "")
+            reasoning.append(_reasoning_text(item, signer))
             continue
         else:
             raise RequestError(f"input items of type '{kind}' are not supported", param="input")
@@ -107,6 +127,19 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out[-1]["reasoning_content"] = "".join(reasoning)
             reasoning = []
     return out
+
+
+def _reasoning_text(item: dict[str, Any], signer: ThoughtSigner | None) -> str:
+    """An echoed reasoning item's thought: sealed in its `encrypted_content` (what a client that keeps no state,
+    Codex with store=false, sends back), else its content or summary text."""
+    sealed = item.get("encrypted_content")
+    if sealed is not None and signer is not None:
+        text = signer.unseal(sealed) if isinstance(sealed, str) else None
+        if text is None:
+            raise RequestError("reasoning item: encrypted_content was not produced by this server (or was altered)",
+                               param="input")
+        return text
+    return _text(item.get("content") or item.get("summary")) or ""
 
 
 def _text(content: Any) -> str | None:
@@ -186,16 +219,17 @@ class StoredResponses:
             self._kept.pop(response_id, None)
 
 
-def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRequest) -> dict[str, Any]:
+def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRequest,
+                   signer: ThoughtSigner | None = None, tokenizer=None) -> dict[str, Any]:
     (choice,) = call.choices
     parsed, output = choice.parsed, []
     if parsed.reasoning is not None:
-        output.append({"type": "reasoning", "id": "rs_" + call.request_id, "summary": [],
-                       "content": [{"type": "reasoning_text", "text": parsed.reasoning}]})
+        output.append(_reasoning_item(call.request_id, parsed.reasoning, body, signer))
     if parsed.content:
+        logprobs = token_logprobs(choice.generation, tokenizer, req.top_logprobs) if req.logprobs and tokenizer else []
         output.append({"type": "message", "id": "msg_" + call.request_id, "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": parsed.content, "annotations": [],
-                                    "logprobs": []}]})
+                                    "logprobs": logprobs}]})
     for tc in parsed.tool_calls:
         output.append({"type": "function_call", "id": "fc_" + tc["id"].removeprefix("call_"), "call_id": tc["id"],
                        "name": tc["name"], "arguments": tc["arguments"], "status": "completed"})
@@ -207,6 +241,15 @@ def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRe
             "status": "incomplete" if truncated else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
             "output": output, "usage": usage}
+
+
+def _reasoning_item(request_id: str, text: str, body: ResponsesRequest, signer: ThoughtSigner | None,
+                    ) -> dict[str, Any]:
+    item = {"type": "reasoning", "id": "rs_" + request_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+    if signer is not None and "reasoning.encrypted_content" in (body.include or []):
+        item["encrypted_content"] = signer.seal(text)
+    return item
 
 
 def _envelope(request_id: str, req: CanonicalRequest, body: ResponsesRequest, model: str) -> dict[str, Any]:
@@ -227,8 +270,9 @@ class ResponseStream:
     run of reasoning (`reasoning_text` deltas), text (`output_text` deltas) or a whole function call, each
     closed with its `.done` events, then `response.completed` (or `.incomplete`) with the full response."""
 
-    def __init__(self, p: Prepared, body: ResponsesRequest, model: str):
+    def __init__(self, p: Prepared, body: ResponsesRequest, model: str, signer: ThoughtSigner | None = None):
         self.envelope = _envelope(p.request_id, p.req, body, model)
+        self.body, self.signer = body, signer
         self.rid = p.request_id
         self.seq = 0
         self.index = -1  # the open item's output index
@@ -287,7 +331,7 @@ class ResponseStream:
         text, ids = item.pop("text"), {"item_id": item["id"], "output_index": self.index, "content_index": 0}
         if item["type"] == "reasoning":
             out = self.event("response.reasoning_text.done", **ids, text=text)
-            done = {**item, "content": [{"type": "reasoning_text", "text": text}]}
+            done = _reasoning_item(self.rid, text, self.body, self.signer)
         else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out = self.event("response.output_text.done", **ids, text=text, logprobs=[]) + \
@@ -312,8 +356,10 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/v1/responses")
     @app.post("/s/{key}/v1/responses")
     async def responses(request: Request) -> Response:
-        return await serve(request, service, ResponsesRequest, API, to_canonical, build=build_response,
-                           stream=lambda p, body: ResponseStream(p, body, service.engine.model_name),
+        return await serve(request, service, ResponsesRequest, API, lambda body: to_canonical(body, service.signer),
+                           build=lambda call, req, body: build_response(call, req, body, service.signer,
+                                                                        service.renderer.tokenizer),
+                           stream=lambda p, body: ResponseStream(p, body, service.engine.model_name, service.signer),
                            expand=stored.expand)
 
     @app.get("/v1/responses/{response_id}")
