@@ -107,3 +107,42 @@ def test_the_anthropic_stream_carries_the_signature(lab):
                       json={"max_tokens": 16, "messages": USER, "stream": True}) as r:
         body = r.read().decode()
     assert '"type":"signature_delta"' in body.replace(" ", "")
+
+
+def test_encrypted_reasoning_round_trips_and_refuses_an_altered_blob(lab):
+    """Responses `include=["reasoning.encrypted_content"]`: the thought comes back sealed (opaque), and a client
+    that keeps no state (store=false) sends the item back with only the blob: the prompt gets the thought."""
+    s = lab.session()
+    first = _post(s, "/v1/responses", {"input": "What is 2+2?", "store": False,
+                                       "include": ["reasoning.encrypted_content"]}).json()
+    (item,) = [o for o in first["output"] if o["type"] == "reasoning"]
+    assert "Add them." not in item["encrypted_content"]  # opaque
+    echoed = {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
+    answer = [o for o in first["output"] if o["type"] == "message"]
+    # the answered turn is the last one: the template renders its thought, which only the blob carried
+    follow_up = {"input": [{"type": "message", "role": "user", "content": "What is 2+2?"}, echoed, *answer],
+                 "store": False, "include": ["reasoning.encrypted_content"]}
+    assert _post(s, "/v1/responses", follow_up).status_code == 200
+    prompt = lab.tokenizer.decode(lab.engine.prompts[-1], skip_special_tokens=False)
+    assert "<think>\nAdd them.\n</think>" in prompt
+    altered = dict(echoed, encrypted_content=item["encrypted_content"][:-4] + "AAAA")
+    r = _post(s, "/v1/responses", dict(follow_up, input=[follow_up["input"][0], altered, *answer]))
+    assert r.status_code == 400 and "encrypted_content" in provider_error("openai.responses", r)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "hi", "include": ["reasoning.plaintext"]}, "include"),
+])
+def test_reasoning_controls_are_validated_on_responses(lab, body, param):
+    r = _post(lab.session(), "/v1/responses", body)
+    assert r.status_code == 400 and param in provider_error("openai.responses", r)
+
+
+@pytest.mark.parametrize("thinking, max_tokens", [({"type": "enabled", "budget_tokens": 512}, 4096),
+                                                  ({"type": "enabled", "budget_tokens": 2048}, 2048),
+                                                  ({"type": "sometimes"}, 64)])
+def test_anthropic_thinking_is_validated_as_anthropic_does(lab, thinking, max_tokens):
+    r = _post(lab.session(), "/v1/messages", {"max_tokens": max_tokens, "messages": USER, "thinking": thinking})
+    assert r.status_code == 400 and ("budget_tokens" in provider_error("anthropic.messages", r)
+                                     or "thinking.type" in provider_error("anthropic.messages", r))
