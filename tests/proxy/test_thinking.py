@@ -47,10 +47,12 @@ SWITCHES = [  # (path, body with thinking off, body with thinking on): each API'
                                           "generationConfig": {"thinkingConfig": {"thinkingBudget": 0}}},
      {"contents": [{"role": "user", "parts": [{"text": "What is 2+2?"}]}],
       "generationConfig": {"thinkingConfig": {"thinkingBudget": 512}}}),
+    ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "none"}, {"messages": USER, "reasoning_effort": "low"}),
 ]
 
 
-@pytest.mark.parametrize("path, off, on", SWITCHES, ids=["chat", "responses", "anthropic", "google"])
+@pytest.mark.parametrize("path, off, on", SWITCHES, ids=["chat", "responses", "anthropic", "google",
+                                                                  "chat-reasoning_effort"])
 def test_each_apis_thinking_switch_reaches_the_template(lab, path, off, on):
     s = lab.session()
     assert _post(s, path, on).status_code == 200

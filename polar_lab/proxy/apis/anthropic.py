@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy import constraints
+from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
@@ -97,6 +97,7 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSigner) -> CanonicalRequest:
+    conformance.refuse(API, body)
     messages = [{"role": "system", "content": _system_text(body.system)}] if body.system else []
     for m in body.messages:
         messages += _convert(m, tool_args, signer)

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from pydantic import AliasChoices, Field
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy import constraints
+from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import canonical, google_error, json_body, serve, session_key, validate
@@ -72,6 +72,7 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
     for content in body.contents:
         messages += _convert(content, tool_args)
     config = body.generationConfig or GenerationConfig()
+    conformance.refuse(API, body, config)
     top_k = whole(config.topK, param="generationConfig.topK")
     tool_choice, allowed = _tool_choice(body.toolConfig)
     return CanonicalRequest(

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy import constraints
+from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
@@ -101,6 +101,7 @@ class ChatCompletionRequest(Lenient):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     user: str | None = None
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
@@ -112,6 +113,7 @@ API = "openai.chat"
 
 
 def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
+    conformance.refuse(API, body)
     tool_choice: Any = body.tool_choice or "auto"
     if not isinstance(tool_choice, str):
         tool_choice = {"name": tool_choice.function.name}
@@ -126,7 +128,7 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         seed=body.seed, stop=stop_tuple(body.stop), n=body.n,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
         stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
-        thinking=_thinking(body.chat_template_kwargs),
+        thinking=_thinking(body.chat_template_kwargs, body.reasoning_effort),
         output=constraints.openai_format(body.response_format, param="response_format"),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
@@ -145,9 +147,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _thinking(kwargs: dict[str, Any] | None) -> bool | None:
+def _thinking(kwargs: dict[str, Any] | None, effort: str | None = None) -> bool | None:
     """vLLM's `chat_template_kwargs`, of which the proxy takes `enable_thinking` (a bool) and nothing else: the
-    template is the model's, and other keys could change what it renders for every later call."""
+    template is the model's, and other keys could change what it renders for every later call. Without it,
+    OpenAI's `reasoning_effort`: "none" turns thinking off, any other level on (one switch, no levels)."""
     unknown = sorted(set(kwargs or {}) - {"enable_thinking"})
     if unknown:
         raise RequestError(f"chat_template_kwargs supports only 'enable_thinking', got {unknown}",
@@ -156,6 +159,8 @@ def _thinking(kwargs: dict[str, Any] | None) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise RequestError(f"chat_template_kwargs.enable_thinking must be a boolean, got {value!r}",
                            param="chat_template_kwargs.enable_thinking")
+    if value is None and effort is not None:
+        return effort != "none"
     return value
 
 

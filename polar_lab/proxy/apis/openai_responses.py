@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from polar_lab.errors import RequestError
-from polar_lab.proxy import constraints
+from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.apis.openai_chat import token_logprobs
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner
 from polar_lab.proxy.deltas import Delta
@@ -71,6 +71,7 @@ INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs", "file
 def to_canonical(body: ResponsesRequest, signer: ThoughtSigner | None = None) -> CanonicalRequest:
     """`body` with any previous response already expanded into its input (StoredResponses.expand). signer opens
     the `encrypted_content` of echoed reasoning items."""
+    conformance.refuse(API, body)
     unknown = sorted(set(body.include or []) - INCLUDES)
     if unknown:
         raise RequestError(f"include: unknown value {unknown[0]!r} (supported: {', '.join(sorted(INCLUDES))})",
