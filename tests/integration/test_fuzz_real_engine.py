@@ -147,7 +147,9 @@ def test_bad_sampling_values_never_reach_the_real_engine(lab):
             assert _named(case["api"], provider_error(case["api"], r), case["invalid"]), where
         else:
             assert r.status_code == 200, where
-            n = case["body"].get("n") if case["api"] == "openai.chat" else None
+            n = case["body"].get("n") if case["api"] == "openai.chat" else \
+                case["body"].get("generationConfig", {}).get("candidateCount") if case["api"].startswith("google") \
+                else None
             answered += n or 1
     valid = sum(not c["invalid"] for c in cases)
     print(f"{len(cases)} bodies: {valid} answered by the engine ({answered} choices), {len(cases) - valid} refused")
@@ -158,3 +160,35 @@ def test_bad_sampling_values_never_reach_the_real_engine(lab):
     ok = httpx.post(lab.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {s.key}"}, timeout=60,
                     json={"model": "m", "messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4})
     assert ok.status_code == 200, ok.text
+
+
+NASTY_SCHEMAS = [
+    {"$ref": "#/$defs/missing"}, {"type": "foo"}, {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    {"type": "string", "pattern": "(unclosed"}, {"type": "string", "pattern": "a{99999}"},
+    {"type": "integer", "minimum": 10, "maximum": 1}, {"enum": []}, {"type": "array", "minItems": 5, "maxItems": 2},
+    {"type": "string", "minLength": 10, "maxLength": 2}, {"anyOf": []}, {"type": "object", "required": ["x"],
+                                                                         "additionalProperties": False},
+    {"type": "number", "multipleOf": 0}, {"type": "string", "format": "email", "maxLength": 1},
+]
+
+
+@pytest.mark.slow
+def test_malformed_schemas_never_reach_the_real_engine_unchecked(lab):
+    """A grammar that cannot be compiled, or one with no valid document, is a 400 or an answer — never a dead
+    engine: vLLM compiles grammars inside its step, where a failure would end every session's request."""
+    pid, restarts = lab.engine.pid, len(lab.engine_restarts)
+    nested: dict = {"type": "object"}
+    for _ in range(60):
+        nested = {"type": "object", "properties": {"a": nested}}
+    s = lab.session(sampling={"max_tokens": 8})
+    for schema in NASTY_SCHEMAS + [nested]:
+        for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                      {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                       "tool_choice": "required"}):
+            r = httpx.post(f"{s.openai_base_url}/chat/completions", headers={"Authorization": f"Bearer {s.key}"},
+                           json={"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=60)
+            assert r.status_code in (200, 400), (schema, r.status_code, r.text[:300])
+    assert lab.engine.alive and lab.engine.pid == pid and len(lab.engine_restarts) == restarts
+    ok = httpx.post(f"{s.openai_base_url}/chat/completions", headers={"Authorization": f"Bearer {s.key}"},
+                    json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert ok.status_code == 200
