@@ -56,7 +56,7 @@ MUTANTS = [
            ["tests/integration/test_openai_sdk.py::test_logprobs_and_top_logprobs_are_the_samplers_own"]),
     # issue 15: the sampling the loss assumes, no NaN in the weights, failures that teach, seeded rollouts
     Mutant("training sessions keep the harness's top_p/top_k", "polar_lab/grpo/rollouts.py",
-           [('"top_p": 1.0, "top_k": -1, "banned_strings": ()}', '}')],
+           [('"top_p": 1.0, "top_k": -1, "banned_strings": (), ', '')],
            ["tests/grpo/test_policy.py::test_training_sessions_sample_the_full_distribution_whatever_the_harness_asks"]),
     Mutant("a non-finite gradient norm steps anyway", "polar_lab/grpo/policy.py",
            [("        if not math.isfinite(float(norm)):\n", "        if False:\n")],
@@ -112,6 +112,25 @@ MUTANTS = [
              '            and not (self.messages[-1].get("role") == "tool" and messages[k].get("role") == "tool") \\\n',
              "")],
            ["tests/proxy/test_history.py"]),
+    # issue 18: constraints that hold, and records that say so
+    Mutant("the engine samples without the grammar", "polar_lab/engine/worker.py",
+           [("logit_bias=dict(spec.logit_bias) or None, structured_outputs=structured,",
+             "logit_bias=dict(spec.logit_bias) or None,")],
+           ["tests/integration/test_structured_outputs.py::test_chat_parse_returns_schema_valid_objects"]),
+    Mutant("constrained tokens trained by default", "polar_lab/trajectory/builders.py",
+           [("        trained = train_constrained\n", "")],
+           ["tests/integration/test_structured_outputs.py::test_chat_json_mode_returns_a_json_object_or_runs_out"]),
+    Mutant("a schema keyword the grammar ignores is dropped silently", "polar_lab/proxy/constraints.py",
+           [("                if strict:\n                    raise RequestError(f\"{param}: JSON schema keyword",
+             "                if False:\n                    raise RequestError(f\"{param}: JSON schema keyword")],
+           ["tests/integration/test_structured_outputs.py::"
+            "test_a_schema_keyword_the_grammar_cannot_enforce_is_a_400_naming_it"]),
+    Mutant("a stored response served to another session", "polar_lab/proxy/apis/openai_responses.py",
+           [('if kept is None or kept["session"] != session.id:', "if kept is None:")],
+           ["tests/integration/test_openai_responses.py::test_a_stored_response_belongs_to_its_session"]),
+    Mutant("a sampled-size bound left off strings", "polar_lab/proxy/constraints.py",
+           [('            node["maxLength"] = share\n', "            pass\n")],
+           ["tests/integration/test_structured_outputs.py::test_chat_parse_returns_schema_valid_objects"]),
 ]
 
 

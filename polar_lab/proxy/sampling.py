@@ -16,7 +16,7 @@ surface's own range applies. Where each bound comes from:
     top_p         (0, 1], finite       vLLM SamplingParams._verify_args
     top_k         >= -1 (0, -1 = off)  vLLM SamplingParams._verify_args (Anthropic, Google: >= 0)
     seed          signed 64-bit        vLLM's OpenAI protocol (`seed: Field(ge=_INT64_MIN, le=_INT64_MAX)`)
-    penalties     [-2, 2], finite      vLLM SamplingParams._verify_args (accepted, not applied: see README)
+    penalties     [-2, 2], finite      vLLM SamplingParams._verify_args (applied; forced off in training sessions)
     top_logprobs  [0, 20]              vLLM ModelConfig.max_logprobs default; OpenAI's cap
     n             [1, 128]             ours: n choices are n engine requests
     stop          <= 16 strings of <= 1000 characters   ours (OpenAI allows 4)
