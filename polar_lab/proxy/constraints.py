@@ -75,18 +75,19 @@ class OutputFormat:
     kind: str
     schema: dict[str, Any] | None = None
     name: str = ""
+    param: str = "response_format"  # the request field that asked for it, as the provider names it
 
 
-def output_structure(fmt: OutputFormat, *, max_tokens: int, param: str) -> str:
+def output_structure(fmt: OutputFormat, *, max_tokens: int) -> str:
     """The structural tag (JSON text) that makes the whole output one JSON document of `fmt`, able to close
     within `max_tokens` (see `budgeted`)."""
     if fmt.kind == "json_object":
         schema = any_object(max_tokens)
     else:
-        schema = budgeted(checked_schema(fmt.schema, param=param, strict=True)[0], max_tokens)
+        schema = budgeted(checked_schema(fmt.schema, param=fmt.param, strict=True)[0], max_tokens)
     tag = {"type": "structural_tag",
            "format": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}}
-    return _compiles(json.dumps(tag), param=param)
+    return _compiles(json.dumps(tag), param=fmt.param)
 
 
 def can_force(tool_parser: str | None) -> bool:
@@ -262,12 +263,13 @@ def openai_format(value: Any, *, param: str) -> OutputFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return OutputFormat("json_object")
+        return OutputFormat("json_object", param=param)
     if kind == "json_schema":
         spec = value.get("json_schema", value)
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise RequestError(f"{param}.json_schema must be an object with a 'schema' object", param=param)
-        return OutputFormat("json_schema", spec.get("schema") or {"type": "object"}, str(spec.get("name", "")))
+        return OutputFormat("json_schema", spec.get("schema") or {"type": "object"}, str(spec.get("name", "")),
+                            param=param)
     raise RequestError(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param=param)
 
 
@@ -281,7 +283,7 @@ def anthropic_format(output_config: Any, output_format: Any = None) -> OutputFor
         return None
     if not isinstance(value, dict) or value.get("type") != "json_schema" or not isinstance(value.get("schema"), dict):
         raise RequestError(f"{param} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=param)
-    return OutputFormat("json_schema", value["schema"])
+    return OutputFormat("json_schema", value["schema"], param=param)
 
 
 def google_format(config: dict[str, Any]) -> OutputFormat | None:
@@ -299,10 +301,11 @@ def google_format(config: dict[str, Any]) -> OutputFormat | None:
         raise RequestError(f"responseMimeType {mime!r} is not supported (text/plain, application/json)",
                            param="generationConfig.responseMimeType")
     if json_schema is not None:
-        return OutputFormat("json_schema", json_schema)
+        return OutputFormat("json_schema", json_schema, param="generationConfig.responseJsonSchema")
     if schema is not None:
-        return OutputFormat("json_schema", from_openapi(schema, param="generationConfig.responseSchema"))
-    return OutputFormat("json_object")
+        return OutputFormat("json_schema", from_openapi(schema, param="generationConfig.responseSchema"),
+                            param="generationConfig.responseSchema")
+    return OutputFormat("json_object", param="generationConfig.responseMimeType")
 
 
 def from_openapi(schema: Any, *, param: str) -> Any:

@@ -113,7 +113,8 @@ class CallService:
                                      chat_template=session.chat_template, splices=splices, session=session.id)
         if edited:
             rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
-        requested = self._sampling(req, len(rendered.prompt_ids), constraint, rendered.info)
+        requested = self._sampling(req, len(rendered.prompt_ids), constraint, rendered.info,
+                                   cap=session.sampling.get("max_tokens"))
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
@@ -202,7 +203,7 @@ class CallService:
             if req.tools and req.tool_choice != "none" and self._forces_call(req):
                 raise RequestError("a structured output and a forced tool call cannot both constrain one turn",
                                    param="tool_choice")
-            constraints.checked_schema(req.output.schema or {}, param="response_format", strict=True)
+            constraints.checked_schema(req.output.schema or {}, param=req.output.param, strict=True)
             return req.output.kind
         if req.tools and self._forces_call(req) and constraints.can_force(self.parser.tool_parser):
             return "tool_call"
@@ -309,9 +310,10 @@ class CallService:
                                    param="tool_choice")
 
     def _sampling(self, req: CanonicalRequest, prompt_len: int, constraint: str | None = None,
-                  info: dict[str, Any] | None = None) -> SamplingSpec:
-        """The request's sampling, with the grammar of its `constraint` sized to the max_tokens it gets (a tool
-        schema's keywords the grammar dropped are listed in `info["not_enforced"]`)."""
+                  info: dict[str, Any] | None = None, cap: int | None = None) -> SamplingSpec:
+        """The request's sampling, with the grammar of its `constraint` sized to the max_tokens it gets, `cap` (a
+        session's forced max_tokens) included; a tool schema's keywords the grammar dropped are listed in
+        `info["not_enforced"]`."""
         room = self.engine.max_model_len - prompt_len
         if room < 1:
             raise ContextLengthError(
@@ -322,13 +324,13 @@ class CallService:
         max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
         fmt = self.renderer.tool_format
         banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
-        structure = None
+        structure, budget = None, min(max_tokens, cap or max_tokens)
         if req.output is not None:
-            structure = constraints.output_structure(req.output, max_tokens=max_tokens, param="response_format")
+            structure = constraints.output_structure(req.output, max_tokens=budget)
         elif constraint == "tool_call":
             tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]
             structure, dropped = constraints.tool_structure(self.parser.tool_parser, tools, req.tool_choice,
-                                                            parallel=req.parallel_tool_calls, max_tokens=max_tokens)
+                                                            parallel=req.parallel_tool_calls, max_tokens=budget)
             if dropped and info is not None:
                 info["not_enforced"] = dropped  # tool schema keywords the forced call's grammar could not hold
         return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,

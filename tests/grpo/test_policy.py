@@ -71,13 +71,13 @@ def test_dropout_is_off_in_every_logprob_pass(model_path, tmp_path):
 
 
 async def _truncating_agent(session, task):
-    """A harness with its own sampling habits: nucleus and top-k truncation."""
+    """A harness with its own sampling habits: nucleus and top-k truncation, penalties, a logit bias."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key)
     reply = await client.chat.completions.create(
         model="tiny-calc", messages=[{"role": "user", "content": task["question"]}], max_tokens=48, top_p=0.8,
-        extra_body={"top_k": 20})
+        presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"11": 3}, extra_body={"top_k": 20})
     return {"text": reply.choices[0].message.content}
 
 
@@ -96,7 +96,10 @@ def test_training_sessions_sample_the_full_distribution_whatever_the_harness_ask
     assert len(calls) == 8
     for call in calls:  # applied: the full distribution; recorded: what the harness asked for
         assert (call.sampling["top_p"], call.sampling["top_k"]) == (1.0, -1)
-        assert call.sampling["overridden"] == {"top_p": 0.8, "top_k": 20}
+        assert (call.sampling["presence_penalty"], call.sampling["frequency_penalty"]) == (0.0, 0.0)
+        assert call.sampling["logit_bias"] == {}
+        assert call.sampling["overridden"] == {"top_p": 0.8, "top_k": 20, "presence_penalty": 0.5,
+                                               "frequency_penalty": 0.3, "logit_bias": {"11": 3.0}}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     check = fidelity([t for g in groups for t in g.trajectories], model)
     # on-policy, num_iterations=1: the TIS weight exp(log π_old − log μ) is 1 for every token

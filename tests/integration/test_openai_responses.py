@@ -105,8 +105,9 @@ def test_the_agents_sdk_continues_a_stored_response_in_one_chain(lab):
 
 def test_a_stored_response_belongs_to_its_session(lab):
     s, other = lab.session(), lab.session()
-    first = _client(s).responses.create(model="m", input="What is 2+3?", max_output_tokens=8)
+    first = _client(s).responses.create(model="m", input="What is 2+3?", max_output_tokens=8, truncation="auto")
     assert first.store is True and first.parallel_tool_calls is True  # OpenAI's defaults, echoed
+    assert first.truncation == "auto"  # echoed as sent (not applied: docs/api-conformance.md)
     for client in (_client(other),):
         with pytest.raises(openai.NotFoundError):
             client.responses.create(model="m", input="and?", previous_response_id=first.id)

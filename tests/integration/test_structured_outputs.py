@@ -194,17 +194,22 @@ def test_a_schema_keyword_the_grammar_cannot_enforce_is_a_400_naming_it(lab, api
     body = dict(body)
     if api == "openai.chat":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        field = "response_format"
     elif api == "openai.responses":
         body["text"] = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+        field = "text.format"
     elif api == "anthropic.messages":
         body["output_config"] = {"format": {"type": "json_schema", "schema": schema}}
+        field = "output_config.format"
     else:
         body["generationConfig"] = {"responseMimeType": "application/json", "responseJsonSchema": schema}
+        field = "generationConfig.responseJsonSchema"
     s = lab.session()
     r = httpx.post(f"{s.base_url}{path}", json=body, headers={"Authorization": f"Bearer {s.key}",
                                                                "x-api-key": s.key, "x-goog-api-key": s.key})
     assert r.status_code == 400
     assert "'uniqueItems' at 'properties.tags.uniqueItems'" in provider_error(api, r)
+    assert provider_error(api, r).startswith(field) or f"(param {field})" in provider_error(api, r)
     assert not session_calls(lab, s)
 
 

@@ -3,6 +3,7 @@ applied (it changes what reaches the engine or what comes back), refused with th
 with its reason listed in docs/api-conformance.md. The engine is scripted: what is checked is the proxy."""
 
 import copy
+import re
 import typing
 from pathlib import Path
 
@@ -32,6 +33,7 @@ GOOGLE_TOOLS = {"tools": [{"functionDeclarations": [{"name": TOOL["name"], "desc
                                                        "parametersJsonSchema": TOOL["parameters"]}]}]}
 
 # field → (what the base needs for the field to matter, the field's value); None: checked by the test named
+# beside it (tiny-calc's template has no thoughts, the Qwen3.5 fixture's has; stored responses need a first call)
 APPLIED_EXAMPLES = {
     "openai.chat": {
         "messages": ({}, [{"role": "user", "content": "3+3"}]), "frequency_penalty": ({}, 0.5),
@@ -42,14 +44,14 @@ APPLIED_EXAMPLES = {
         "stream": ({}, True), "stream_options": ({"stream": True}, {"include_usage": True}),
         "temperature": ({}, 0.5), "top_p": ({}, 0.5), "tools": ({}, CHAT_TOOLS["tools"]),
         "tool_choice": (CHAT_TOOLS, "required"),
-        "reasoning_effort": None,  # test_thinking.py::test_each_apis_thinking_switch_reaches_the_template
+        "reasoning_effort": None,  # tests/proxy/test_thinking.py::test_each_apis_thinking_switch_reaches_the_template
     },
     "openai.responses": {
         "input": ({}, "3+3"), "instructions": ({}, "Be brief."), "max_output_tokens": ({}, 4),
         "parallel_tool_calls": ({**RESPONSES_TOOLS, "tool_choice": "required"}, False),
-        "previous_response_id": None,  # test_openai_responses.py::test_the_agents_sdk_continues_a_stored_response
-        "store": None,  # test_openai_responses.py::test_a_stored_response_belongs_to_its_session
-        "reasoning": None,  # test_thinking.py
+        "previous_response_id": None,  # tests/integration/test_openai_responses.py::test_a_stored_response_belongs_to_its_session
+        "store": None,  # tests/integration/test_openai_responses.py::test_a_stored_response_belongs_to_its_session
+        "reasoning": None,  # tests/proxy/test_thinking.py::test_each_apis_thinking_switch_reaches_the_template
         "stream": ({}, True), "temperature": ({}, 0.5),
         "text": ({}, {"format": {"type": "json_object"}}), "tool_choice": (RESPONSES_TOOLS, "required"),
         "tools": ({}, RESPONSES_TOOLS["tools"]), "top_logprobs": ({"include": ["message.output_text.logprobs"]}, 2),
@@ -58,7 +60,7 @@ APPLIED_EXAMPLES = {
     "anthropic.messages": {
         "messages": ({}, [{"role": "user", "content": "3+3"}]), "max_tokens": ({}, 4),
         "stop_sequences": ({}, ["x"]), "system": ({}, "Be brief."),
-        "thinking": None,  # test_thinking.py (tiny-calc's template has no thoughts; the Qwen3.5 fixture's has)
+        "thinking": None,  # tests/proxy/test_thinking.py::test_each_apis_thinking_switch_reaches_the_template
         "tool_choice": (ANTHROPIC_TOOLS, {"type": "any"}), "tools": ({}, ANTHROPIC_TOOLS["tools"]),
         "output_config": ({}, {"format": {"type": "json_schema", "schema": SCHEMA}}),
         "output_format": ({}, {"type": "json_schema", "schema": SCHEMA}), "stream": ({}, True),
@@ -72,7 +74,7 @@ APPLIED_EXAMPLES = {
         "response_schema": ({"responseMimeType": "application/json"}, {"type": "OBJECT", "properties": {
             "a": {"type": "INTEGER"}}}),
         "seed": ({}, 7), "stop_sequences": ({}, ["x"]), "temperature": ({}, 0.5),
-        "thinking_config": None,  # test_thinking.py
+        "thinking_config": None,  # tests/proxy/test_thinking.py::test_each_apis_thinking_switch_reaches_the_template
         "top_k": ({}, 5), "top_p": ({}, 0.5),
         "system_instruction": ({}, {"parts": [{"text": "Be brief."}]}), "tools": ({}, GOOGLE_TOOLS["tools"]),
         "tool_config": (GOOGLE_TOOLS, {"functionCallingConfig": {"mode": "ANY"}}),
@@ -180,13 +182,19 @@ def test_the_docs_page_lists_every_field_with_what_is_done_and_why():
     assert conformance.markdown() in page, "regenerate the tables: python -m polar_lab.proxy.conformance"
 
 
+def test_every_applied_field_has_an_example_or_names_its_test():
+    for api, fields in FIELDS.items():
+        assert {n for n, status in fields.items() if status == APPLIED} == set(APPLIED_EXAMPLES[api]), api
+    named = re.findall(r'": None,  # (tests/\S+\.py)::(test_\w+)', Path(__file__).read_text())
+    assert len(named) == sum(e is None for examples in APPLIED_EXAMPLES.values() for e in examples.values())
+    for path, test in named:
+        assert f"def {test}(" in Path(path).read_text(), (path, test)
+
+
 @pytest.mark.parametrize("api, name", [(api, name) for api, fields in FIELDS.items() for name, status in fields.items()
-                                       if status == APPLIED])
+                                       if status == APPLIED and APPLIED_EXAMPLES[api].get(name) is not None])
 def test_an_applied_field_changes_what_reaches_the_engine_or_what_comes_back(lab, api, name):
-    example = APPLIED_EXAMPLES[api][name]
-    if example is None:
-        pytest.skip("covered by the real-engine test named in APPLIED_EXAMPLES")
-    context, value = example
+    context, value = APPLIED_EXAMPLES[api][name]
     assert _served(lab, api, _body(api, context, name, value)) != _served(lab, api, _body(api, context))
 
 
