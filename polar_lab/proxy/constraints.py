@@ -44,8 +44,7 @@ from polar_lab.errors import RequestError
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
             "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions", "minimum", "maximum",
             "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
-            "minProperties", "maxProperties", "propertyNames",
-            "nullable"}  # OpenAPI's (Google's schemas): xgrammar reads it
+            "minProperties", "maxProperties", "propertyNames"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "strict", "propertyOrdering", "discriminator", "example"}
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # their keys are names, their values schemas
@@ -90,6 +89,19 @@ def output_structure(fmt: OutputFormat, *, max_tokens: int) -> str:
     return _compiles(json.dumps(tag), param=fmt.param)
 
 
+def output_or_call(fmt: OutputFormat, tool_parser: str | None, tools: list[dict[str, Any]], *, parallel: bool,
+                   max_tokens: int) -> str:
+    """A structured output in a turn that may also call tools (tool_choice "auto"): either the JSON document, or
+    text and calls in the family's format (`can_force`) — what an agent with an output type and tools needs."""
+    xgrammar = _xgrammar()
+    if xgrammar is None:
+        raise RequestError(f"{fmt.param}: constrained sampling needs xgrammar (installed with vLLM)", param=fmt.param)
+    document = json.loads(output_structure(fmt, max_tokens=max_tokens))["format"]
+    calls = json.loads(tool_structure(tool_parser, tools, "required", parallel=parallel, max_tokens=max_tokens)[0])
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [document, calls["format"]]}}
+    return _compiles(json.dumps(tag), param=fmt.param)
+
+
 def can_force(tool_parser: str | None) -> bool:
     """Whether a grammar here can force this family's calls (else its prefill alone does)."""
     return (tool_parser or "") in XGRAMMAR_FAMILIES
@@ -100,7 +112,9 @@ def tool_structure(tool_parser: str | None, tools: list[dict[str, Any]], choice:
     """(structural tag, keywords dropped from the tools' schemas) forcing a call in the family's own format
     (`can_force`): of the named tool when `choice` is {"name": ...}, of any tool in `tools` when it is
     "required" (at most one call unless `parallel`); each tool's arguments `budgeted` to close in max_tokens."""
-    import xgrammar
+    xgrammar = _xgrammar()
+    if xgrammar is None:
+        raise RequestError("forcing a tool call needs xgrammar (installed with vLLM)", param="tool_choice")
 
     family = XGRAMMAR_FAMILIES[tool_parser or ""]
     dropped: list[str] = []
@@ -137,12 +151,14 @@ def checked_schema(schema: Any, *, param: str, strict: bool) -> tuple[dict[str, 
                                        f"grammar that constrains sampling cannot enforce it", param=param)
                 dropped.append(here)
                 del node[key]
-            elif key == "format" and node[key] not in FORMATS:
+            elif key == "format" and (not isinstance(node[key], str) or node[key] not in FORMATS):
                 if strict:
-                    raise RequestError(f"{param}: string format '{node[key]}' at '{here}' is not supported "
+                    raise RequestError(f"{param}: string format {node[key]!r} at '{here}' is not supported "
                                        f"(supported: {', '.join(sorted(FORMATS))})", param=param)
                 dropped.append(here)
                 del node[key]
+            elif not _well_typed(key, node[key]):
+                raise RequestError(f"{param}: '{here}' must be {_SHAPES[key]}, got {node[key]!r:.60}", param=param)
         stack += [(child, path) for child, _, path in _children(node, where)]
         types = node.get("type")
         types = types if isinstance(types, list) else [types]
@@ -152,6 +168,31 @@ def checked_schema(schema: Any, *, param: str, strict: bool) -> tuple[dict[str, 
             if "maximum" not in node and "exclusiveMaximum" not in node:
                 node["maximum"] = NUMBER_BOUND
     return out, dropped
+
+
+_SIZES = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_SHAPES = {**{k: "a non-negative integer" for k in _SIZES}, **{k: "a number" for k in _BOUNDS},
+           "properties": "an object", "$defs": "an object", "definitions": "an object", "required": "a list of names",
+           "anyOf": "a list of schemas", "oneOf": "a list of schemas", "prefixItems": "a list of schemas",
+           "pattern": "a string", "type": "a type name or a list of them", "enum": "a list"}
+
+
+def _well_typed(key: str, value: Any) -> bool:
+    """Whether a keyword's value has the JSON Schema type the grammar (and `budgeted`) will read it as."""
+    if key in _SIZES:
+        return type(value) is int and value >= 0
+    if key in _BOUNDS:
+        return type(value) in (int, float) and value == value and abs(value) != float("inf")
+    if key in ("properties", "$defs", "definitions"):
+        return isinstance(value, dict)
+    if key in ("required", "anyOf", "oneOf", "prefixItems", "enum"):
+        return isinstance(value, list) and (key != "required" or all(isinstance(v, str) for v in value))
+    if key == "pattern":
+        return isinstance(value, str)
+    if key == "type":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return True
 
 
 def any_object(max_tokens: int) -> dict[str, Any]:
@@ -176,12 +217,13 @@ def budgeted(schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     finish_reason "length", as OpenAI's does.) Measured on tiny-calc, 4 of 10 `{value: int, explanation:
     str}` answers closed within 100 tokens without these bounds. The bounds are large when the budget is
     (1,000 tokens: ~950 characters for one string); a schema's own maxima are kept. `$ref`'d definitions
-    count once."""
-    strings: list[dict[str, Any]] = []
+    count once; how many times a node can occur is capped at the budget (past it no string fits anyway)."""
+    strings: dict[int, tuple[dict[str, Any], int]] = {}  # id(node) → (node, times it can occur)
     chars = 2
     stack: list[tuple[dict[str, Any], int]] = [(schema, 1)]
     while stack:
         node, times = stack.pop()
+        times = min(times, max_tokens + 1)
         types = node.get("type")
         types = types if isinstance(types, list) else [types]
         if "array" in types and "maxItems" not in node:
@@ -191,12 +233,12 @@ def budgeted(schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         if "integer" in types or "number" in types:
             chars += times * NUMBER_CHARS
         if "string" in types and not {"maxLength", "enum", "const", "format", "pattern"} & node.keys():
-            strings += [node] * times
+            strings[id(node)] = (node, strings.get(id(node), (node, 0))[1] + times)
             chars += times * PROPERTY_CHARS  # its quotes and whitespace
         stack += [(child, inner if key in ("items", "prefixItems") else times) for child, key, _ in _children(node, "")]
     if strings:
-        share = max(1, (max_tokens - chars) // len(strings))
-        for node in strings:
+        share = max(1, (max_tokens - chars) // sum(times for _, times in strings.values()))
+        for node, _ in strings.values():
             node["maxLength"] = share
     return schema
 
@@ -228,6 +270,15 @@ def _check_depth(value: Any, param: str) -> None:
         stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
 
 
+def _xgrammar():
+    """xgrammar (a dependency of vLLM; imported late: it loads native code), or None where it is not installed."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
+
+
 _COMPILED: OrderedDict[str, str | None] = OrderedDict()  # digest of a tag → None (compiles) or the error
 
 
@@ -237,13 +288,15 @@ def _compiles(tag: str, *, param: str) -> str:
     stream has begun."""
     import xgrammar
 
+    if xgrammar is None:
+        raise RequestError(f"{param}: constrained sampling needs xgrammar (installed with vLLM)", param=param)
     digest = hashlib.blake2b(tag.encode(), digest_size=16).hexdigest()
     if digest not in _COMPILED:
         try:
             xgrammar.Grammar.from_structural_tag(tag)
             _COMPILED[digest] = None
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/its own types
-            _COMPILED[digest] = str(exc).strip().splitlines()[-1][:300]
+            _COMPILED[digest] = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
         while len(_COMPILED) > 1024:
             _COMPILED.popitem(last=False)
     error = _COMPILED[digest]
@@ -265,7 +318,7 @@ def openai_format(value: Any, *, param: str) -> OutputFormat | None:
     if kind == "json_object":
         return OutputFormat("json_object", param=param)
     if kind == "json_schema":
-        spec = value.get("json_schema", value)
+        spec = value.get("json_schema") if param == "response_format" else value  # Chat nests it, Responses not
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise RequestError(f"{param}.json_schema must be an object with a 'schema' object", param=param)
         return OutputFormat("json_schema", spec.get("schema") or {"type": "object"}, str(spec.get("name", "")),
@@ -315,11 +368,20 @@ def from_openapi(schema: Any, *, param: str) -> Any:
     return _from_openapi(schema)
 
 
+OPENAPI_FORMATS = {"enum", "int32", "int64", "float", "double", "byte", "binary", "password"}  # not JSON Schema's
+
+
 def _from_openapi(schema: Any) -> Any:
+    """One node: `nullable: true` becomes a "null" type (xgrammar does not read `nullable`), OpenAPI's own
+    `format`s (int32, double, enum...) are left out (the type already says it), keywords camelCased."""
     if isinstance(schema, list):
         return [_from_openapi(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    schema = dict(schema)
+    nullable = schema.pop("nullable", None)
+    if isinstance(schema.get("format"), str) and schema["format"] in OPENAPI_FORMATS:
+        del schema["format"]
     out = {}
     for key, value in schema.items():
         key = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), key)
@@ -331,4 +393,8 @@ def _from_openapi(schema: Any) -> Any:
             out[key] = _from_openapi(value)
         else:
             out[key] = value
+    if nullable is True and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    elif nullable is True and "anyOf" in out:
+        out["anyOf"] = [*out["anyOf"], {"type": "null"}]
     return out

@@ -58,6 +58,9 @@ def error_response(request: Request, status: int, message: str, *, code: str | N
     return shape(status, message, code=code, param=param)
 
 
+GOOGLE_METHODS = (":generateContent", ":streamGenerateContent", ":countTokens")
+
+
 def provider(request: Request) -> str:
     """Which provider's API a request speaks: "anthropic" | "google" | "openai". By the path where it tells
     (`/v1/messages`, `/v1beta/`, a `model:method` path), else by the provider's own headers — the paths
@@ -66,7 +69,7 @@ def provider(request: Request) -> str:
     path = request.url.path
     if "/v1/messages" in path:
         return "anthropic"
-    if "/v1beta/" in path or ":" in path.rsplit("/", 1)[-1]:
+    if "/v1beta/" in path or path.endswith(GOOGLE_METHODS):  # not any colon: OpenAI's fine-tuned ids have them
         return "google"
     if "/v1/models" in path:  # shared by all three: the caller's headers tell
         if "x-goog-api-key" in request.headers:

@@ -85,6 +85,7 @@ class CallService:
         registry.on_close.append(self._forget)  # a closed session's tips and turns are dropped
         # called with (call, request, response) once a call is recorded (the Responses API keeps its responses)
         self.on_record: list[Callable[[CompletedCall, dict[str, Any], dict[str, Any]], None]] = []
+        self.responses: Any = None  # the Responses API's stored responses (apis/openai_responses.StoredResponses)
         self._freed = 0  # bytes dropped (estimated) since memory was last released
         # serving | restarting | down and the restarts so far, for /health (the Lab's supervisor replaces this)
         self.engine_status: Callable[[], dict[str, Any]] = lambda: {
@@ -203,6 +204,9 @@ class CallService:
             if req.tools and req.tool_choice != "none" and self._forces_call(req):
                 raise RequestError("a structured output and a forced tool call cannot both constrain one turn",
                                    param="tool_choice")
+            if req.tools and req.tool_choice != "none" and not constraints.can_force(self.parser.tool_parser):
+                raise RequestError("a structured output in a turn that may call tools needs a grammar of the "
+                                   "family's calls, which this model's format has not", param=req.output.param)
             constraints.checked_schema(req.output.schema or {}, param=req.output.param, strict=True)
             return req.output.kind
         if req.tools and self._forces_call(req) and constraints.can_force(self.parser.tool_parser):
@@ -215,11 +219,12 @@ class CallService:
 
     def _forced_prefill(self, session: Session, req: CanonicalRequest, *, call: bool = True) -> str:
         """The start of a forced call (Renderer.forced_prefill) when `call` (a family the grammar cannot force).
-        Where the generation prompt opens a thought, the thought is closed first, empty, as the template's
-        thinking-off prompt closes it: a call written inside a thought is no call."""
-        forced = req.tools and self._forces_call(req)
+        Where the generation prompt opens a thought, a forced call or a structured output closes it first, empty,
+        as the template's thinking-off prompt closes it: a call (or a document) written inside a thought is none."""
+        forced = bool(req.tools) and self._forces_call(req)
         prefill = self.renderer.forced_prefill(req.tool_choice) if forced and call else ""
-        glue = self.renderer.glue(session.chat_template, req.thinking) if forced else None
+        closes = forced or req.output is not None  # a JSON document written inside a thought is no answer either
+        glue = self.renderer.glue(session.chat_template, req.thinking) if closes else None
         if glue is not None and self.parser.thinking and self.parser.opens_thought(glue.opening):
             prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
         return prefill
@@ -325,7 +330,10 @@ class CallService:
         fmt = self.renderer.tool_format
         banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
         structure, budget = None, min(max_tokens, cap or max_tokens)
-        if req.output is not None:
+        if req.output is not None and req.tools and req.tool_choice != "none":  # the document, or calls
+            structure = constraints.output_or_call(req.output, self.parser.tool_parser, req.tools,
+                                                   parallel=req.parallel_tool_calls, max_tokens=budget)
+        elif req.output is not None:
             structure = constraints.output_structure(req.output, max_tokens=budget)
         elif constraint == "tool_call":
             tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]

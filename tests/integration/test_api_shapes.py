@@ -40,8 +40,10 @@ def test_top_logprobs_are_exactly_k_with_the_sampled_token_where_it_ranks(lab):
     response = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0).responses.create(
         model="m", input="What is 12*7?", include=["message.output_text.logprobs"], top_logprobs=2,
         max_output_tokens=12)
-    texts = [o for o in response.output if o.type == "message"]
-    for t in (texts[0].content[0].logprobs if texts else []):
+    (text,) = [o for o in response.output if o.type == "message"]
+    logprobs = text.content[0].logprobs
+    assert len(logprobs) == len(session_calls(lab, s)[-1].output_ids) > 0
+    for t in logprobs:
         _check_top([(a.token, a.logprob) for a in t.top_logprobs], (t.token, t.logprob), 2)
     gemini = _genai(s)  # held: a google-genai client closes when collected
     google = gemini.models.generate_content(model="m", contents="What is 12*7?", config=gtypes.GenerateContentConfig(
@@ -89,7 +91,7 @@ def test_google_paths_answer_errors_in_googles_shape(lab):
 def test_stream_generate_content_without_sse_is_one_json_array(lab):
     s = lab.session()
     body = {"contents": [{"role": "user", "parts": [{"text": "What is 12*7?"}]}],
-            "generationConfig": {"maxOutputTokens": 16, "seed": 3}}
+            "generationConfig": {"maxOutputTokens": 16, "seed": 3, "responseLogprobs": True}}
     r = httpx.post(f"{s.base_url}/s/{s.key}/v1beta/models/m:streamGenerateContent", json=body, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     chunks = orjson.loads(r.content)
@@ -98,6 +100,8 @@ def test_stream_generate_content_without_sse_is_one_json_array(lab):
     (call,) = session_calls(lab, s)
     assert text == "".join(p.get("text", "") for p in call.response["candidates"][0]["content"]["parts"])
     assert chunks[-1]["usageMetadata"]["candidatesTokenCount"] == len(call.output_ids)
+    chosen = chunks[-1]["candidates"][0]["logprobsResult"]["chosenCandidates"]  # with the candidate's end
+    assert [c["tokenId"] for c in chosen] == call.output_ids
 
 
 def test_candidate_count_returns_that_many_candidates(lab):

@@ -117,6 +117,6 @@ def test_a_stored_response_belongs_to_its_session(lab):
     with pytest.raises(openai.NotFoundError):
         _client(s).responses.retrieve(unstored.id)
     assert _client(s).responses.retrieve(first.id).output_text == first.output_text
+    assert lab.service.responses.kept(s.id) == 1  # the unstored one is not kept
     s.close(1.0)
-    with pytest.raises(openai.NotFoundError):  # dropped with its session
-        _client(lab.session()).responses.retrieve(first.id)
+    assert lab.service.responses.kept(s.id) == 0  # dropped with its session

@@ -226,3 +226,22 @@ def test_a_training_session_masks_constrained_calls_unless_configured(lab):
                                        response_format={"type": "json_object"}, seed=0)
     (traj,) = lab.trajectories(keep, session_ids=[s.id])
     assert sum(traj.loss_mask) == len(session_calls(lab, s)[0].output_ids) > 0
+
+
+def test_a_structured_output_with_tools_allows_a_call_or_the_document(lab):
+    """An agent with an output type and tools (the Agents SDK's common setup): the grammar is the document *or*
+    calls in the family's format, so the model can still call a tool (the calculator model always does first)."""
+    s = lab.session()
+    client = _openai(s)
+    replies = [client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}],
+        tools=[CALC_TOOL], seed=i, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}).choices[0]
+        for i in range(5)]
+    for choice in replies:
+        calls = choice.message.tool_calls or []
+        assert calls or _valid(choice.message.content), choice
+        for call in calls:
+            _check_call(call.function.name, call.function.arguments, {"calculator"})
+    assert any(c.message.tool_calls for c in replies)
+    _assert_constrained(lab, s, "json_schema")

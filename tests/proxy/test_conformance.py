@@ -145,6 +145,9 @@ def _camel(name: str) -> str:
 
 
 _VOLATILE = {"id", "created", "created_at", "responseId", "call_id", "system_fingerprint"}
+# what a Responses body echoes from its request: an applied field must change more than its echo
+_ECHOED = {"temperature", "top_p", "max_output_tokens", "parallel_tool_calls", "text", "tools", "tool_choice",
+           "instructions", "reasoning", "truncation", "store", "previous_response_id", "metadata", "model"}
 
 
 def _stable(value):
@@ -161,8 +164,12 @@ def _served(lab, api: str, body: dict) -> tuple:
     r = httpx.post(f"{s.base_url}/s/{s.key}{PATHS[api]}", json=body, timeout=30)
     assert r.status_code == 200, r.text[:400]
     spec = lab.engine.specs[-1]
-    text = r.text if body.get("stream") else None
-    return lab.engine.prompts[-1], spec, _stable(r.json()) if text is None else _stable_stream(text)
+    if body.get("stream"):
+        return lab.engine.prompts[-1], spec, _stable_stream(r.text)
+    answer = r.json()
+    if api == "openai.responses":  # not the request's fields echoed in the envelope
+        answer = {k: v for k, v in answer.items() if k not in _ECHOED}
+    return lab.engine.prompts[-1], spec, _stable(answer)
 
 
 def _stable_stream(text: str) -> list:

@@ -98,3 +98,51 @@ def test_an_output_format_names_the_providers_field():
     with pytest.raises(RequestError, match="uniqueItems"):
         constraints.output_structure(OutputFormat("json_schema", {"type": "array", "uniqueItems": True}, param="x"),
                                      max_tokens=10)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "format": {}}, {"type": "array", "maxItems": "3"}, {"type": "array", "maxItems": 2.5},
+    {"type": "array", "maxItems": None}, {"type": "object", "properties": [1]}, {"type": "string", "maxLength": -1},
+    {"type": "integer", "minimum": "0"}, {"type": "object", "required": "a"}, {"type": 5},
+])
+def test_malformed_keyword_values_are_a_400_not_a_crash(schema):
+    with pytest.raises(RequestError):
+        budgeted(checked_schema({"type": "object", "properties": {"x": schema}}, param="p", strict=True)[0], 100)
+
+
+def test_sizing_nested_arrays_costs_the_schema_not_its_multiplicity():
+    """A million items of a million items once made a list of 10^12 entries (a MemoryError, a 500)."""
+    huge = {"type": "array", "maxItems": 10**6, "items": {"type": "array", "maxItems": 10**6,
+                                                          "items": {"type": "string"}}}
+    schema = budgeted(checked_schema(huge, param="p", strict=True)[0], 500)
+    assert schema["items"]["items"]["maxLength"] == 1  # no room: the smallest bound, the document still valid
+
+
+def test_googles_nullable_and_openapi_formats_read_as_json_schema():
+    fmt = constraints.google_format({"responseMimeType": "application/json", "responseSchema": {
+        "type": "OBJECT", "properties": {"n": {"type": "INTEGER", "format": "int64", "nullable": True}}}})
+    assert fmt.schema["properties"]["n"] == {"type": ["integer", "null"]}
+    checked_schema(fmt.schema, param="p", strict=True)  # no 400 for Gemini's own keywords
+
+
+def test_tools_without_a_name_are_a_400_in_the_callers_shape(model_path, tokenizer, tmp_path):
+    from polar_lab import Lab
+    from polar_lab.engine import ScriptedEngine
+
+    engine = ScriptedEngine(tokenizer, ["ok"], model_path=model_path)
+    with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="names") as lab:
+        s = lab.session()
+        google = {"contents": [{"parts": [{"text": "hi"}]}], "tools": [{"functionDeclarations": [{"description": "d"}]}],
+                  "toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}
+        r = httpx.post(f"{s.base_url}/s/{s.key}/v1beta/models/m:generateContent", json=google, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["status"] == "INVALID_ARGUMENT"
+        responses = {"input": "hi", "tools": [{"type": "function", "name": 5}], "tool_choice": "required"}
+        r = httpx.post(f"{s.base_url}/s/{s.key}/v1/responses", json=responses, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_chat_json_schema_without_its_json_schema_object_is_a_400_as_openai_answers():
+    with pytest.raises(RequestError, match="json_schema"):
+        constraints.openai_format({"type": "json_schema"}, param="response_format")
+    assert constraints.openai_format({"type": "json_schema", "name": "a", "schema": {"type": "object"}},
+                                     param="text.format").schema == {"type": "object"}

@@ -122,6 +122,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out = []
     for tool in tools or []:
         for decl in tool.get("functionDeclarations") or tool.get("function_declarations") or []:
+            if not isinstance(decl, dict) or not isinstance(decl.get("name"), str) or not decl["name"]:
+                raise RequestError("each function declaration needs a name (a non-empty string)", param="tools")
             function = {k: decl[k] for k in ("name", "description") if k in decl}
             openapi = decl.get("parameters")  # OpenAPI's subset, upper-case types; google-genai sends the other
             function["parameters"] = constraints.from_openapi(openapi, param="tools") if openapi else (
@@ -204,9 +206,10 @@ class ContentStream:
             return b"data: " + data + b"\r\n\r\n"
         return (b"[" if self.elements == 1 else b",\r\n") + data
 
-    def chunk(self, parts: list[dict[str, Any]], finish: str | None = None, index: int = 0, **extra: Any) -> bytes:
+    def chunk(self, parts: list[dict[str, Any]], finish: str | None = None, index: int = 0,
+              scores: dict[str, Any] | None = None, **extra: Any) -> bytes:
         candidate = {"content": {"role": "model", "parts": parts}, **({"finishReason": finish} if finish else {}),
-                     "index": index}
+                     "index": index, **(scores or {})}
         return self.element(orjson.dumps({"candidates": [candidate], **extra, **self.envelope}))
 
     def start(self) -> bytes:
@@ -221,8 +224,9 @@ class ContentStream:
         return self.chunk([part], index=choice)
 
     def finish(self, response: dict[str, Any]) -> bytes:
-        out = b"".join(self.chunk([], c["finishReason"], c["index"], usageMetadata=response["usageMetadata"])
-                       for c in response["candidates"])
+        out = b"".join(self.chunk([], c["finishReason"], c["index"], usageMetadata=response["usageMetadata"],
+                                  scores={k: c[k] for k in ("logprobsResult", "avgLogprobs") if k in c})
+                       for c in response["candidates"])  # a candidate's logprobs come whole, with its end
         return out + (b"" if self.sse else b"]")
 
     def error(self, status: int, message: str) -> bytes:

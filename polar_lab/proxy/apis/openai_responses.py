@@ -79,10 +79,14 @@ def to_canonical(body: ResponsesRequest, signer: ThoughtSigner | None = None) ->
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     messages += _messages(items, signer)
+    functions = [t for t in body.tools or [] if t.get("type") == "function"]
+    if any(not isinstance(t.get("name"), str) or not t["name"] for t in functions):
+        raise RequestError("each function tool needs a name (a non-empty string)", param="tools")
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in body.tools or [] if t.get("type") == "function" and t.get("name")]
+             for t in functions]
+    choice, allowed = _allowed(body.tool_choice)
     return CanonicalRequest(
-        messages=messages, tools=tools, tool_choice=_tool_choice(body.tool_choice),
+        messages=messages, tools=tools, tool_choice=choice, allowed_tools=allowed,
         max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         logprobs="message.output_text.logprobs" in (body.include or []), top_logprobs=body.top_logprobs or 0,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -162,9 +166,25 @@ def _text(content: Any) -> str | None:
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
     if choice is None or isinstance(choice, str):
         return choice or "auto"
-    if choice.get("type") == "function" and choice.get("name"):
+    if choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise RequestError("tool_choice of type 'function' needs a name", param="tool_choice")
         return {"name": choice["name"]}
     return "auto"  # hosted-tool choices name tools we do not offer
+
+
+def _allowed(choice: str | dict[str, Any] | None) -> tuple[str | dict[str, Any], list[str] | None]:
+    """`tool_choice: {"type": "allowed_tools", "mode": "required", "tools": [...]}`: a call of one of those
+    tools is forced (the grammar holds it to them). In mode "auto" the choice would not be held to the list
+    (an unforced turn is not constrained), so that mode is refused rather than ignored."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return _tool_choice(choice), None
+    names = [t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise RequestError("tool_choice.tools must name function tools", param="tool_choice.tools")
+    if choice.get("mode") != "required":
+        raise RequestError("tool_choice allowed_tools is supported in mode 'required' only", param="tool_choice.mode")
+    return ({"name": names[0]} if len(names) == 1 else "required"), names
 
 
 class StoredResponses:
@@ -172,24 +192,31 @@ class StoredResponses:
     the request says false, as OpenAI's). Each keeps its own input items, its output items, its previous
     response's id and its body — what its recorded call holds — so a conversation is rebuilt by walking back
     through the previous responses. A response belongs to its session: another session's id is a 404, as an
-    unknown one. Dropped when the session closes, and bounded (the newest `size`, oldest dropped first)."""
+    unknown one. Kept only for calls answered whole (not a stream its client cut off) while the session is open;
+    dropped when it closes. Bounded: per session by the bytes of its kept inputs (`session_bytes`: a client that
+    resends the whole conversation each turn and leaves `store` on would otherwise keep O(turns²)), and in all
+    by count (`size`); the oldest go first."""
 
-    def __init__(self, size: int = 100_000):
-        self.size = size
+    def __init__(self, size: int = 100_000, session_bytes: int = 32 * 2**20):
+        self.size, self.session_bytes = size, session_bytes
         self._kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._by_session: dict[str, list[str]] = {}
+        self._by_session: dict[str, OrderedDict[str, int]] = {}  # session → its kept ids → their input bytes
 
     def keep(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
-        if call.api != API or request.get("store") is False or response.get("status") not in ("completed",
-                                                                                                 "incomplete"):
+        aborted = call.render.get("stream_aborted") or any(c.finish_reason == "abort" for c in call.choices)
+        if call.api != API or request.get("store") is False or aborted or call.session.closed_at is not None:
             return
         items = request.get("input")
-        self._kept[response["id"]] = {
-            "session": call.session.id, "previous": request.get("previous_response_id"), "response": response,
-            "input": [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items}
-        self._by_session.setdefault(call.session.id, []).append(response["id"])
+        items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+        self._kept[response["id"]] = {"session": call.session.id, "previous": request.get("previous_response_id"),
+                                      "response": response, "input": items}
+        mine = self._by_session.setdefault(call.session.id, OrderedDict())
+        mine[response["id"]] = len(orjson.dumps(items))
+        while sum(mine.values()) > self.session_bytes and len(mine) > 1:
+            self._kept.pop(mine.popitem(last=False)[0], None)
         while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+            response_id, kept = self._kept.popitem(last=False)
+            self._by_session.get(kept["session"], {}).pop(response_id, None)
 
     def get(self, session: Session, response_id: str) -> dict[str, Any]:
         kept = self._kept.get(response_id)
@@ -203,20 +230,24 @@ class StoredResponses:
         instructions are not carried over, as OpenAI documents)."""
         if not body.previous_response_id:
             return body
-        items: list[Any] = []
+        turns: list[list[Any]] = []  # newest first
         at: str | None = body.previous_response_id
         seen = set()
         while at and at not in seen:
             seen.add(at)
             kept = self.get(session, at)
-            items = kept["input"] + kept["response"]["output"] + items
+            turns.append(kept["input"] + kept["response"]["output"])
             at = kept["previous"]
         own = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
             else body.input
-        return body.model_copy(update={"input": items + own})
+        return body.model_copy(update={"input": [item for turn in reversed(turns) for item in turn] + own})
+
+    def kept(self, session_id: str) -> int:
+        """How many responses a session keeps (for tests and the dashboard)."""
+        return len(self._by_session.get(session_id, ()))
 
     def drop(self, session: Session) -> None:
-        for response_id in self._by_session.pop(session.id, []):
+        for response_id in self._by_session.pop(session.id, {}):
             self._kept.pop(response_id, None)
 
 
@@ -350,7 +381,7 @@ class ResponseStream:
 
 
 def register(app: FastAPI, service: CallService) -> None:
-    stored = StoredResponses()
+    stored = service.responses = StoredResponses()  # the service holds it: tests and the dashboard read it
     service.on_record.append(stored.keep)
     service.registry.on_close.append(stored.drop)
 
