@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from polar_lab.proxy.deltas import Splitter
 from polar_lab.types import Generation, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
 
 
+log = logging.getLogger(__name__)
 TRIM_BYTES = 64 * 2**20  # release freed memory to the OS after closed sessions dropped this much (estimated)
 
 
@@ -294,8 +296,11 @@ class CallService:
             self.store.append_call(record)
         call.session.calls += 1
         call.session.last_call_error = None
-        for hook in self.on_record:
-            hook(call, request, response)
+        for hook in self.on_record:  # the call is on disk: a hook's failure must not fail its answer
+            try:
+                hook(call, request, response)
+            except Exception:  # noqa: BLE001 - logged; the caller still gets what was recorded
+                log.exception("a record hook failed")
         if call.session.closed_at is not None:  # answered after its session closed: keep nothing for later calls
             self._forget(call.session)
 

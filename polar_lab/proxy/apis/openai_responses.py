@@ -208,10 +208,14 @@ class StoredResponses:
             return
         items = request.get("input")
         items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+        try:
+            size = len(orjson.dumps(items))
+        except (TypeError, ValueError):  # nested past orjson's limit: not kept (continuing it would 404)
+            return
         self._kept[response["id"]] = {"session": call.session.id, "previous": request.get("previous_response_id"),
                                       "response": response, "input": items}
         mine = self._by_session.setdefault(call.session.id, OrderedDict())
-        mine[response["id"]] = len(orjson.dumps(items))
+        mine[response["id"]] = size
         while sum(mine.values()) > self.session_bytes and len(mine) > 1:
             self._kept.pop(mine.popitem(last=False)[0], None)
         while len(self._kept) > self.size:
