@@ -65,6 +65,7 @@ bench: setup litellm
 	$(BIN)/python benchmarks/trajectory_cost.py
 	$(BIN)/python benchmarks/storage.py
 	$(BIN)/python benchmarks/kernel_memory.py
+	$(BIN)/python benchmarks/structured_outputs.py
 	$(BIN)/python benchmarks/grpo_step.py
 
 model: setup
