@@ -67,6 +67,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     structure: str | None = None  # an xgrammar structural tag (JSON) every sampled token must keep the output in
+    thinking_budget: int | None = None  # at most this many thought tokens, then the end marker is forced (vLLM)
 
     def __post_init__(self) -> None:
         for name, value in _normalised(self).items():
@@ -97,6 +98,8 @@ class SamplingSpec:
                 raise SamplingError("logit_bias entries must be (token id, bias) pairs", param="logit_bias")
             _int_in("logit_bias", pair[0], 0, INT32_MAX)
             _float_in("logit_bias", pair[1], -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
+        if self.thinking_budget is not None:
+            _int_in("thinking_budget", self.thinking_budget, 0, INT64_MAX)
         if self.structure is not None and (type(self.structure) is not str
                                            or not 0 < len(self.structure) <= STRUCTURE_CHARS_MAX):
             raise SamplingError(f"structure must be a JSON string of at most {STRUCTURE_CHARS_MAX} characters",

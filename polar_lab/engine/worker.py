@@ -76,7 +76,7 @@ class Worker:
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
-            **_prefill_args(c, torch.cuda.is_available()),
+            **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
@@ -208,6 +208,26 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
 
 
+# the thought markers a chat template renders → vLLM's reasoning strings (proxy/formats.py's THINKING, by marker:
+# the engine sits below the proxy and reads the template itself)
+_THOUGHTS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+
+
+def _reasoning_args(c: EngineConfig) -> dict[str, Any]:
+    """vLLM's thinking budget (`SamplingParams.thinking_token_budget`) needs the family's thought markers in an
+    engine-wide `reasoning_config`; its strings only (no reasoning parser: with one, vLLM would also hold grammars
+    back until a thought ends). A template without thoughts gets none, and the proxy never sends it a budget."""
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(c.model).chat_template
+    for start, end in _THOUGHTS:
+        if isinstance(template, str) and start in template:
+            from vllm.config.reasoning import ReasoningConfig
+
+            return {"reasoning_config": ReasoningConfig(reasoning_start_str=start, reasoning_end_str=end)}
+    return {}
+
+
 def _sampling_params(spec: SamplingSpec, stream: bool = False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -220,6 +240,7 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
         logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=kind,
         presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
         logit_bias=dict(spec.logit_bias) or None, structured_outputs=structured,
+        thinking_token_budget=spec.thinking_budget,
     )
 
 

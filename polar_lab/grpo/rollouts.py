@@ -205,12 +205,13 @@ def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     loss assumes. The trainer computes the full softmax at the training temperature, so the sampler must draw
     from it too: no top-p/top-k truncation and no banned strings (each renormalises over fewer tokens, and the
     engine's logprobs then belong to another distribution: a systematic TIS bias, not noise); penalties and
-    logit biases likewise reshape it. A harness's own values are kept in the call's record
+    logit biases likewise reshape it, and a thinking budget forces a thought's end the policy did not choose. A
+    harness's own values are kept in the call's record
     (`sampling["overridden"]`), not applied. (Grammars stay: a harness asking for JSON gets JSON; those tokens
     are left out of the loss instead, see trajectory.builders._extend.)"""
     return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
             "top_p": 1.0, "top_k": -1, "banned_strings": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "logit_bias": ()}
+            "logit_bias": (), "thinking_budget": None}
 
 
 def failure_rewards(config: GRPOConfig) -> dict[str, float | None]:

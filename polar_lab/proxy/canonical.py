@@ -47,6 +47,7 @@ class CanonicalRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    thinking_budget: int | None = None  # at most this many thought tokens (Anthropic budget_tokens, thinkingBudget)
 
 
 @dataclass

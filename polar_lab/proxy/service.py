@@ -350,7 +350,9 @@ class CallService:
                             top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
                             num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos,
                             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                            logit_bias=tuple(req.logit_bias.items()), structure=structure)
+                            logit_bias=tuple(req.logit_bias.items()), structure=structure,
+                            thinking_budget=req.thinking_budget if self.parser.thinking and req.thinking is not False
+                            else None)  # a family without thoughts has no budget to keep
 
 
 def _override(spec: SamplingSpec, forced: dict[str, Any], call_index: int) -> SamplingSpec:

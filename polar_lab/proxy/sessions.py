@@ -21,7 +21,7 @@ from polar_lab.types import CONTINUITY, SamplingSpec, Session
 
 # ignore_eos: fixed-length outputs through any API, for benchmarks and stream tests
 _FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings", "ignore_eos", "presence_penalty",
-              "frequency_penalty", "logit_bias"}
+              "frequency_penalty", "logit_bias", "thinking_budget"}
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:

@@ -66,3 +66,23 @@ def test_grpo_through_xml_calls_and_thoughts_raises_held_out_accuracy(qwen35_lab
     assert after - before >= 0.15, f"held-out accuracy {before:.2f} -> {after:.2f} after 5 steps"
     first = [c for c in qwen35_lab.recorded.call_records() if c.policy_version > 0 and c.call_index == 0]
     assert sum(c.parse["num_tool_calls"] > 0 for c in first) >= 0.8 * len(first) > 0  # still XML calls vLLM reads
+
+
+def test_a_thinking_budget_ends_the_thought_where_it_runs_out(qwen35_lab):
+    """Google's thinkingBudget (Anthropic's budget_tokens alike) through vLLM's thinking_token_budget: after N thought
+    tokens the end marker is forced; a training session's forced sampling turns the budget off (issue 18)."""
+    import httpx
+
+    body = {"contents": [{"role": "user", "parts": [{"text": "What is 12*7+5?"}]}],
+            "generationConfig": {"maxOutputTokens": 48, "seed": 1, "thinkingConfig": {"thinkingBudget": 2}}}
+    close = qwen35_lab.tokenizer.convert_tokens_to_ids("</think>")
+    for sampling, budget in (({}, 2), ({"thinking_budget": None}, None)):
+        s = qwen35_lab.session(sampling=sampling)
+        r = httpx.post(f"{s.base_url}/s/{s.key}/v1beta/models/m:generateContent", json=body, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        (call,) = [c for c in qwen35_lab.recorded.call_records() if c.session_id == s.id]
+        assert call.sampling["thinking_budget"] == budget
+        if budget is not None:  # the prompt opened the thought: at most 2 thought tokens, then the close
+            assert close in call.output_ids[:budget + 1], qwen35_lab.tokenizer.decode(call.output_ids)
+        else:
+            assert call.sampling["overridden"]["thinking_budget"] == 2

@@ -108,14 +108,16 @@ def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSign
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
         stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model,
         thinking=_thinking(body.thinking, body.max_tokens),
+        thinking_budget=(body.thinking or {}).get("budget_tokens") if (body.thinking or {}).get("type") == "enabled"
+        else None,
         output=constraints.anthropic_format(body.output_config, body.output_format),
         parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use))
 
 
 def _thinking(config: dict[str, Any] | None, max_tokens: int) -> bool | None:
     """`thinking: {"type": "enabled" | "adaptive" | "disabled"}` → the template's enable_thinking, checked as
-    Anthropic checks it: "enabled" needs an integer `budget_tokens` of at least 1024 and below max_tokens.
-    (The budget is not enforced on the thought's length: docs/api-conformance.md.)"""
+    Anthropic checks it: "enabled" needs an integer `budget_tokens` of at least 1024 and below max_tokens (the
+    budget itself goes to the engine as CanonicalRequest.thinking_budget)."""
     kind = (config or {}).get("type")
     if kind not in (None, "enabled", "adaptive", "disabled"):
         raise RequestError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}",

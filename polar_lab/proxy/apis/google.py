@@ -80,6 +80,7 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
         max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
         top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
         stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig),
+        thinking_budget=_budget(config.thinkingConfig),
         n=config.candidateCount or 1, logprobs=bool(config.responseLogprobs), top_logprobs=config.logprobs or 0,
         output=constraints.google_format(config.model_dump(exclude_none=True)),
         presence_penalty=config.presencePenalty or 0.0, frequency_penalty=config.frequencyPenalty or 0.0)
@@ -89,6 +90,15 @@ def _thinking(config: dict[str, Any] | None) -> bool | None:
     """`thinkingConfig.thinkingBudget: 0` turns thinking off (Gemini's documented switch); another budget on."""
     budget = (config or {}).get("thinkingBudget", (config or {}).get("thinking_budget"))
     return None if budget is None else budget != 0
+
+
+def _budget(config: dict[str, Any] | None) -> int | None:
+    """`thinkingBudget` N > 0: at most N thought tokens; -1 (dynamic), 0 (off) or none: no budget."""
+    budget = (config or {}).get("thinkingBudget", (config or {}).get("thinking_budget"))
+    if budget is not None and (type(budget) is not int or budget < -1):
+        raise RequestError("thinkingConfig.thinkingBudget must be an integer >= -1",
+                           param="generationConfig.thinkingConfig.thinkingBudget")
+    return budget if budget is not None and budget > 0 else None
 
 
 def _texts(parts: list[dict[str, Any]]) -> str:
