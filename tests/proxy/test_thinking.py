@@ -1,6 +1,7 @@
 """Thinking over HTTP with the Qwen3.5-format fixture's tokenizer and template (the engine is scripted): each API's
 switch reaches the template as `enable_thinking`, and Anthropic's thinking signature is checked when echoed."""
 
+import base64
 import json
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def test_encrypted_reasoning_round_trips_and_refuses_an_altered_blob(lab):
     first = _post(s, "/v1/responses", {"input": "What is 2+2?", "store": False,
                                        "include": ["reasoning.encrypted_content"]}).json()
     (item,) = [o for o in first["output"] if o["type"] == "reasoning"]
-    assert "Add them." not in item["encrypted_content"]  # opaque
+    blob = item["encrypted_content"]
+    assert "Add them." not in blob and b"Add them." not in base64.urlsafe_b64decode(blob + "==")  # opaque, not encoded
     echoed = {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
     answer = [o for o in first["output"] if o["type"] == "message"]
     # the answered turn is the last one: the template renders its thought, which only the blob carried

@@ -201,6 +201,7 @@ class StoredResponses:
         self.size, self.session_bytes = size, session_bytes
         self._kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._by_session: dict[str, OrderedDict[str, int]] = {}  # session → its kept ids → their input bytes
+        self._bytes: dict[str, int] = {}  # session → the input bytes it keeps (the sum of the above)
 
     def keep(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
         aborted = call.render.get("stream_aborted") or any(c.finish_reason == "abort" for c in call.choices)
@@ -214,13 +215,18 @@ class StoredResponses:
             return
         self._kept[response["id"]] = {"session": call.session.id, "previous": request.get("previous_response_id"),
                                       "response": response, "input": items}
-        mine = self._by_session.setdefault(call.session.id, OrderedDict())
+        sid = call.session.id
+        mine = self._by_session.setdefault(sid, OrderedDict())
         mine[response["id"]] = size
-        while sum(mine.values()) > self.session_bytes and len(mine) > 1:
-            self._kept.pop(mine.popitem(last=False)[0], None)
+        self._bytes[sid] = self._bytes.get(sid, 0) + size
+        while self._bytes[sid] > self.session_bytes and len(mine) > 1:
+            oldest, freed = mine.popitem(last=False)
+            self._kept.pop(oldest, None)
+            self._bytes[sid] -= freed
         while len(self._kept) > self.size:
             response_id, kept = self._kept.popitem(last=False)
-            self._by_session.get(kept["session"], {}).pop(response_id, None)
+            freed = self._by_session.get(kept["session"], {}).pop(response_id, 0)
+            self._bytes[kept["session"]] = self._bytes.get(kept["session"], 0) - freed
 
     def get(self, session: Session, response_id: str) -> dict[str, Any]:
         kept = self._kept.get(response_id)
@@ -251,6 +257,7 @@ class StoredResponses:
         return len(self._by_session.get(session_id, ()))
 
     def drop(self, session: Session) -> None:
+        self._bytes.pop(session.id, None)
         for response_id in self._by_session.pop(session.id, {}):
             self._kept.pop(response_id, None)
 
