@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents litellm demo test mutants bench train model smollm2 clean-runs
+.PHONY: setup agents sandbox-tools litellm demo test mutants bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -29,6 +29,16 @@ $(AGENTS_STAMP):
 		&& touch $(AGENTS_STAMP); \
 	else echo "npm not found: Claude Code / Codex preset tests will be skipped"; fi
 
+# bubblewrap, for the "isolated" sandbox level (docs/reliability.md): Debian's package, installed when it is
+# missing and this user may (root with apt-get). Elsewhere harness programs refuse with a message that says
+# how to install it, or to choose harness.sandbox: process.
+sandbox-tools:
+	@command -v bwrap >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+			|| { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
+		else echo "bubblewrap (bwrap) not found: install it for the isolated sandbox (apt-get install bubblewrap)"; fi; }
+
 # LiteLLM, the peer proxy the latency benchmark compares against, in its own venv: its pins (fastapi,
 # pydantic, ...) must not move the Lab's.
 LITELLM_STAMP := .cache/litellm/.polar_lab-litellm
@@ -42,7 +52,7 @@ demo: setup
 	$(BIN)/polar-lab demo
 
 # lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
-test: setup agents
+test: setup agents sandbox-tools
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
@@ -59,7 +69,7 @@ mutants: setup
 train: setup
 	$(BIN)/polar-lab train configs/tiny_calc_grpo.yaml
 
-bench: setup litellm
+bench: setup litellm sandbox-tools
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/stream_latency.py
 	$(BIN)/python benchmarks/trajectory_cost.py

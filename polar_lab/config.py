@@ -101,11 +101,34 @@ class StoreConfig:
     fsync: bool = _f(False, "fsync after each record (survives power loss, not only a killed process)")
 
 
+SANDBOX_LEVELS = ("isolated", "process")  # polar_lab/sandbox: the one place that implements them
+
+
+@dataclass
+class HarnessConfig:
+    """How the Lab runs code it does not trust: harness programs (`Command`) and unit-test evaluators."""
+
+    sandbox: str = _f("isolated", "'isolated' (own unprivileged user, namespaces via bubblewrap: the program "
+                                  "sees its workdir, a read-only system and the proxy, nothing of the Lab) or "
+                                  "'process' (own workdir, environment, limits; same user and filesystem)")
+    sandbox_fallback: bool = _f(False, "where 'isolated' cannot run (no bubblewrap, no user namespaces), run at "
+                                       "'process' after saying so once, instead of refusing to run programs")
+    sandbox_uid: int | None = _f(None, "the sandbox user's uid (and gid) when the kernel runs as root; None = "
+                                       "the first free id from 61000, chosen at Lab start")
+
+    def __post_init__(self) -> None:
+        if self.sandbox not in SANDBOX_LEVELS:
+            raise ConfigError(f"sandbox must be one of {SANDBOX_LEVELS}, got {self.sandbox!r}")
+        if self.sandbox_uid is not None and not 0 < self.sandbox_uid < 2**31:
+            raise ConfigError(f"sandbox_uid must be a positive uid (not root's 0), got {self.sandbox_uid}")
+
+
 @dataclass
 class LabConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LabConfig:

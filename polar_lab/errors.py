@@ -34,11 +34,12 @@ class TrainerError(LabError):
 
 
 class HarnessError(PolarLabError, RuntimeError):
-    """A harness program exited non-zero; `output` holds what it printed (stdout, then stderr)."""
+    """A harness program exited non-zero or hit a limit; `output` holds what it printed (stdout, then stderr),
+    `limit` the sandbox limit that ended it (polar_lab.sandbox.REASONS), if one did."""
 
-    def __init__(self, message: str, output: str = ""):
+    def __init__(self, message: str, output: str = "", limit: str | None = None):
         super().__init__(message)
-        self.output = output
+        self.output, self.limit = output, limit
 
 
 class SandboxError(HarnessError):

@@ -37,9 +37,10 @@ import pandas as pd
 import torch
 import uvicorn
 
-from polar_lab.config import DEFAULT_MODEL, EngineConfig, LabConfig, ProxyConfig, StoreConfig
+from polar_lab import sandbox
+from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
-from polar_lab.errors import LabError
+from polar_lab.errors import LabError, SandboxError
 from polar_lab.proxy.app import create_app
 from polar_lab.proxy.formats import resolve_parsers, tool_format
 from polar_lab.proxy.parse import OutputParser
@@ -81,7 +82,8 @@ class Lab:
         """Start (or return the running) Lab.
 
         model: model folder, default `data/models/tiny-calc`.
-        overrides: any field of EngineConfig / ProxyConfig / StoreConfig by name (port=0, run_name="x"...).
+        overrides: any field of EngineConfig / ProxyConfig / StoreConfig / HarnessConfig by name (port=0,
+            run_name="x", sandbox="process"...).
         engine: an already-built engine (a ScriptedEngine in unit tests); default builds VLLMEngine.
         """
         if self._started:
@@ -102,6 +104,7 @@ class Lab:
         self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
         self.store.write_json("config.json", cfg.to_dict())
         self.recorded = None  # the Run over this folder, once the tokenizer is loaded
+        self.sandbox_level = self._start_sandbox()
         try:
             engine_given = engine is not None
             engine = self._start_engine(engine)
@@ -157,11 +160,14 @@ class Lab:
                            f"leave port unset for a free one") from exc
         self.port = sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
-        self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions)
+        unix = self._proxy_socket()
+        self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions,
+                                        proxy_socket=unix.getsockname())
         tool, reasoning = resolve_parsers(self.config.engine.tool_parser, self.config.engine.reasoning_parser,
                                           self.tokenizer.chat_template or "")
         self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
-        self.store.write_json("config.json", {**self.config.to_dict(), "parsers": self.parsers})
+        self.store.write_json("config.json", {**self.config.to_dict(), "parsers": self.parsers,
+                                              "sandbox_level": self.sandbox_level})
         renderer = Renderer(self.tokenizer, tool_format(tool, self.tokenizer.chat_template or ""))
         self.service = CallService(engine, renderer, self.registry, self.store, cfg,
                                    parser=OutputParser(self.tokenizer, tool, reasoning))
@@ -171,8 +177,31 @@ class Lab:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="polar-lab-loop", daemon=True)
         self._thread.start()
-        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[sock]), self.loop)
+        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[sock, unix]), self.loop)
         self._wait_started(sock)
+
+    def _proxy_socket(self) -> socket.socket:
+        """The proxy's second door: a unix socket that isolated sandboxes (no network of their own) reach it
+        by (polar_lab/sandbox/launch.py forwards the session's address to it). Any local user may connect,
+        as to the TCP port; a session key is still needed."""
+        self._socket_dir = tempfile.mkdtemp(prefix="polar-lab-proxy-")
+        os.chmod(self._socket_dir, 0o755)
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(os.path.join(self._socket_dir, "proxy.sock"))
+        os.chmod(unix.getsockname(), 0o666)  # connecting needs write permission on the socket file
+        return unix
+
+    def _start_sandbox(self) -> str | None:
+        """Set this process's sandbox from the harness section; returns the level programs will run at, or
+        None where "isolated" cannot run and fallback is off (programs are then refused, saying why)."""
+        cfg = self.config.harness
+        try:
+            level = sandbox.configure(cfg.sandbox, fallback=cfg.sandbox_fallback, uid=cfg.sandbox_uid)
+        except SandboxError as exc:
+            log.warning("%s", exc)
+            return None
+        log.info("harness programs and evaluators run at the %r sandbox level", level)
+        return level
 
     def _wait_started(self, sock: socket.socket) -> None:
         for _ in range(600):
@@ -215,6 +244,8 @@ class Lab:
             self.supervisor.close()
         elif self._first_engine is not None:
             self._first_engine.close()
+        if getattr(self, "_socket_dir", None) is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             os.close(self._weights_lock)
@@ -481,7 +512,7 @@ def _make_config(model: str | None, config: LabConfig | None, overrides: dict[st
     base = config.to_dict() if config is not None else LabConfig().to_dict()
     if model is not None:
         base["engine"]["model"] = str(model)
-    sections = {"engine": EngineConfig, "proxy": ProxyConfig, "store": StoreConfig}
+    sections = {"engine": EngineConfig, "proxy": ProxyConfig, "store": StoreConfig, "harness": HarnessConfig}
     for name, value in overrides.items():
         owner = [s for s, cls in sections.items() if name in cls.__dataclass_fields__]
         if not owner:

@@ -85,9 +85,13 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
         result = await _within_deadline(harness(session, task), session, deadline_s)
     except _Deadline:
         return fail("timeout", waited_s=session.waited_s)
+    except SandboxError as exc:  # the machine cannot sandbox any program: stop the rollout, not just this run
+        fail("error", "infrastructure", error=repr(exc))
+        raise
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
-        return fail("error", error=repr(exc), output=output, traceback=traceback.format_exc(limit=5))
+        limit = {"limit": exc.limit} if isinstance(exc, HarnessError) and exc.limit else {}  # the sandbox's reason
+        return fail("error", error=repr(exc), output=output, traceback=traceback.format_exc(limit=5), **limit)
     try:  # the evaluator may run tests in subprocesses: keep it off the loop
         parts = await asyncio.to_thread(evaluator, task, result) if evaluator is not None else {}
     except Exception as exc:

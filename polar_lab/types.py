@@ -226,6 +226,7 @@ class Session:
     info: dict[str, Any] = field(default_factory=dict)  # free-form facts: harness name, error, output...
     reward_parts: dict[str, float] = field(default_factory=dict)  # the evaluator's components ("total" included)
     base_url: str = ""  # the proxy's root, e.g. http://127.0.0.1:41234
+    proxy_socket: str = ""  # the proxy's unix socket: how an isolated sandbox reaches it (polar_lab/sandbox)
     chat_template: str | None = None  # None: the model's own; else a Jinja template used for this session only
     sampling: dict[str, Any] = field(default_factory=dict)  # forced on every call: temperature, seed, max_tokens cap
     continuity: str | None = None  # "splice" | "template" (proxy/splice.py); None: the Lab's ProxyConfig.continuity
@@ -276,7 +277,7 @@ class Session:
 
     def record(self) -> dict[str, Any]:
         """The JSON-safe view written to the store (the key stays out of it)."""
-        skip = {"key", "base_url", "_closer", "waiting"}
+        skip = {"key", "base_url", "proxy_socket", "_closer", "waiting"}
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 

@@ -131,6 +131,27 @@ MUTANTS = [
     Mutant("a sampled-size bound left off strings", "polar_lab/proxy/constraints.py",
            [('            node["maxLength"] = share\n', "            pass\n")],
            ["tests/integration/test_structured_outputs.py::test_chat_parse_returns_schema_valid_objects"]),
+    # issue 19: the isolated sandbox and the fresh-sandbox evaluator
+    Mutant("an isolated sandbox that shares the host's network", "polar_lab/sandbox/isolation.py",
+           [('"--unshare-uts", "--unshare-net", ', '"--unshare-uts", ')],
+           ["tests/integration/test_sandbox_isolation.py::test_an_isolated_harness_reaches_the_proxy_and_nothing_of_the_lab"]),
+    Mutant("an isolated sandbox that sees the host's /tmp", "polar_lab/sandbox/isolation.py",
+           [('"--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",',
+             '"--bind", "/tmp", "/tmp",')],
+           ["tests/integration/test_sandbox_isolation.py::test_an_isolated_harness_reaches_the_proxy_and_nothing_of_the_lab"]),
+    Mutant("an isolated program left running as root", "polar_lab/sandbox/isolation.py",
+           [("    if owner.switch:  # bwrap runs as root", "    if False:  # bwrap runs as root")],
+           ["tests/test_rewards.py::test_isolated_tests_leave_no_process_of_the_sandbox_user_behind"]),
+    Mutant("the evaluator applies every change the harness made", "polar_lab/rewards/code.py",
+           [('    files, refused = apply_changes(task["files"], changes, editable=task.get("editable"))\n',
+             '    files, refused = {**task["files"], **{p: t for p, t in changes.items() if t is not None}}, []\n'),
+            ('    files.update({path: task["files"][path] for path in tests})  # whatever the harness did to them\n',
+             "")],
+           ["tests/integration/test_sandbox_isolation.py::test_the_evaluator_scores_pristine_tests_against_the_harness_changes"]),
+    Mutant("a workdir's disk use never checked", "polar_lab/sandbox/__init__.py",
+           [("        if reason is None and disk_mb(self.workdir) > self.limits.disk_mb:\n",
+             "        if False:\n")],
+           ["tests/integration/test_sandbox_isolation.py::test_a_disk_filler_is_killed_at_its_quota"]),
 ]
 
 

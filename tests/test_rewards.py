@@ -51,6 +51,7 @@ def test_the_evaluator_refuses_to_run_tests_without_limits(monkeypatch):
 
 
 def test_the_deadline_kills_a_grandchild_the_tests_started(tmp_path):
+    """At the "process" level (same user as the kernel): the grandchild's pid is written where the test reads it."""
     import time
 
     from tests.conftest import running
@@ -64,13 +65,34 @@ def test_the_deadline_kills_a_grandchild_the_tests_started(tmp_path):
             f"    open({str(pidfile)!r}, 'w').write(str(grandchild))\n"
             "    time.sleep(120)\n"
             "time.sleep(120)\n")
-    passed, output = run_tests(code, "assert True\n", timeout_s=3)
+    passed, output = run_tests(code, "assert True\n", timeout_s=3, level="process")
     assert not passed and "did not finish" in output
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 5
     while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(grandchild), f"grandchild {grandchild} outlived the tests' deadline"
+
+
+def test_isolated_tests_leave_no_process_of_the_sandbox_user_behind():
+    """The default ("isolated") level: the tests run as the sandbox user, so from outside every process of
+    that user is the run's — three while it hangs, none after its deadline."""
+    import threading
+    import time
+
+    from polar_lab.sandbox import isolation
+    from tests.conftest import processes_of
+
+    uid = isolation.user().uid
+    code = "import os, time\nif os.fork() == 0:\n    os.fork()\ntime.sleep(120)\n"
+    seen = []
+    watcher = threading.Thread(target=lambda: (time.sleep(2), seen.append(len(processes_of(uid)))))
+    watcher.start()
+    passed, output = run_tests(code, "assert True\n", timeout_s=4)
+    watcher.join()
+    assert not passed and "did not finish" in output
+    assert seen[0] >= 3, f"{seen[0]} processes of uid {uid} while the tests hung"  # the tests, a child, a grandchild
+    assert processes_of(uid) == [], "a process of the sandbox user outlived the tests' deadline"
 
 
 @pytest.mark.parametrize("answer, text, parts", [

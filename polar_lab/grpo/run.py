@@ -19,7 +19,7 @@ from polar_lab.errors import ConfigError
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.trainer import GRPOTrainer
 
-LAB_SECTIONS = ("engine", "proxy", "store")
+LAB_SECTIONS = ("engine", "proxy", "store", "harness")
 
 
 def load_train_config(path: str | Path, **grpo_overrides: Any) -> tuple[LabConfig, GRPOConfig]:

@@ -1,10 +1,17 @@
 """Program harnesses: any command line (a CLI agent, a script) run unmodified against a session.
 
 A `Command` fills its placeholders from the task and the session, writes its files, and runs the program in
-the sandbox (polar_lab/sandbox.py: fresh workdir as HOME, an environment built from scratch plus the
-session's base URLs and keys, prlimit limits, a pids cgroup where possible, its own process group killed at
-the deadline or when the program exits). stdout/stderr are captured. A non-zero exit raises `HarnessError`,
-so the rollout marks the run "error" and masks it.
+the sandbox (polar_lab/sandbox: by default "isolated" — its own unprivileged user and namespaces, a fresh
+workdir as HOME, a read-only system, the proxy reachable at the session's usual address and nothing else of
+the Lab; an environment built from scratch plus the session's base URLs and keys; limits on memory, CPU,
+files, processes and disk; its own process group killed at the deadline, when a limit is hit or when the
+program exits). stdout/stderr are captured. A non-zero exit, or a limit hit, raises `HarnessError`, so the
+rollout marks the run "error" (with `info["limit"]` naming the limit) and masks it.
+
+With `workspace`, the task carries a repository (`task[workspace]`: relative path → text) that is written
+into `<workdir>/repo`, where the program starts; the result's `changes` are the files it created, edited
+or deleted there. Evaluators score those changes on pristine task files in a fresh sandbox
+(`rewards.code.repo_tests`), never the workdir the program could tamper with.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from polar_lab import sandbox
@@ -20,20 +28,28 @@ from polar_lab.errors import HarnessError
 from polar_lab.types import Session
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")  # only {name} of known fields; other braces (code) stay as they are
+REPO = "repo"  # the workspace's folder in the workdir
+MAX_CHANGED_FILE_BYTES = 1024 * 1024  # a bigger changed file is listed in `skipped`, not returned
+MAX_CHANGES_BYTES = 16 * 1024 * 1024  # beyond this in all, the rest is listed in `skipped`
 
 
 @dataclass
 class Command:
     """In `argv`, `env` values and `files`, `{field}` is replaced by the task's field, `{python}` by this interpreter, `{bin}` by
-    its folder, `{workdir}`, `{openai_base_url}` and `{anthropic_base_url}` by the run's own, e.g.
+    its folder, `{workdir}`, `{repo}`, `{openai_base_url}` and `{anthropic_base_url}` by the run's own, e.g.
     `Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"])`."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # workdir-relative path → content, written first
-    memory_mb: int = 4096  # RLIMIT_AS
+    workspace: str | None = None  # task field holding a repository (path → text) to start in; see the module doc
+    sandbox: str | None = None  # "isolated" | "process"; None: the Lab's (HarnessConfig.sandbox)
+    readonly: list[str] = field(default_factory=list)  # paths the program needs (its install), read-only
+    memory_mb: int = 4096  # RLIMIT_AS, and a memory cgroup where one can be made
     cpu_seconds: int = 600  # RLIMIT_CPU
     file_mb: int = 512  # RLIMIT_FSIZE
+    open_files: int = 4096  # RLIMIT_NOFILE
+    disk_mb: int = 2048  # the workdir's disk use; past it the run is killed
     processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     keep_workdir: bool = False
     enforce_limits: bool = True  # False: run without prlimit where the machine has none (an explicit opt-out)
@@ -46,14 +62,16 @@ class Command:
     @property
     def limits(self) -> sandbox.Limits:
         return sandbox.Limits(memory_mb=self.memory_mb, cpu_seconds=self.cpu_seconds, file_mb=self.file_mb,
-                              processes=self.processes, enforce=self.enforce_limits)
+                              open_files=self.open_files, disk_mb=self.disk_mb, processes=self.processes,
+                              enforce=self.enforce_limits)
 
     async def __call__(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
         with sandbox.workdir(prefix=f"polar-{self.name}-", keep=self.keep_workdir) as workdir:
             return await self._run(session, task, workdir)
 
     async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
-        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), "workdir": workdir,
+        repo = os.path.join(workdir, REPO)
+        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), "workdir": workdir, "repo": repo,
                   "openai_base_url": session.openai_base_url, "anthropic_base_url": session.anthropic_base_url,
                   **task}
 
@@ -61,14 +79,62 @@ class Command:
             return _PLACEHOLDER.sub(lambda m: str(values.get(m[1], m[0])), text)
 
         sandbox.write_files(workdir, {path: fill(text) for path, text in self.files.items()})  # e.g. Codex's config
+        pristine = dict(task[self.workspace]) if self.workspace else {}
+        if self.workspace:
+            os.makedirs(repo, exist_ok=True)
+            sandbox.write_files(repo, pristine)
         argv = [fill(a) for a in self.argv]
         env = sandbox.environment(workdir, {**session.env(), **{k: fill(v) for k, v in self.env.items()}})
-        outcome = await sandbox.Sandbox(argv, workdir=workdir, env=env, limits=self.limits).start().wait_async()
+        proxy = sandbox.Proxy.from_url(session.base_url, session.proxy_socket) if session.proxy_socket else None
+        box = sandbox.Sandbox(argv, workdir=workdir, env=env, limits=self.limits, level=self.sandbox,
+                              readonly=tuple(self.readonly), proxy=proxy, cwd=repo if self.workspace else None)
+        outcome = await box.start().wait_async()
         result = {"returncode": outcome.returncode, "stdout": outcome.stdout, "stderr": outcome.stderr,
-                  "workdir": workdir, "pids_peak": outcome.pids_peak}
+                  "workdir": workdir, "pids_peak": outcome.pids_peak, "sandbox": outcome.level}
+        if self.workspace:
+            result["changes"], result["skipped"] = changes(repo, pristine)
+        said = (outcome.stderr.strip() or outcome.stdout.strip())[-500:]  # some agents report on stdout
+        if outcome.reason is not None:
+            raise HarnessError(f"{argv[0]} was killed: it exceeded its {outcome.reason} limit. {said}",
+                               output=outcome.stdout + outcome.stderr, limit=outcome.reason)
         if outcome.returncode != 0:
-            said = (outcome.stderr.strip() or outcome.stdout.strip())[-500:]  # some agents report on stdout
             raise HarnessError(f"{argv[0]} exited {outcome.returncode}: {said}", output=outcome.stdout + outcome.stderr)
         lines = outcome.stdout.strip().splitlines()
         result["final"] = lines[-1] if lines else ""
         return result
+
+
+def changes(repo: str | Path, pristine: dict[str, str]) -> tuple[dict[str, str | None], list[str]]:
+    """What a program did to its workspace: {path: new text, or None where it deleted a task file}, and the
+    paths left out (links — never followed, they could point at anything the kernel can read —, binary
+    files, files past the size bounds).
+
+    >>> import tempfile, pathlib
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (root / "a.py").write_text("x = 2\\n"); _ = (root / "new.txt").write_text("hi")
+    >>> changes(root, {"a.py": "x = 1\\n", "b.py": "y = 1\\n"})
+    ({'a.py': 'x = 2\\n', 'new.txt': 'hi', 'b.py': None}, [])
+    """
+    root = Path(repo)
+    found, skipped, total = {}, [], 0
+    for folder, dirs, files in os.walk(root):  # os.walk does not descend into linked folders
+        for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(folder, d))):
+            path = Path(folder) / name
+            relative = path.relative_to(root).as_posix()
+            if path.is_symlink() or not path.is_file():
+                skipped.append(relative)
+                continue
+            data = path.read_bytes() if path.stat().st_size <= MAX_CHANGED_FILE_BYTES else None
+            try:
+                text = data.decode() if data is not None else None
+            except UnicodeDecodeError:
+                text = None
+            if text is None or total + len(data) > MAX_CHANGES_BYTES:
+                skipped.append(relative)
+                continue
+            if pristine.get(relative) != text:
+                found[relative] = text
+                total += len(data)
+    present = set(found) | {p for p in pristine if (root / p).is_file() and not (root / p).is_symlink()}
+    found.update({p: None for p in pristine if p not in present and p not in skipped})
+    return found, skipped

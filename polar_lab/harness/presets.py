@@ -49,6 +49,19 @@ def agents_bin(name: str) -> str:
     return found
 
 
+def install_root(executable: str) -> str:
+    """The folder an npm agent is installed in (what an isolated sandbox shows it, read-only): the folder
+    holding its node_modules, else the executable's own folder.
+
+    >>> install_root("/work/.cache/agents/node_modules/.bin/claude")
+    '/work/.cache/agents'
+    """
+    parts = Path(executable).parts
+    if "node_modules" in parts:
+        return str(Path(*parts[:parts.index("node_modules")]))
+    return str(Path(executable).parent)
+
+
 # Node reserves large virtual ranges at start-up; RLIMIT_AS has to leave room for them.
 _NODE_MEMORY_MB = 16384
 
@@ -61,6 +74,7 @@ def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str 
     """
     argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
     return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
+                   readonly=[install_root(argv[0])],
                    env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                         "IS_SANDBOX": "1"})
 
@@ -93,8 +107,10 @@ def codex(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
     """Codex CLI (npm `@openai/codex`) `exec` mode. It ignores OPENAI_BASE_URL, so a provider config pointing at
     the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
     plugins, analytics or web search)."""
-    return Command([agents_bin("codex"), "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
+    executable = agents_bin("codex")
+    return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
+                   readonly=[install_root(executable)],
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex")
 
 

@@ -38,9 +38,9 @@ def _digest(key: str) -> bytes:
 
 
 class SessionRegistry:
-    def __init__(self, store: RunStore, *, base_url: str = "", auto_sessions: bool = False):
+    def __init__(self, store: RunStore, *, base_url: str = "", auto_sessions: bool = False, proxy_socket: str = ""):
         self.store = store
-        self.base_url = base_url
+        self.base_url, self.proxy_socket = base_url, proxy_socket
         self.auto_sessions = auto_sessions
         self._by_digest: dict[bytes, Session] = {}
         self._by_id: dict[str, Session] = {}
@@ -56,6 +56,7 @@ class SessionRegistry:
             raise ConfigError(f"continuity must be one of {CONTINUITY} or None, got {continuity!r}")
         session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
+                          proxy_socket=self.proxy_socket,
                           chat_template=chat_template, sampling=_check_sampling(sampling), continuity=continuity,
                           _closer=self.close)
         with self._lock:

@@ -1,9 +1,13 @@
-"""Unit-test rewards for code-writing harnesses: run the task's tests against the harness's code in the sandbox."""
+"""Unit-test rewards for code-writing harnesses: the task's tests run against the harness's code or changes, in
+a fresh sandbox built from the task's own files (never the workdir the harness ran in)."""
 
 from __future__ import annotations
 
+import fnmatch
 import sys
+from pathlib import Path, PurePosixPath
 from typing import Any
+from xml.etree import ElementTree
 
 from polar_lab import sandbox
 
@@ -25,15 +29,110 @@ def unit_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
 
 
 def run_tests(code: str, tests: str, timeout_s: float = TEST_TIMEOUT_S,
-              limits: sandbox.Limits | None = None) -> tuple[bool, str]:
+              limits: sandbox.Limits | None = None, level: str | None = None) -> tuple[bool, str]:
     """Run `tests` against `code` (as solution.py) in a fresh sandbox (polar_lab/sandbox.py: from-scratch
     environment, prlimit limits, its own process group killed at the deadline); returns (passed, the tail of
     the output). Refuses (SandboxError) where the limits cannot be applied, unless `limits.enforce` is False.
+    level: the sandbox level (None: the configured default, "isolated" unless the Lab says otherwise).
     Default limits: 1 GiB of address space, the timeout as CPU seconds, no process count outside a cgroup."""
     limits = limits or sandbox.Limits(memory_mb=TEST_MEMORY_MB, cpu_seconds=int(timeout_s) + 1, processes=None)
     files = {"solution.py": code, "test_solution.py": "from solution import *\n" + tests}
     outcome = sandbox.run([sys.executable, "test_solution.py"], timeout=timeout_s, files=files,
-                          env={"PYTHONDONTWRITEBYTECODE": "1"}, limits=limits)
+                          env={"PYTHONDONTWRITEBYTECODE": "1"}, limits=limits, level=level)
     if outcome.timed_out:
         return False, f"the tests did not finish within {timeout_s:.0f} s"
     return outcome.returncode == 0, (outcome.stdout + outcome.stderr)[-1000:]
+
+
+# ---- SWE-style: a repository, the harness's changes, the task's own tests ---------------------------------
+REPO_TEST_TIMEOUT_S = 60
+REPORT = ".polar-junit.xml"  # pytest's report, written by the test run in its fresh workdir
+TEST_SETUP = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
+              "usercustomize.py", "*.pth")  # files that change how tests run: never taken from a harness
+
+
+def is_test_path(path: str) -> bool:
+    """Whether a repository path is a test, by pytest's conventions.
+
+    >>> [is_test_path(p) for p in ("test_a.py", "pkg/a_test.py", "tests/data.json", "pkg/core.py")]
+    [True, True, True, False]
+    """
+    parts = PurePosixPath(path).parts
+    name = parts[-1]
+    return "tests" in parts[:-1] or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
+
+
+def apply_changes(files: dict[str, str], changes: dict[str, Any], *, editable: list[str] | None = None
+                  ) -> tuple[dict[str, str], list[str]]:
+    """The repository `files` with a harness's `changes` ({path: text, or None to delete}) applied, and the
+    paths refused: tests and test set-up files (`TEST_SETUP`), paths outside `editable` (globs) where the
+    task names them, and paths that are not plain relative ones.
+
+    >>> apply_changes({"a.py": "x = 1", "test_a.py": "assert x"}, {"a.py": "x = 2", "test_a.py": "", "conftest.py": ""})
+    ({'a.py': 'x = 2', 'test_a.py': 'assert x'}, ['conftest.py', 'test_a.py'])
+    """
+    out, refused = dict(files), []
+    for path, text in changes.items():
+        clean = PurePosixPath(str(path))
+        plain = not clean.is_absolute() and ".." not in clean.parts and str(clean) == str(path) and str(path) != "."
+        allowed = editable is None or any(fnmatch.fnmatch(str(path), pattern) for pattern in editable)
+        setup = any(fnmatch.fnmatch(clean.name, pattern) for pattern in TEST_SETUP)
+        if not plain or not allowed or setup or is_test_path(str(path)) or not isinstance(text, (str, type(None))):
+            refused.append(str(path))
+        elif text is None:
+            out.pop(str(path), None)
+        else:
+            out[str(path)] = text
+    return out, sorted(refused)
+
+
+def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
+    """SWE-style: 1.0 when the task's tests pass on its repository (`task["files"]`: path → text) with the
+    harness's `changes` applied (a `Command(workspace="files")` result), in a fresh sandbox.
+
+    What the harness may have done to its own workdir does not count: the evaluator starts from the task's
+    pristine files, applies only the changes `apply_changes` allows (`task["editable"]` globs narrow them),
+    and re-copies every test file from the task. `task["test_files"]` names the tests (default: pytest's
+    conventions); `task["test_command"]` (argv, `{python}` allowed) replaces pytest, and then its exit status
+    alone decides. With pytest, a pass also needs its report: tests ran, none failed, errored or skipped (a
+    program that exits 0 early does not pass). Components: `passed`, `refused` (changes dropped).
+    """
+    changes = result.get("changes") if isinstance(result, dict) else None
+    if not isinstance(changes, dict):
+        return {"total": 0.0, "passed": 0.0, "refused": 0.0}
+    files, refused = apply_changes(task["files"], changes, editable=task.get("editable"))
+    tests = task.get("test_files") or sorted(p for p in task["files"] if is_test_path(p))
+    files.update({path: task["files"][path] for path in tests})  # whatever the harness did to them
+    passed, _ = run_repo_tests(files, tests, task.get("test_command"))
+    return {"total": float(passed), "passed": float(passed), "refused": float(len(refused))}
+
+
+def run_repo_tests(files: dict[str, str], tests: list[str], command: list[str] | None = None,
+                   timeout_s: float = REPO_TEST_TIMEOUT_S) -> tuple[bool, str]:
+    """Run a repository's tests in a fresh sandbox; (passed, the tail of the output)."""
+    argv = [a.replace("{python}", sys.executable) for a in command] if command else \
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={REPORT}", *tests]
+    limits = sandbox.Limits(memory_mb=2048, cpu_seconds=int(timeout_s) + 1, processes=256)
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    with sandbox.workdir() as where:
+        sandbox.write_files(where, files)
+        box = sandbox.Sandbox(argv, workdir=where, env=sandbox.environment(where, env), limits=limits)
+        outcome = box.start().wait(timeout_s)
+        output = (outcome.stdout + outcome.stderr)[-1000:]
+        if outcome.reason is not None:
+            return False, f"the tests were stopped: {outcome.reason} limit. {output}"
+        passed = outcome.returncode == 0 and (command is not None or _report_clean(Path(where) / REPORT))
+    return passed, output
+
+
+def _report_clean(report: Path) -> bool:
+    """A pytest junit report in which tests ran and none failed, errored or was skipped."""
+    if report.is_symlink() or not report.is_file():  # the tested code could have put a link or a pipe there
+        return False
+    try:
+        root = ElementTree.parse(report).getroot()
+    except (OSError, ElementTree.ParseError):
+        return False
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return counts["tests"] > 0 and counts["failures"] == counts["errors"] == counts["skipped"] == 0

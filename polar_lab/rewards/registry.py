@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polar_lab.rewards.code import unit_tests
+from polar_lab.rewards.code import repo_tests, unit_tests
 from polar_lab.rewards.numeric import final_answer
 from polar_lab.types import Evaluator
 
@@ -41,5 +41,6 @@ def get_evaluator(evaluator: str | Evaluator | None) -> Evaluator | None:
     return EVALUATORS[evaluator]
 
 
-for _name, _fn in (("final_answer", final_answer), ("unit_tests", unit_tests), ("session_completed", session_completed)):
+for _name, _fn in (("final_answer", final_answer), ("unit_tests", unit_tests), ("repo_tests", repo_tests),
+                   ("session_completed", session_completed)):
     register(_name)(_fn)

@@ -59,7 +59,7 @@ def test_the_deadline_kills_the_whole_process_group(lab, tmp_path):
     sleeper = Command(["{python}", "-c", "import os, subprocess, time, sys;"
                        "child = subprocess.Popen(['sleep', '600']);"
                        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}');"
-                       "time.sleep(600)"], name="sleeper")
+                       "time.sleep(600)"], name="sleeper", sandbox="process")  # it writes outside its workdir
     (g,) = lab.rollout([{"id": "sleep"}], sleeper, num_generations=1, deadline_s=5, progress=False)
     assert g.sessions[0].status == "timeout"
     deadline = time.monotonic() + 10
@@ -69,21 +69,22 @@ def test_the_deadline_kills_the_whole_process_group(lab, tmp_path):
 
 
 def test_a_process_flood_is_capped_even_for_root_and_cleaned_up(lab, tmp_path):
-    """A harness that forks without end: the run's process limit holds (for root too, through a pids
-    cgroup), every process it made is gone after the run, and the Lab keeps serving."""
+    """A harness that forks without end, at the "process" level (as root): the run's process limit holds (for
+    root too, through a pids cgroup), the run is killed and marked for it, every process it made is gone
+    after the run, and the Lab keeps serving."""
     pids = tmp_path / "pids"
-    flood = Command(["{python}", "-c", "import subprocess\n"
-                     "made = []\n"
+    flood = Command(["{python}", "-c", "import subprocess, time\n"
+                     f"out = open({str(pids)!r}, 'w')\n"
                      "for _ in range(200):\n"
                      "    try:\n"
-                     "        made.append(subprocess.Popen(['sleep', '600'], start_new_session=True).pid)\n"
+                     "        out.write(f'{subprocess.Popen([\"sleep\", \"600\"], start_new_session=True).pid} ')\n"
+                     "        out.flush()\n"
                      "    except OSError:\n"
                      "        break\n"
-                     f"open({str(pids)!r}, 'w').write(' '.join(map(str, made)))\n"
-                     "print(len(made))"], processes=32, name="flood")
+                     "time.sleep(60)\n"], processes=32, name="flood", sandbox="process")
     (g,) = lab.rollout([{"id": "flood"}], flood, num_generations=1, deadline_s=60, progress=False)
     (s,) = g.sessions
-    assert s.status == "closed", s.info
+    assert s.status == "error" and s.info["limit"] == "processes", s.info
     made = [int(p) for p in pids.read_text().split()]
     assert 0 < len(made) < 32, f"{len(made)} processes started under a limit of 32"
     deadline = time.monotonic() + 10  # they left the process group (setsid); the cgroup still finds them

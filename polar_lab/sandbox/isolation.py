@@ -1,0 +1,278 @@
+"""The "isolated" sandbox level: bubblewrap namespaces and an unprivileged user, for code the policy wrote.
+Process-wide state, guarded by one lock: the configured level and the sandbox user, set once per kernel
+(`configure`, which the Lab calls at start) and read by every `Sandbox`.
+
+What an isolated run has (docs/reliability.md lists each with the test that checks it):
+- its own user: when the kernel is root, an unprivileged uid/gid that owns nothing but the run's workdir
+  (bwrap, as root, makes the namespaces and binds; setpriv then drops to that user with no capabilities
+  before the program starts); otherwise the kernel's own uid inside a user namespace, no capabilities.
+- new user, PID, IPC, UTS, cgroup and network namespaces: no other process is visible or can be signalled,
+  no socket of the host can be reached;
+- a read-only view of the system: /usr (and the /bin, /lib... links to it), /etc with a passwd and group
+  that name the sandbox user, the interpreter (`sys.base_prefix`, `sys.prefix`), the polar_lab package,
+  and the paths the harness names (its own install, e.g. .cache/agents). Nothing else of the host: not the
+  run folder, the project tree, /root, /home, /dev/shm's weight files, other sandboxes' workdirs;
+- its workdir read-write at its own path, a private /tmp and /dev/shm (memory-backed, each capped at the
+  run's disk quota);
+- the proxy through the Lab's unix socket only: `launch.py` listens on the session's own address
+  (127.0.0.1:port) inside the sandbox's empty network namespace and forwards to the socket, so a harness
+  keeps its ordinary base URL and no other port exists for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import grp
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from polar_lab.errors import SandboxError
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("isolated", "process")
+FIRST_UID = 61000  # where the search for a free uid starts (no passwd entry, no group entry)
+LAUNCH = Path(__file__).with_name("launch.py")
+PACKAGE = Path(__file__).resolve().parents[1]  # polar_lab/: harness modules run from it (`-m polar_lab...`)
+SOCKET_DIR = "/run/polar"  # where the proxy's socket appears inside the sandbox
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """How an isolated run reaches the proxy: the address its harness dials and the Lab's unix socket."""
+
+    host: str
+    port: int
+    socket: str
+
+    @classmethod
+    def from_url(cls, base_url: str, socket_path: str) -> Proxy:
+        """From a session's base URL (http://127.0.0.1:41234) and the Lab's socket path."""
+        parts = urlsplit(base_url)
+        return cls(host=parts.hostname or "127.0.0.1", port=parts.port or 80, socket=socket_path)
+
+
+@dataclass(frozen=True)
+class User:
+    """Who runs isolated code. `switch`: the kernel is root; the program drops to uid/gid (setpriv) inside bwrap."""
+
+    uid: int
+    gid: int
+    switch: bool
+    etc: str  # a folder holding the passwd and group files the sandbox sees
+
+
+@dataclass
+class _State:
+    level: str = "isolated"
+    fallback: bool = False
+    uid: int | None = None
+    user: User | None = None
+    unavailable: str | None = None  # why "isolated" cannot run here; "" once checked and fine
+    checked: bool = False
+    warned: bool = False
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def configure(level: str = "isolated", *, fallback: bool = False, uid: int | None = None) -> str:
+    """Set the default level of every sandbox in this process; returns the level runs will get.
+
+    level: "isolated" (bubblewrap + an unprivileged user) or "process" (own workdir, environment, limits
+    and process group; same user and filesystem as the kernel). fallback: where "isolated" cannot run
+    (no bubblewrap, no user namespaces), run at "process" after saying so once, instead of refusing.
+    uid: the sandbox user when the kernel is root (also its gid); None: the first free uid from 61000.
+    """
+    if level not in LEVELS:
+        raise SandboxError(f"sandbox level must be one of {LEVELS}, got {level!r}")
+    with _lock:
+        if uid != _state.uid:
+            _state.user, _state.checked = None, False
+        _state.level, _state.fallback, _state.uid = level, fallback, uid
+        _state.warned = False
+    return resolve(None)
+
+
+def resolve(level: str | None) -> str:
+    """The level a run asking for `level` (None: the configured default) gets; refuses (SandboxError) when
+    "isolated" cannot run here and fallback is off."""
+    if level is not None and level not in LEVELS:
+        raise SandboxError(f"sandbox level must be one of {LEVELS}, got {level!r}")
+    level = level or _state.level
+    if level == "process":
+        return level
+    why = unavailable()
+    if why is None:
+        return level
+    if not _state.fallback:
+        raise SandboxError(f"the isolated sandbox cannot run here: {why}. Install bubblewrap (Debian: "
+                           f"apt-get install bubblewrap), or allow the weaker level explicitly: "
+                           f"Lab(..., sandbox_fallback=True) or sandbox='process'")
+    with _lock:
+        if not _state.warned:
+            log.warning("the isolated sandbox cannot run here (%s): harnesses and evaluators run at the "
+                        "'process' level (same user and filesystem as the kernel)", why)
+            _state.warned = True
+    return "process"
+
+
+def unavailable() -> str | None:
+    """Why "isolated" cannot run on this machine, or None. Checked once per process by running a trial
+    sandbox (bubblewrap present, user namespaces allowed, the sandbox user usable)."""
+    with _lock:
+        if not _state.checked:
+            _state.unavailable = _trial()
+            _state.checked = True
+        return _state.unavailable or None
+
+
+def _trial() -> str:
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    try:
+        done = subprocess.run(wrap(["true"], workdir=None, tmp_mb=1, owner=_user()), capture_output=True,
+                              timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"a trial sandbox failed: {exc}"
+    if done.returncode != 0:
+        return f"a trial sandbox failed: {done.stderr.decode(errors='replace').strip()[:300]}"
+    return ""
+
+
+def user() -> User:
+    """The sandbox user, chosen once per process (`configure(uid=...)` picks it)."""
+    with _lock:
+        return _user()
+
+
+def _user() -> User:
+    if _state.user is None:
+        switch = os.geteuid() == 0
+        uid = (_state.uid or _free_id()) if switch else os.geteuid()
+        gid = uid if switch else os.getegid()
+        _state.user = User(uid=uid, gid=gid, switch=switch, etc=_etc_files(uid, gid))
+    return _state.user
+
+
+def _free_id() -> int:
+    """The first id from FIRST_UID with neither a passwd nor a group entry."""
+    for candidate in range(FIRST_UID, FIRST_UID + 4000):
+        try:
+            pwd.getpwuid(candidate)
+            continue
+        except KeyError:
+            pass
+        try:
+            grp.getgrgid(candidate)
+        except KeyError:
+            return candidate
+    raise SandboxError(f"no free uid in [{FIRST_UID}, {FIRST_UID + 4000}); pass one: Lab(..., sandbox_uid=N)")
+
+
+def _etc_files(uid: int, gid: int) -> str:
+    """passwd and group files naming the sandbox user (programs such as Node's os.userInfo() need an
+    entry for their uid); removed when the process exits."""
+    folder = tempfile.mkdtemp(prefix="polar-sandbox-etc-")
+    os.chmod(folder, 0o755)
+    (Path(folder) / "passwd").write_text(
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"sandbox:x:{uid}:{gid}:polar_lab sandbox:/tmp:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    (Path(folder) / "group").write_text(f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n")
+    for name in ("passwd", "group"):
+        os.chmod(Path(folder) / name, 0o644)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def prepare_workdir(workdir: str | Path) -> None:
+    """Hand the workdir (and the files written into it) to the sandbox user."""
+    owner = user()
+    if not owner.switch:
+        return
+    for root, dirs, files in os.walk(workdir):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(root, name), owner.uid, owner.gid)
+    os.chown(workdir, owner.uid, owner.gid)
+
+
+def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, readonly: tuple[str, ...] = (),
+         proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None) -> list[str]:
+    """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher."""
+    owner = owner or user()
+    if proxy is not None:
+        target = f"{SOCKET_DIR}/{os.path.basename(proxy.socket)}"
+        argv = [sys.executable, "-I", "-S", str(LAUNCH), "--listen", proxy.host, str(proxy.port), "--to", target,
+                "--", *argv]
+    if owner.switch:  # bwrap runs as root (it can read what it binds), the program as the sandbox user
+        argv = ["setpriv", f"--reuid={owner.uid}", f"--regid={owner.gid}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--", *argv]
+    box = ["bwrap", *([] if owner.switch else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
+           "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
+           *_system(),
+           "--ro-bind", f"{owner.etc}/passwd", "/etc/passwd", "--ro-bind", f"{owner.etc}/group", "/etc/group",
+           "--proc", "/proc", "--dev", "/dev",
+           "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
+           "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
+    mounts = _readonly(readonly)
+    box += _parents([*mounts, *([str(workdir)] if workdir is not None else []),
+                     *([SOCKET_DIR] if proxy is not None else [])])
+    for path in mounts:  # after /tmp: a venv or checkout under /tmp is bound over the tmpfs
+        box += ["--ro-bind", path, path]
+    if workdir is not None:
+        box += ["--bind", str(workdir), str(workdir), "--chdir", str(cwd or workdir)]
+    if proxy is not None:
+        box += ["--ro-bind", os.path.dirname(proxy.socket), SOCKET_DIR]
+    return [*box, "--", *argv]
+
+
+def _system() -> list[str]:
+    """/usr and /etc read-only, and the top-level links (or folders) that point into /usr."""
+    out = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            out += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            out += ["--ro-bind", str(path), str(path)]
+    return out
+
+
+def _parents(paths: list[str]) -> list[str]:
+    """Traversable (0755) folders above each mount point, which bwrap would otherwise make 0700 (the host's
+    own modes, e.g. /root's, do not apply: these folders exist only in the sandbox)."""
+    out, made = [], set()
+    for path in paths:
+        for parent in reversed(Path(path).parents):
+            folder = str(parent)
+            if folder in made or folder in ("/", "/tmp", "/usr", "/etc", "/dev", "/proc"):
+                continue
+            if folder.startswith(("/usr/", "/etc/", "/proc/", "/dev/")):
+                continue
+            made.add(folder)
+            out += ["--perms", "0755", "--dir", folder]
+    return out
+
+
+def _readonly(extra: tuple[str, ...]) -> list[str]:
+    """The interpreter, its environment, the polar_lab package and `extra`: existing paths, each once,
+    outermost first (a path inside one already bound is bound again, read-only, harmlessly)."""
+    paths = [sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)), str(PACKAGE), *extra]
+    seen = []
+    for path in paths:
+        for candidate in (os.path.realpath(path), path):  # the path as named too, when it is a link
+            system = candidate == "/usr" or candidate.startswith(("/usr/", "/etc/"))  # bound already
+            if os.path.exists(candidate) and candidate not in seen and not system:
+                seen.append(candidate)
+    return sorted(seen, key=lambda p: p.count("/"))
