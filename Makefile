@@ -76,6 +76,7 @@ bench: setup litellm sandbox-tools
 	$(BIN)/python benchmarks/storage.py
 	$(BIN)/python benchmarks/kernel_memory.py
 	$(BIN)/python benchmarks/structured_outputs.py
+	$(BIN)/python benchmarks/sandbox_startup.py
 	$(BIN)/python benchmarks/grpo_step.py
 
 model: setup

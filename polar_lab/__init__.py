@@ -13,7 +13,7 @@ from polar_lab._lazy import lazy_exports
 
 _HOME = {
     "EngineConfig": "polar_lab.config", "LabConfig": "polar_lab.config", "ProxyConfig": "polar_lab.config",
-    "StoreConfig": "polar_lab.config", "PolarLabError": "polar_lab.errors", "GRPOConfig": "polar_lab.grpo.config",
+    "StoreConfig": "polar_lab.config", "HarnessConfig": "polar_lab.config", "PolarLabError": "polar_lab.errors", "GRPOConfig": "polar_lab.grpo.config",
     "GRPOTrainer": "polar_lab.grpo.trainer", "Lab": "polar_lab.lab", "Run": "polar_lab.run",
     "Generation": "polar_lab.types",
     "Group": "polar_lab.types", "ModelCall": "polar_lab.types", "SamplingSpec": "polar_lab.types",
@@ -29,7 +29,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from polar_lab.config import EngineConfig, LabConfig, ProxyConfig, StoreConfig  # noqa: F401
+    from polar_lab.config import EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig  # noqa: F401
     from polar_lab.errors import PolarLabError  # noqa: F401
     from polar_lab.grpo.config import GRPOConfig  # noqa: F401
     from polar_lab.grpo.trainer import GRPOTrainer  # noqa: F401

@@ -195,6 +195,7 @@ class Lab:
         """Set this process's sandbox from the harness section; returns the level programs will run at, or
         None where "isolated" cannot run and fallback is off (programs are then refused, saying why)."""
         cfg = self.config.harness
+        self._sandbox_before = sandbox.current()  # put back when this Lab closes
         try:
             level = sandbox.configure(cfg.sandbox, fallback=cfg.sandbox_fallback, uid=cfg.sandbox_uid)
         except SandboxError as exc:
@@ -244,6 +245,11 @@ class Lab:
             self.supervisor.close()
         elif self._first_engine is not None:
             self._first_engine.close()
+        if getattr(self, "_sandbox_before", None) is not None:
+            try:
+                sandbox.configure(**self._sandbox_before)
+            except SandboxError:  # the level before cannot run here either: it said so when it was set
+                pass
         if getattr(self, "_socket_dir", None) is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._weights_dir is not None:

@@ -109,3 +109,18 @@ def test_restart_engine_refuses_what_it_cannot_do_safely(scripted_lab):
     with pytest.raises(LabError, match="pass them as state_dict"):
         scripted_lab.restart_engine(version=3)
     assert scripted_lab.proxy_state["pauses"] == 0  # refused before the proxy was paused
+
+
+def test_the_labs_sandbox_level_holds_while_it_is_open_and_is_recorded(tokenizer, model_path, tmp_path):
+    """`Lab(sandbox="process")` sets the level its programs and evaluators run at (a process-wide default),
+    records it in the run's config, and puts back the level before it when it closes."""
+    import json
+
+    from polar_lab import sandbox
+
+    before = sandbox.current()
+    with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), run_name="proc",
+             sandbox="process") as lab:
+        assert lab.sandbox_level == "process" and sandbox.run(["true"], timeout=5).level == "process"
+        assert json.loads((lab.run_dir / "config.json").read_text())["sandbox_level"] == "process"
+    assert sandbox.current() == before

@@ -6,7 +6,7 @@ import polar_lab
 def test_all_is_sorted_and_pinned():
     assert polar_lab.__all__ == sorted(polar_lab.__all__)
     assert polar_lab.__all__ == [
-        "EngineConfig", "GRPOConfig", "GRPOTrainer", "Generation", "Group", "Lab", "LabConfig", "ModelCall",
+        "EngineConfig", "GRPOConfig", "GRPOTrainer", "Generation", "Group", "HarnessConfig", "Lab", "LabConfig", "ModelCall",
         "PolarLabError", "ProxyConfig", "Run", "SamplingSpec", "Session", "StoreConfig", "Trajectory",
     ]
 

@@ -1,7 +1,8 @@
 """The one sandbox for code the Lab does not trust: harness programs (`harness/command.py`) and unit-test
 evaluators (`rewards/code.py`). Each `Sandbox` owns one run's process group, cgroups and output files.
 
-Two levels (`configure` sets the default; the Lab does it at start from `LabConfig.sandbox`):
+Two levels. `configure` sets the process's default; a Lab does it at start from `LabConfig.harness` and puts
+back the one before it when it closes (the level is per process: the newest open Lab's holds):
 - "isolated" (the default): everything below, plus bubblewrap namespaces and an unprivileged user — the
   run sees its workdir, a read-only system and the proxy, nothing of the Lab (sandbox/isolation.py).
 - "process": what follows only; same user and filesystem as the kernel. Good against accidents, not
@@ -41,10 +42,10 @@ from pathlib import Path
 from polar_lab.errors import SandboxError
 from polar_lab.sandbox import isolation
 from polar_lab.sandbox.cgroup import Cgroup
-from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, resolve, unavailable
+from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, current, resolve, unavailable
 
-__all__ = ["LEVELS", "Limits", "Outcome", "Proxy", "Sandbox", "configure", "environment", "resolve", "run",
-           "unavailable", "workdir", "write_files"]
+__all__ = ["LEVELS", "Limits", "Outcome", "Proxy", "Sandbox", "configure", "current", "environment", "resolve",
+           "run", "unavailable", "workdir", "write_files"]
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ")  # the only variables taken from the kernel
 WATCH_S = 0.25  # how often a running sandbox's cgroups and disk use are checked

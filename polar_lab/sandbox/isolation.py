@@ -100,8 +100,13 @@ def configure(level: str = "isolated", *, fallback: bool = False, uid: int | Non
         if uid != _state.uid:
             _state.user, _state.checked = None, False
         _state.level, _state.fallback, _state.uid = level, fallback, uid
-        _state.warned = False
     return resolve(None)
+
+
+def current() -> dict[str, object]:
+    """The configuration in force (`configure(**current())` puts it back)."""
+    with _lock:
+        return {"level": _state.level, "fallback": _state.fallback, "uid": _state.uid}
 
 
 def resolve(level: str | None) -> str:
