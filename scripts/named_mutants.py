@@ -149,8 +149,7 @@ MUTANTS = [
              "")],
            ["tests/integration/test_sandbox_isolation.py::test_the_evaluator_scores_pristine_tests_against_the_harness_changes"]),
     Mutant("a workdir's disk use never checked", "polar_lab/sandbox/__init__.py",
-           [("        if reason is None and disk_mb(self.workdir) > self.limits.disk_mb:\n",
-             "        if False:\n")],
+           [("            if reason is None and time.monotonic() >= next_disk:\n", "            if False:\n")],
            ["tests/integration/test_sandbox_isolation.py::test_a_disk_filler_is_killed_at_its_quota"]),
 ]
 

@@ -28,8 +28,9 @@ def running(pid: int) -> bool:
         return False
 
 
-def processes_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real uid is `uid`."""
+def processes_of(uids) -> list[int]:
+    """Live (not zombie) processes whose real uid is `uids` (an int or a collection of them)."""
+    uids = {uids} if isinstance(uids, int) else set(uids)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -39,7 +40,7 @@ def processes_of(uid: int) -> list[int]:
                 fields = dict(line.split(":", 1) for line in fh if ":" in line)
         except OSError:
             continue
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+        if int(fields["Uid"].split()[0]) in uids and not fields["State"].strip().startswith("Z"):
             found.append(int(entry))
     return found
 

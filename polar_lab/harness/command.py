@@ -16,14 +16,17 @@ or deleted there. Evaluators score those changes on pristine task files in a fre
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from polar_lab import sandbox
+from polar_lab.sandbox import files
 from polar_lab.errors import HarnessError
 from polar_lab.types import Session
 
@@ -91,8 +94,8 @@ class Command:
         outcome = await box.start().wait_async()
         result = {"returncode": outcome.returncode, "stdout": outcome.stdout, "stderr": outcome.stderr,
                   "workdir": workdir, "pids_peak": outcome.pids_peak, "sandbox": outcome.level}
-        if self.workspace:
-            result["changes"], result["skipped"] = changes(repo, pristine)
+        if self.workspace:  # a walk of a tree the program made: off the Lab's loop
+            result["changes"], result["skipped"] = await asyncio.to_thread(changes, repo, pristine)
         said = (outcome.stderr.strip() or outcome.stdout.strip())[-500:]  # some agents report on stdout
         if outcome.reason is not None:
             raise HarnessError(f"{argv[0]} was killed: it exceeded its {outcome.reason} limit. {said}",
@@ -106,8 +109,9 @@ class Command:
 
 def changes(repo: str | Path, pristine: dict[str, str]) -> tuple[dict[str, str | None], list[str]]:
     """What a program did to its workspace: {path: new text, or None where it deleted a task file}, and the
-    paths left out (links — never followed, they could point at anything the kernel can read —, binary
-    files, files past the size bounds).
+    paths left out: links (never followed — the kernel reads this as root, and a link could point at anything
+    it can read), anything not a regular file, binary files, files past the size bounds, folders nested past
+    the walk's depth. A workspace the program replaced by a link or a file counts as all deleted.
 
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -115,26 +119,26 @@ def changes(repo: str | Path, pristine: dict[str, str]) -> tuple[dict[str, str |
     >>> changes(root, {"a.py": "x = 1\\n", "b.py": "y = 1\\n"})
     ({'a.py': 'x = 2\\n', 'new.txt': 'hi', 'b.py': None}, [])
     """
-    root = Path(repo)
-    found, skipped, total = {}, [], 0
-    for folder, dirs, files in os.walk(root):  # os.walk does not descend into linked folders
-        for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(folder, d))):
-            path = Path(folder) / name
-            relative = path.relative_to(root).as_posix()
-            if path.is_symlink() or not path.is_file():
-                skipped.append(relative)
-                continue
-            data = path.read_bytes() if path.stat().st_size <= MAX_CHANGED_FILE_BYTES else None
-            try:
-                text = data.decode() if data is not None else None
-            except UnicodeDecodeError:
-                text = None
-            if text is None or total + len(data) > MAX_CHANGES_BYTES:
-                skipped.append(relative)
-                continue
-            if pristine.get(relative) != text:
-                found[relative] = text
-                total += len(data)
-    present = set(found) | {p for p in pristine if (root / p).is_file() and not (root / p).is_symlink()}
+    found: dict[str, str | None] = {}
+    skipped, present, deep, total = [], set(), [], 0
+    for relative, info, folder, name in files.walk(repo, too_deep=deep):
+        if stat.S_ISDIR(info.st_mode):
+            continue
+        data = files.read_regular(folder, name, MAX_CHANGED_FILE_BYTES) if stat.S_ISREG(info.st_mode) else None
+        try:
+            text = data.decode() if data is not None else None
+        except UnicodeDecodeError:
+            text = None
+        if text is None:
+            skipped.append(relative)
+            continue
+        present.add(relative)
+        if pristine.get(relative) == text:
+            continue
+        if total + len(data) > MAX_CHANGES_BYTES:
+            skipped.append(relative)
+            continue
+        found[relative] = text
+        total += len(data)
     found.update({p: None for p in pristine if p not in present and p not in skipped})
-    return found, skipped
+    return found, sorted(skipped + deep)

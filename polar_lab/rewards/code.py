@@ -10,6 +10,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 from polar_lab import sandbox
+from polar_lab.sandbox import files as files_of_sandbox
 
 TEST_TIMEOUT_S = 30
 TEST_MEMORY_MB = 1024
@@ -46,9 +47,15 @@ def run_tests(code: str, tests: str, timeout_s: float = TEST_TIMEOUT_S,
 
 # ---- SWE-style: a repository, the harness's changes, the task's own tests ---------------------------------
 REPO_TEST_TIMEOUT_S = 60
-REPORT = ".polar-junit.xml"  # pytest's report, written by the test run in its fresh workdir
-TEST_SETUP = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
-              "usercustomize.py", "*.pth")  # files that change how tests run: never taken from a harness
+REPO = "repo"  # the repository's folder in the test run's workdir; the evaluator's own files sit beside it
+REPORT = "report.xml"  # pytest's junit report, beside the repository
+PYTEST_INI_NAME = "evaluator-pytest.ini"
+PYTEST_INI = "[pytest]\npythonpath = repo\n"  # the only configuration the tests run with: the repo's own
+#   (pytest.ini, .pytest.ini, pytest.toml, pyproject.toml, tox.ini, setup.cfg) is never read
+MAX_REPORT_BYTES = 16 * 1024 * 1024
+TEST_SETUP = ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg",
+              "pyproject.toml", "sitecustomize.py", "usercustomize.py", "*.pth", "pytest.py", "_pytest",
+              "pluggy", "py.py")  # names that change how tests run: never taken from a harness
 
 
 def is_test_path(path: str) -> bool:
@@ -76,7 +83,7 @@ def apply_changes(files: dict[str, str], changes: dict[str, Any], *, editable: l
         clean = PurePosixPath(str(path))
         plain = not clean.is_absolute() and ".." not in clean.parts and str(clean) == str(path) and str(path) != "."
         allowed = editable is None or any(fnmatch.fnmatch(str(path), pattern) for pattern in editable)
-        setup = any(fnmatch.fnmatch(clean.name, pattern) for pattern in TEST_SETUP)
+        setup = any(fnmatch.fnmatch(part, pattern) for part in clean.parts for pattern in TEST_SETUP)
         if not plain or not allowed or setup or is_test_path(str(path)) or not isinstance(text, (str, type(None))):
             refused.append(str(path))
         elif text is None:
@@ -93,30 +100,42 @@ def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
     What the harness may have done to its own workdir does not count: the evaluator starts from the task's
     pristine files, applies only the changes `apply_changes` allows (`task["editable"]` globs narrow them),
     and re-copies every test file from the task. `task["test_files"]` names the tests (default: pytest's
-    conventions); `task["test_command"]` (argv, `{python}` allowed) replaces pytest, and then its exit status
-    alone decides. With pytest, a pass also needs its report: tests ran, none failed, errored or skipped (a
-    program that exits 0 early does not pass). Components: `passed`, `refused` (changes dropped).
+    conventions; only .py files are passed to pytest, the rest are re-copied); `task["test_command"]` (argv,
+    `{python}` allowed, run in the repository) replaces pytest, and then its exit status alone decides. With
+    pytest, a pass also needs its report: tests ran, none failed, errored or skipped (code that exits 0 at
+    import does not pass; code that forges the report from inside the test run is not caught — see
+    docs/reliability.md). Components: `passed`, `refused` (changes dropped).
     """
     changes = result.get("changes") if isinstance(result, dict) else None
     if not isinstance(changes, dict):
         return {"total": 0.0, "passed": 0.0, "refused": 0.0}
     files, refused = apply_changes(task["files"], changes, editable=task.get("editable"))
     tests = task.get("test_files") or sorted(p for p in task["files"] if is_test_path(p))
+    missing = sorted(set(tests) - set(task["files"]))
+    if missing:
+        raise KeyError(f"the task's test_files {missing} are not among its files")
     files.update({path: task["files"][path] for path in tests})  # whatever the harness did to them
-    passed, _ = run_repo_tests(files, tests, task.get("test_command"))
+    passed, _ = run_repo_tests(files, [p for p in tests if p.endswith(".py")], task.get("test_command"))
     return {"total": float(passed), "passed": float(passed), "refused": float(len(refused))}
 
 
 def run_repo_tests(files: dict[str, str], tests: list[str], command: list[str] | None = None,
                    timeout_s: float = REPO_TEST_TIMEOUT_S) -> tuple[bool, str]:
-    """Run a repository's tests in a fresh sandbox; (passed, the tail of the output)."""
+    """Run a repository's tests in a fresh sandbox; (passed, the tail of the output). The repository goes in
+    `<workdir>/repo`, where the tests run; pytest runs with `-P` (the repository is not where `pytest` and
+    its plugins are imported from: a `pytest.py` there is not imported) and with the evaluator's own
+    configuration (`-c`), which puts the repository on the path for the tests."""
     argv = [a.replace("{python}", sys.executable) for a in command] if command else \
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={REPORT}", *tests]
+        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", f"../{PYTEST_INI_NAME}",
+         "--rootdir", ".", f"--junitxml=../{REPORT}", *tests]
     limits = sandbox.Limits(memory_mb=2048, cpu_seconds=int(timeout_s) + 1, processes=256)
     env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     with sandbox.workdir() as where:
-        sandbox.write_files(where, files)
-        box = sandbox.Sandbox(argv, workdir=where, env=sandbox.environment(where, env), limits=limits)
+        repo = Path(where) / REPO
+        repo.mkdir()
+        sandbox.write_files(repo, files)
+        sandbox.write_files(where, {PYTEST_INI_NAME: PYTEST_INI})
+        box = sandbox.Sandbox(argv, workdir=where, env=sandbox.environment(where, env), limits=limits, cwd=repo)
         outcome = box.start().wait(timeout_s)
         output = (outcome.stdout + outcome.stderr)[-1000:]
         if outcome.reason is not None:
@@ -126,13 +145,18 @@ def run_repo_tests(files: dict[str, str], tests: list[str], command: list[str] |
 
 
 def _report_clean(report: Path) -> bool:
-    """A pytest junit report in which tests ran and none failed, errored or was skipped."""
-    if report.is_symlink() or not report.is_file():  # the tested code could have put a link or a pipe there
+    """A pytest junit report in which tests ran and none failed, errored or was skipped. Read without
+    following a link or blocking on a FIFO the tested code could have put there."""
+    data = files_of_sandbox.read_file(report, MAX_REPORT_BYTES)
+    if data is None:
         return False
     try:
-        root = ElementTree.parse(report).getroot()
-    except (OSError, ElementTree.ParseError):
+        root = ElementTree.fromstring(data)
+    except ElementTree.ParseError:
         return False
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    try:
+        counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    except ValueError:
+        return False
     return counts["tests"] > 0 and counts["failures"] == counts["errors"] == counts["skipped"] == 0

@@ -29,26 +29,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from polar_lab.errors import SandboxError
-from polar_lab.sandbox import isolation
+from polar_lab.sandbox import files, isolation
 from polar_lab.sandbox.cgroup import Cgroup
 from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, current, resolve, unavailable
 
 __all__ = ["LEVELS", "Limits", "Outcome", "Proxy", "Sandbox", "configure", "current", "environment", "resolve",
            "run", "unavailable", "workdir", "write_files"]
 
+log = logging.getLogger(__name__)
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ")  # the only variables taken from the kernel
-WATCH_S = 0.25  # how often a running sandbox's cgroups and disk use are checked
+WATCH_S = 0.25  # how often a running sandbox's cgroups are checked (by its watcher thread)
+DISK_WATCH_S = 1.0  # how often its workdir's disk use is (a walk of the tree)
+MAX_OUTPUT_BYTES = 1024 * 1024  # of each of stdout and stderr, the tail kept
 REASONS = ("deadline", "cpu", "memory", "processes", "disk")  # the limit that ended a run (`Outcome.reason`)
 
 
@@ -60,7 +66,8 @@ class Limits:
     cpu_seconds: int = 600  # RLIMIT_CPU: SIGXCPU at this many seconds, SIGKILL one second later
     file_mb: int = 512  # RLIMIT_FSIZE
     open_files: int = 4096  # RLIMIT_NOFILE
-    disk_mb: int = 2048  # the workdir's disk use (checked every WATCH_S), and each private tmpfs when isolated
+    disk_mb: int = 2048  # the workdir's disk use (checked every DISK_WATCH_S), and each private tmpfs when isolated
+    disk_files: int = 200_000  # entries (files, folders, links) in the workdir; past it, or MAX_DEPTH deep: "disk"
     processes: int | None = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     #   (which counts every process of the user, so None leaves it off where no cgroup can be made)
     enforce: bool = True  # False: run without prlimit where it is missing (an explicit opt-out)
@@ -71,9 +78,9 @@ class Outcome:
     """How a sandboxed run ended."""
 
     returncode: int | None  # None: killed by the sandbox (its deadline, or a limit it hit)
-    stdout: str
+    stdout: str  # the last MAX_OUTPUT_BYTES
     stderr: str
-    timed_out: bool
+    timed_out: bool  # still running when its deadline came (or its caller was cancelled)
     pids_peak: int | None  # most tasks at once, where the kernel reports it
     reason: str | None = None  # the limit that ended it (one of REASONS), None when it ended by itself
     level: str = "process"  # the sandbox level it ran at
@@ -88,7 +95,8 @@ def environment(workdir: str | Path, extra: dict[str, str] | None = None) -> dic
 
 class Sandbox:
     """One run of `argv` in `workdir` under `limits`. `start()`, then `wait()` (a thread) or `wait_async()`
-    (an event loop); `close()` always, which kills what is left. Context manager.
+    (an event loop); `close()` always, which kills what is left. Context manager. While it runs, a watcher
+    thread checks its cgroups and disk use and ends it at the first limit passed.
 
     level: "isolated" | "process" | None (the configured default; see `configure`). readonly: paths the
     program needs besides the system and the interpreter (its install), shown read-only when isolated.
@@ -108,73 +116,120 @@ class Sandbox:
         self.proc: subprocess.Popen | None = None
         self._out = self._err = None
         self._reason: str | None = None  # set when the sandbox ends the run for a limit
-        self._next_watch = 0.0
+        self._done = threading.Event()  # stops the watcher
+        self._watcher: threading.Thread | None = None
+        self._owner: isolation.User | None = None  # the uid an isolated run holds
+        self._lock = threading.Lock()  # the watcher and close() both kill
 
     def start(self) -> Sandbox:
+        self._owner = isolation.lease() if self.level == "isolated" else None  # its own uid, given back at close
         self.cgroup = Cgroup.create(max_pids=self.limits.processes, memory_mb=self.limits.memory_mb)
-        join = self.cgroup.join_argv() if self.cgroup is not None else []
-        limits = _limits_argv(self._prlimit, self.limits, nproc=self.cgroup is None or "pids" not in self.cgroup.paths)
-        argv = self.argv
-        if self.level == "isolated":
-            isolation.prepare_workdir(self.workdir)
-            argv = isolation.wrap(argv, workdir=self.workdir, tmp_mb=self.limits.disk_mb, readonly=self.readonly,
-                                  proxy=self.proxy, cwd=self.cwd)
+        _say_once_what_is_missing(self.cgroup)
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         try:
             self.proc = subprocess.Popen(
-                [*join, *limits, *argv],
-                cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
-                start_new_session=True)  # its own process group: the deadline kills its children too
-        except BaseException:  # e.g. EAGAIN when processes are scarce: leave no cgroup or files behind
+                self._command(), cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._out,
+                stderr=self._err, start_new_session=True)  # its own process group: the deadline kills its children
+        except BaseException:  # e.g. EAGAIN when processes are scarce: leave no cgroup, uid or files behind
             if self.cgroup is not None:
                 self.cgroup.close()
+            if self._owner is not None:
+                isolation.release(self._owner)
             self._out.close()
             self._err.close()
             raise
+        self._watcher = threading.Thread(target=self._watch, name="polar-lab-sandbox-watch", daemon=True)
+        self._watcher.start()
         return self
 
-    def watch(self) -> str | None:
-        """Check the run's limits now (at most every WATCH_S); end the run when one is exceeded and return
-        which. Called by the wait loops."""
-        now = time.monotonic()
-        if self._reason is not None or now < self._next_watch:
-            return self._reason
-        self._next_watch = now + WATCH_S
-        reason = self.cgroup.exceeded() if self.cgroup is not None else None
-        if reason is None and disk_mb(self.workdir) > self.limits.disk_mb:
-            reason = "disk"
-        if reason is not None:
-            self._reason = reason
-            self._kill()
-        return reason
+    def _command(self) -> list[str]:
+        """The full argv: first the kernel's OOM killer is told to prefer this run over the Lab, the run joins
+        its cgroups, then prlimit, then (isolated) bwrap and setpriv, then the program."""
+        joins = [f'echo $$ > "{path}/cgroup.procs"' for path in dict.fromkeys(self.cgroup.paths.values())] \
+            if self.cgroup is not None else []
+        shell = " && ".join(["echo 1000 > /proc/self/oom_score_adj", *joins, 'exec "$@"'])
+        nproc = self.cgroup is None or "pids" not in self.cgroup.paths
+        argv = self.argv
+        if self.level == "isolated":
+            isolation.prepare_workdir(self.workdir, self._owner)
+            argv = isolation.wrap(argv, workdir=self.workdir, tmp_mb=self.limits.disk_mb, readonly=self.readonly,
+                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner)
+        return ["/bin/sh", "-c", shell, "sh", *_limits_argv(self._prlimit, self.limits, nproc=nproc), *argv]
+
+    def _watch(self) -> None:
+        """The watcher thread: every WATCH_S, the cgroups' verdicts; every DISK_WATCH_S, the workdir's disk
+        use. The first limit passed ends the run (kill) and is kept as its reason."""
+        next_disk = time.monotonic() + DISK_WATCH_S
+        while not self._done.wait(WATCH_S):
+            reason = self.cgroup.exceeded() if self.cgroup is not None else None
+            if reason is None and time.monotonic() >= next_disk:
+                reason = self._disk_exceeded()
+                next_disk = time.monotonic() + DISK_WATCH_S
+            if reason is not None:
+                with self._lock:
+                    if self._reason is None and not self._done.is_set():
+                        self._reason = reason
+                        self._kill()
+                return
+
+    def _disk_exceeded(self) -> str | None:
+        used = files.usage(self.workdir, max_entries=self.limits.disk_files)
+        over = used.mb > self.limits.disk_mb or used.entries > self.limits.disk_files or used.too_deep
+        return "disk" if over else None
 
     def wait(self, timeout: float | None = None) -> Outcome:
         """Block until the program exits or `timeout` passes; then end the run and return its outcome."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.watch() is None:
-            left = WATCH_S if deadline is None else min(WATCH_S, deadline - time.monotonic())
+        fd = self._pidfd()
+        if fd is None:  # no pidfd: Popen's own wait, which polls (up to 50 ms late)
             try:
-                self.proc.wait(max(left, 0))
-                break
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
+                pass
+        else:
+            try:
+                select.select([fd], [], [], timeout)  # readable the moment it exits
+            finally:
+                os.close(fd)
         return self.close()
 
     async def wait_async(self, poll_s: float = 0.02) -> Outcome:
-        """Wait on an event loop (without a child watcher); cancelling the caller kills the run."""
+        """Wait on an event loop (a pidfd the loop watches; polling where there is none); cancelling the
+        caller kills the run. The end (killing, reaping, reading the output) runs in a thread: it may wait
+        for a cgroup to empty."""
+        fd = self._pidfd()
         try:
-            while self.proc.poll() is None and self.watch() is None:
-                await asyncio.sleep(poll_s)
+            if fd is None:
+                while self.proc.poll() is None:
+                    await asyncio.sleep(poll_s)
+            else:
+                loop, exited = asyncio.get_running_loop(), asyncio.Event()
+                loop.add_reader(fd, exited.set)
+                try:
+                    await exited.wait()
+                finally:
+                    loop.remove_reader(fd)
+        except BaseException:
+            self._kill()  # cancelled: end it now, whatever happens to this task next
+            raise
         finally:
-            outcome = self.close()
+            if fd is not None:
+                os.close(fd)
+            outcome = await asyncio.shield(asyncio.to_thread(self.close))
         return outcome
 
-    def _kill(self) -> None:
+    def _pidfd(self) -> int | None:
+        """A descriptor that becomes readable when the program exits (Linux 5.3+), or None."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group start_new_session made; no one else's
-        except ProcessLookupError:
-            pass
+            return os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # an old kernel; or it already exited and was reaped
+            return None
+
+    def _kill(self) -> None:
+        if self.proc.returncode is None:  # not reaped yet: its group id cannot have been reused
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group start_new_session made; no one else's
+            except ProcessLookupError:
+                pass
         if self.cgroup is not None:
             self.cgroup.kill()
 
@@ -182,25 +237,31 @@ class Sandbox:
         """Kill the process group and everything left in the cgroups; collect the output. Safe to call twice."""
         if self.proc is None:
             raise SandboxError("the sandbox was never started")
-        if self._out is None:
-            return self._outcome
-        still_running = self.proc.poll() is None
-        self._kill()
+        with self._lock:
+            if self._out is None:
+                return self._outcome
+            self._done.set()
+            still_running = self.proc.poll() is None and self._reason is None
+            self._kill()
         self.proc.wait()
-        peak = reason = None
+        if self._watcher is not None:
+            self._watcher.join()
+        peak = reason = cpu = None
         if self.cgroup is not None:
-            peak, reason = self.cgroup.peak(), self.cgroup.exceeded()
+            peak, reason, cpu = self.cgroup.peak(), self.cgroup.exceeded(), self.cgroup.cpu_seconds()
             self.cgroup.close()  # every process the run left, even one that escaped its process group
             self.cgroup = None
-        if reason is None and not still_running and disk_mb(self.workdir) > self.limits.disk_mb:
-            reason = "disk"  # it wrote past the quota and ended before the next check saw it
-        reason = self._reason or reason or ("deadline" if still_running else _signal_reason(self.proc.returncode))
-        self._out.seek(0)
-        self._err.seek(0)
-        self._outcome = Outcome(returncode=None if still_running or self._reason else self.proc.returncode,
-                                stdout=self._out.read().decode(errors="replace"),
-                                stderr=self._err.read().decode(errors="replace"), timed_out=still_running,
-                                pids_peak=peak, reason=reason, level=self.level)
+        if self._owner is not None:  # its processes are gone (the cgroup emptied, or the PID namespace ended)
+            isolation.release(self._owner)
+        if reason is None and self._reason is None and not still_running:
+            reason = self._disk_exceeded()  # it wrote past the quota and ended before a check saw it
+        if reason is None and not still_running:
+            reason = _signal_reason(self.proc.returncode, cpu, self.limits.cpu_seconds)
+        reason = self._reason or reason or ("deadline" if still_running else None)
+        killed = still_running or self._reason is not None
+        self._outcome = Outcome(returncode=None if killed else self.proc.returncode, stdout=_tail(self._out),
+                                stderr=_tail(self._err), timed_out=still_running, pids_peak=peak, reason=reason,
+                                level=self.level)
         self._out.close()
         self._err.close()
         self._out = self._err = None
@@ -213,21 +274,45 @@ class Sandbox:
         self.close()
 
 
+_missing_said: set[str] = set()
+
+
+def _say_once_what_is_missing(cgroup: Cgroup | None) -> None:
+    """Log, once per process, a limit this machine's cgroups cannot hold (no delegation, e.g. cgroup v2
+    without a delegated subtree): runs still go, with the weaker stand-in named."""
+    have = set(cgroup.paths) if cgroup is not None else set()
+    weaker = {"pids": "processes are limited by RLIMIT_NPROC (not for root) and a run's leftovers are found by "
+                      "its process group and PID namespace only",
+              "memory": "memory is limited by RLIMIT_AS only (allocations fail; a run is not killed for it)"}
+    for controller, instead in weaker.items():
+        if controller not in have and controller not in _missing_said:
+            _missing_said.add(controller)
+            log.warning("no %s cgroup can be made here: %s", controller, instead)
+
+
 def disk_mb(root: str | Path) -> float:
     """Disk space the files under `root` take, in MiB (allocated blocks; links not followed)."""
-    total = 0
-    for folder, dirs, files in os.walk(root):
-        for name in [*dirs, *files]:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
-            except OSError:  # removed while we looked
-                pass
-    return total / (1024 * 1024)
+    return files.usage(root, max_entries=10**9).mb
 
 
-def _signal_reason(returncode: int | None) -> str | None:
-    """"cpu" when the run died of SIGXCPU (its CPU limit); an isolated run reports a signal as 128 + N."""
-    return "cpu" if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) else None
+def _tail(stream) -> str:
+    """The last MAX_OUTPUT_BYTES of an output file (a program may print up to its file-size limit)."""
+    size = stream.seek(0, os.SEEK_END)
+    stream.seek(max(0, size - MAX_OUTPUT_BYTES))
+    return stream.read().decode(errors="replace")
+
+
+def _signal_reason(returncode: int | None, cpu_s: float | None, limit_s: int) -> str | None:
+    """"cpu" when the run died of its CPU limit: SIGXCPU at the soft limit, or SIGKILL at the hard one when
+    the cgroup saw it use that much CPU (an isolated run reports a signal N as exit status 128 + N)."""
+    if returncode is None:
+        return None
+    died_of = -returncode if returncode < 0 else returncode - 128
+    if died_of == signal.SIGXCPU:
+        return "cpu"
+    if died_of == signal.SIGKILL and cpu_s is not None and cpu_s >= limit_s:
+        return "cpu"
+    return None
 
 
 def run(argv: list[str], *, timeout: float, files: dict[str, str] | None = None, env: dict[str, str] | None = None,
@@ -249,7 +334,7 @@ def workdir(prefix: str = "polar-sandbox-", *, keep: bool = False) -> Iterator[s
         yield path
     finally:
         if not keep:
-            shutil.rmtree(path, ignore_errors=True)
+            files.remove_tree(path)  # whatever a program made of it (a tree too deep for rmtree...)
 
 
 def write_files(root: str | Path, files: dict[str, str]) -> None:

@@ -1,5 +1,5 @@
-"""One sandboxed run's control groups: a task count and a memory ceiling that hold for root too, and a
-list of every process the run made (even one that left its process group with setsid). Owned by the
+"""One sandboxed run's control groups: a task count and a memory ceiling that hold for root too, its CPU
+time, and a list of every process the run made (even one that left its process group with setsid). Owned by the
 `Sandbox` that made it; nothing else writes to it.
 
 Both cgroup versions: v1 keeps each controller in its own hierarchy (/sys/fs/cgroup/pids/..., .../memory/...),
@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 
 _ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("pids", "memory")
 
 
 def _own(hierarchy: str) -> str:
@@ -89,19 +88,31 @@ class Cgroup:
             memory = _memory(str(memory_mb * 1024 * 1024), beside=pids)
             if memory is not None:
                 paths["memory"] = memory
+        if (_ROOT / "cpuacct").is_dir():  # v1: CPU time has its own hierarchy; v2 keeps cpu.stat everywhere
+            cpu = _make("cpuacct", {})
+            if cpu is not None:
+                paths["cpuacct"] = cpu
+        elif pids is not None and (pids / "cpu.stat").exists():
+            paths["cpuacct"] = pids
         return cls(paths) if paths else None
-
-    def join_argv(self) -> list[str]:
-        """argv prefix that moves the program into these cgroups before it starts (no preexec_fn: the Lab
-        has threads, and forking with a Python callback is unsafe then)."""
-        joins = " && ".join(f'echo $$ > "{path}/cgroup.procs"' for path in dict.fromkeys(self.paths.values()))
-        return ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh"]
 
     def peak(self) -> int | None:
         """Most tasks the run had at once, where the kernel reports it."""
         try:
             return int((self.paths["pids"] / "pids.peak").read_text())
         except (KeyError, OSError, ValueError):
+            return None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the run's processes used, where the kernel counts it."""
+        path = self.paths.get("cpuacct")
+        if path is None:
+            return None
+        try:
+            if (path / "cpuacct.usage").exists():
+                return int((path / "cpuacct.usage").read_text()) / 1e9
+            return _count(path, "cpu.stat", "usage_usec") / 1e6
+        except (OSError, ValueError):
             return None
 
     def exceeded(self) -> str | None:
@@ -146,7 +157,7 @@ class Cgroup:
                 except OSError:
                     if time.monotonic() > deadline:
                         raise
-                    time.sleep(0.05)
+                    time.sleep(0.002)  # its processes are still dying: a few ms
         self.paths = {}
 
 

@@ -16,7 +16,9 @@ What an isolated run has (docs/reliability.md lists each with the test that chec
   run's disk quota);
 - the proxy through the Lab's unix socket only: `launch.py` listens on the session's own address
   (127.0.0.1:port) inside the sandbox's empty network namespace and forwards to the socket, so a harness
-  keeps its ordinary base URL and no other port exists for it.
+  keeps its ordinary base URL and no other port exists for it;
+- nothing shared with another run: each run gets its own uid from a pool (`lease`) and `launch.py` gives it
+  a new session keyring (the kernel's would otherwise be inherited, and writable by everyone who has it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("isolated", "process")
 FIRST_UID = 61000  # where the search for a free uid starts (no passwd entry, no group entry)
+POOL_SIZE = 256  # uids from the first one: one per isolated run at a time, so at most this many at once
 LAUNCH = Path(__file__).with_name("launch.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # polar_lab/: harness modules run from it (`-m polar_lab...`)
 SOCKET_DIR = "/run/polar"  # where the proxy's socket appears inside the sandbox
@@ -77,6 +80,8 @@ class _State:
     fallback: bool = False
     uid: int | None = None
     user: User | None = None
+    leased: set[int] = field(default_factory=set)  # uids runs hold now
+    etc: dict[int, str] = field(default_factory=dict)  # uid → its passwd/group folder
     unavailable: str | None = None  # why "isolated" cannot run here; "" once checked and fine
     checked: bool = False
     warned: bool = False
@@ -98,7 +103,7 @@ def configure(level: str = "isolated", *, fallback: bool = False, uid: int | Non
         raise SandboxError(f"sandbox level must be one of {LEVELS}, got {level!r}")
     with _lock:
         if uid != _state.uid:
-            _state.user, _state.checked = None, False
+            _state.user, _state.checked, _state.etc = None, False, {}
         _state.level, _state.fallback, _state.uid = level, fallback, uid
     return resolve(None)
 
@@ -156,7 +161,7 @@ def _trial() -> str:
 
 
 def user() -> User:
-    """The sandbox user, chosen once per process (`configure(uid=...)` picks it)."""
+    """The first sandbox user (the pool's first uid), chosen once per process (`configure(uid=...)` picks it)."""
     with _lock:
         return _user()
 
@@ -170,17 +175,52 @@ def _user() -> User:
     return _state.user
 
 
+def pool() -> range:
+    """The uids isolated runs get when the kernel is root: one per run at a time, from the first user's."""
+    first = user().uid
+    return range(first, first + POOL_SIZE)
+
+
+def lease() -> User:
+    """A sandbox user for one run, given back with `release`. As root: a uid no other run of this process
+    holds (runs share nothing through their uid: not a process limit, not the per-user keyring); otherwise
+    the kernel's own uid, in a user namespace."""
+    with _lock:
+        first = _user()
+        if not first.switch:
+            return first
+        for uid in range(first.uid, first.uid + POOL_SIZE):
+            if uid not in _state.leased and _unnamed(uid):
+                _state.leased.add(uid)
+                if uid not in _state.etc:
+                    _state.etc[uid] = first.etc if uid == first.uid else _etc_files(uid, uid)
+                return User(uid=uid, gid=uid, switch=True, etc=_state.etc[uid])
+    raise SandboxError(f"all {POOL_SIZE} sandbox uids from {first.uid} are in use: too many runs at once")
+
+
+def release(owner: User) -> None:
+    with _lock:
+        _state.leased.discard(owner.uid)
+
+
+def _unnamed(uid: int) -> bool:
+    """No passwd or group entry has this id (it belongs to no one on the host)."""
+    try:
+        pwd.getpwuid(uid)
+        return False
+    except KeyError:
+        pass
+    try:
+        grp.getgrgid(uid)
+        return False
+    except KeyError:
+        return True
+
+
 def _free_id() -> int:
     """The first id from FIRST_UID with neither a passwd nor a group entry."""
     for candidate in range(FIRST_UID, FIRST_UID + 4000):
-        try:
-            pwd.getpwuid(candidate)
-            continue
-        except KeyError:
-            pass
-        try:
-            grp.getgrgid(candidate)
-        except KeyError:
+        if _unnamed(candidate):
             return candidate
     raise SandboxError(f"no free uid in [{FIRST_UID}, {FIRST_UID + 4000}); pass one: Lab(..., sandbox_uid=N)")
 
@@ -201,9 +241,9 @@ def _etc_files(uid: int, gid: int) -> str:
     return folder
 
 
-def prepare_workdir(workdir: str | Path) -> None:
-    """Hand the workdir (and the files written into it) to the sandbox user."""
-    owner = user()
+def prepare_workdir(workdir: str | Path, owner: User | None = None) -> None:
+    """Hand the workdir (and the files written into it) to the sandbox user (default: the first one)."""
+    owner = owner or user()
     if not owner.switch:
         return
     for root, dirs, files in os.walk(workdir):
@@ -216,10 +256,9 @@ def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, readonly: 
          proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None) -> list[str]:
     """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher."""
     owner = owner or user()
-    if proxy is not None:
-        target = f"{SOCKET_DIR}/{os.path.basename(proxy.socket)}"
-        argv = [sys.executable, "-I", "-S", str(LAUNCH), "--listen", proxy.host, str(proxy.port), "--to", target,
-                "--", *argv]
+    forward = ["--listen", proxy.host, str(proxy.port), "--to", f"{SOCKET_DIR}/{os.path.basename(proxy.socket)}"] \
+        if proxy is not None else []
+    argv = [sys.executable, "-I", "-S", str(LAUNCH), *forward, "--", *argv]  # new keyring, forwarder, the program
     if owner.switch:  # bwrap runs as root (it can read what it binds), the program as the sandbox user
         argv = ["setpriv", f"--reuid={owner.uid}", f"--regid={owner.gid}", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--", *argv]

@@ -1,25 +1,29 @@
-"""The first program of an isolated sandbox that talks to the proxy: it listens on the session's own
-address (127.0.0.1:port) inside the sandbox's empty network namespace, forwards every connection to the
-Lab's unix socket (bound into the sandbox), runs the harness, and exits as the harness did.
+"""The first program of every isolated sandbox: it leaves the kernel's session keyring for a new one, and for
+a harness with a session listens on the session's own address (127.0.0.1:port) inside the sandbox's empty
+network namespace, forwarding every connection to the Lab's unix socket (bound into the sandbox); then it
+runs the program and exits as the program did.
 
 It runs as the sandbox's user with `python -I -S`: standard library only, nothing of polar_lab imported.
 The harness may kill it; then it loses its own way to the proxy and nothing else.
 
-    python -I -S launch.py --listen 127.0.0.1 41234 --to /run/polar/proxy.sock -- argv...
+    python -I -S launch.py [--listen 127.0.0.1 41234 --to /run/polar/proxy.sock] -- argv...
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
+
+TYPE_CHECKING = False  # typing's constant without importing typing: this starts before every isolated run
+if TYPE_CHECKING:  # socket itself is imported where a session needs the forwarder
+    import socket
 
 
 def pump(source: socket.socket, sink: socket.socket) -> None:
     """Copy bytes one way until `source` ends; then end `sink`'s writing side (HTTP keep-alive half-closes)."""
+    import socket
+
     try:
         while data := source.recv(65536):
             sink.sendall(data)
@@ -34,6 +38,9 @@ def pump(source: socket.socket, sink: socket.socket) -> None:
 
 def forward(listener: socket.socket, target: str) -> None:
     """Accept connections forever; each gets its own connection to `target` and two pumps."""
+    import socket
+    import threading
+
     while True:
         client, _ = listener.accept()
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -48,6 +55,8 @@ def forward(listener: socket.socket, target: str) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
+    import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -56,23 +65,44 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
+def new_session_keyring() -> None:
+    """Leave the kernel's session keyring (setpriv keeps it, and whoever has it may add keys to it: a channel
+    between runs) for a new, empty one. Linux's keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL) via libc."""
+    number = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+    if number is None:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, 1, None) < 0:
+        print(f"sandbox: no new session keyring (errno {ctypes.get_errno()})", file=sys.stderr)
+
+
 def main(args: list[str]) -> int:
     split = args.index("--")
     options, argv = args[:split], args[split + 1:]
-    host, port, target = options[options.index("--listen") + 1], int(options[options.index("--listen") + 2]), \
-        options[options.index("--to") + 1]
-    listener = listen(host, port)  # before the harness starts: its first call never races the forwarder
-    threading.Thread(target=forward, args=(listener, target), daemon=True).start()
-    try:
-        child = subprocess.Popen(argv)
-    except OSError as exc:
-        print(f"sandbox: cannot start {argv[0]}: {exc}", file=sys.stderr)
-        return 127
+    new_session_keyring()
+    listener = None
+    if "--listen" in options:  # bound before the program starts, so its first call never races the forwarder
+        at = options.index("--listen")
+        listener = listen(options[at + 1], int(options[at + 2]))
+    child = os.fork()  # fork + exec, not subprocess: this runs before every isolated program, so it starts lean
+    if child == 0:
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            print(f"sandbox: cannot start {argv[0]}: {exc}", file=sys.stderr)
+        os._exit(127)
+    if listener is not None:
+        import threading
+
+        threading.Thread(target=forward, args=(listener, options[options.index("--to") + 1]), daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, _frame: child.send_signal(s))
-    code = child.wait()
-    if code < 0:  # end the same way, so the caller sees the harness's signal (SIGXCPU: its CPU limit)
-        signal.signal(-code, signal.SIG_DFL)
+        signal.signal(sig, lambda s, _frame: os.kill(child, s))
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if code < 0:  # end the same way, so the caller sees the program's signal (SIGXCPU: its CPU limit)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor given a handler
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         return 128 - code  # a signal whose default is not to end a process
     return code

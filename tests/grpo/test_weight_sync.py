@@ -22,7 +22,8 @@ def test_after_a_sync_engine_logprobs_equal_the_trainers(lab, model_path, train_
     assert sync.policy_version == version + 1 == lab.policy_version
 
     prompt = groups[0].trajectories[0].token_ids[:40]  # a fixed prompt from a real run
-    gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=32, temperature=0.7, seed=3)).result()
+    # 32 tokens whatever the model would end on: three tokens once left the stale-engine check a 0.8e-2 margin
+    gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=32, temperature=0.7, seed=3, ignore_eos=True)).result()
     assert gen.output_versions == [version + 1] * len(gen.output_ids)  # every token says who sampled it
     sample = Sample(input_ids=torch.tensor(prompt + gen.output_ids), weights=torch.zeros(len(prompt) + len(gen.output_ids) - 1),
                     advantage=0.0, behavior_logprobs=torch.zeros(1), versions=torch.zeros(1), temperature=0.7)

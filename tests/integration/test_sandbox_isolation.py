@@ -19,6 +19,7 @@ import pytest
 
 from polar_lab import sandbox
 from polar_lab.harness.command import Command
+from polar_lab.rewards.code import repo_tests
 from polar_lab.sandbox import isolation
 from polar_lab.sandbox.cgroup import Cgroup
 from polar_lab.tasks import load_tasks
@@ -189,11 +190,12 @@ def _limited(lab, code, **options):
 
 
 def test_a_disk_filler_is_killed_at_its_quota(lab):
-    """Writing ~100 MiB/s without end: killed while it runs, soon after the workdir passes 20 MiB — not at
-    its 512 MiB file-size limit, nor at its deadline. The workdir is kept to be measured from outside."""
+    """Writing ~50 MiB/s without end: killed while it runs, within one disk check (1 s) of the workdir
+    passing 20 MiB — not at its 512 MiB file-size limit, nor at its deadline. The workdir is kept to be
+    measured from outside."""
     name = f"filler-{uuid.uuid4().hex[:8]}"
     s, took = _limited(lab, "import time\nwith open('fill', 'wb') as f:\n    while True:\n"
-                            "        f.write(b'x' * 2**20); f.flush(); time.sleep(0.01)\n",
+                            "        f.write(b'x' * 2**20); f.flush(); time.sleep(0.02)\n",
                        disk_mb=20, keep_workdir=True, name=name)
     (workdir,) = Path(tempfile.gettempdir()).glob(f"polar-{name}-*")
     try:
@@ -206,15 +208,19 @@ def test_a_disk_filler_is_killed_at_its_quota(lab):
 
 
 def test_a_fork_bomb_is_killed_at_its_process_limit_and_leaves_nothing(lab):
-    uid = isolation.user().uid
+    uids = isolation.pool()
     s, _ = _limited(lab, "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                          "        time.sleep(0.01)\n", processes=16)
     assert s.status == "error" and s.info["limit"] == "processes", s.info
-    assert processes_of(uid) == []  # every fork is gone, seen from outside
+    assert processes_of(uids) == []  # every fork is gone, seen from outside
 
 
-def test_a_cpu_burner_is_killed_at_its_cpu_limit(lab):
-    s, took = _limited(lab, "while True:\n    pass\n", cpu_seconds=1)
+@pytest.mark.parametrize("code", [
+    "while True:\n    pass\n",  # SIGXCPU at the soft limit
+    "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",  # SIGKILL at the hard one
+])
+def test_a_cpu_burner_is_killed_at_its_cpu_limit(lab, code):
+    s, took = _limited(lab, code, cpu_seconds=1)
     assert s.status == "error" and s.info["limit"] == "cpu", s.info
     assert took < 30
 
@@ -236,9 +242,7 @@ def test_processes_that_share_out_memory_are_killed_at_the_runs_memory_limit(lab
 
 
 # ---- evaluation in a fresh sandbox: a code agent that edits the tests gets nothing for it ---------------------
-REPO_TASK = {"id": "repo-add", "prompt": "Fix add() in calc.py so the tests pass.",
-             "files": {"calc.py": "def add(a, b):\n    return a - b\n",
-                       "test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"}}
+REPO_TASK = load_tasks("data/tasks/repo_fix.jsonl", 1)[0]  # calc.py's add() subtracts; test_calc.py says so
 EDITS = {  # what each program writes into its repository
     "fix": {"calc.py": "def add(a, b):\n    return a + b\n"},
     "edit_tests": {"test_calc.py": "def test_add():\n    assert True\n"},
@@ -247,6 +251,12 @@ EDITS = {  # what each program writes into its repository
                                 "    outcome.get_result().outcome = 'passed'\n"},
     "exit_early": {"calc.py": "import os\nos._exit(0)\n"},
     "delete_tests": {},
+    "shadow_pytest": {"pytest.py": "open('../report.xml', 'w').write('<testsuite tests=\"1\" failures=\"0\" "
+                                   "errors=\"0\" skipped=\"0\"/>')\nraise SystemExit(0)\n"},
+    "pytest_ini": {".pytest.ini": "[pytest]\naddopts = -p passall\n",
+                   "passall.py": "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                                 "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+                                 "    outcome.get_result().outcome = 'passed'\n"},
 }
 AGENT = r'''
 import json, os, sys
@@ -278,6 +288,8 @@ def _repo_reward(lab, *modes):
     (("conftest",), 0.0),  # a conftest.py that turns failures into passes is not taken
     (("delete_tests",), 0.0),  # the tests are re-copied from the task
     (("exit_early",), 0.0),  # exiting 0 at import: pytest's report has no passing test
+    (("shadow_pytest",), 0.0),  # a pytest.py that writes a clean report: not taken, and pytest runs with -P
+    (("pytest_ini",), 0.0),  # a .pytest.ini loading a plugin that passes everything: only the evaluator's ini
     (("fix", "edit_tests"), 1.0),  # the fix still counts; the test edit does not
 ])
 def test_the_evaluator_scores_pristine_tests_against_the_harness_changes(lab, modes, reward):
@@ -292,3 +304,10 @@ def test_the_test_edit_would_pay_if_the_evaluator_took_the_workdir_as_left(lab):
     files = {**REPO_TASK["files"], **EDITS["edit_tests"]}
     assert run_repo_tests(files, ["test_calc.py"])[0]
     assert not run_repo_tests(REPO_TASK["files"], ["test_calc.py"])[0]
+
+
+def test_every_shipped_repo_task_fails_as_given_and_passes_with_its_reference_fix():
+    """data/tasks/repo_fix.jsonl: each task's bug is real (its tests fail) and fixable (its `reference_fix` passes)."""
+    for task in load_tasks("data/tasks/repo_fix.jsonl"):
+        assert repo_tests(task, {"changes": {}})["total"] == 0.0, task["id"]
+        assert repo_tests(task, {"changes": task["reference_fix"]})["total"] == 1.0, task["id"]
