@@ -59,14 +59,15 @@ TEST_SETUP = ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytes
 
 
 def is_test_path(path: str) -> bool:
-    """Whether a repository path is a test, by pytest's conventions.
+    """Whether a repository path is a test: pytest's file names, or anything under a tests folder.
 
-    >>> [is_test_path(p) for p in ("test_a.py", "pkg/a_test.py", "tests/data.json", "pkg/core.py")]
-    [True, True, True, False]
+    >>> [is_test_path(p) for p in ("test_a.py", "pkg/a_test.py", "tests/data.json", "testing/x.py", "pkg/core.py")]
+    [True, True, True, True, False]
     """
     parts = PurePosixPath(path).parts
     name = parts[-1]
-    return "tests" in parts[:-1] or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
+    in_tests = any(part in ("tests", "test", "testing") for part in parts[:-1])
+    return in_tests or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
 
 
 def apply_changes(files: dict[str, str], changes: dict[str, Any], *, editable: list[str] | None = None

@@ -362,7 +362,7 @@ def _limits_argv(prlimit: str | None, limits: Limits, *, nproc: bool) -> list[st
         return []
     mb = 1024 * 1024
     argv = [prlimit, f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
-            f"--fsize={limits.file_mb * mb}", f"--nofile={limits.open_files}"]
+            f"--fsize={limits.file_mb * mb}", f"--nofile={limits.open_files}", "--core=0"]  # no core dumps
     if nproc and limits.processes is not None:
         argv.append(f"--nproc={limits.processes}")
     return [*argv, "--"]
