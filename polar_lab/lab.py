@@ -201,6 +201,8 @@ class Lab:
         except SandboxError as exc:
             log.warning("%s", exc)
             return None
+        finally:
+            self._sandbox_mine = sandbox.current()
         log.info("harness programs and evaluators run at the %r sandbox level", level)
         return level
 
@@ -245,8 +247,8 @@ class Lab:
             self.supervisor.close()
         elif self._first_engine is not None:
             self._first_engine.close()
-        if getattr(self, "_sandbox_before", None) is not None:
-            try:
+        if getattr(self, "_sandbox_before", None) is not None and sandbox.current() == self._sandbox_mine:
+            try:  # only what this Lab set: a Lab started after it keeps its own
                 sandbox.configure(**self._sandbox_before)
             except SandboxError:  # the level before cannot run here either: it said so when it was set
                 pass

@@ -15,7 +15,6 @@ from polar_lab.errors import ConfigError, SandboxError
 from polar_lab.harness.command import changes
 from polar_lab.rewards.code import apply_changes
 from polar_lab.sandbox import files, isolation
-from polar_lab.sandbox.isolation import LEVELS
 
 
 @pytest.fixture
@@ -68,15 +67,19 @@ def test_the_harness_config_is_validated(fields, message):
 
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason="bubblewrap cannot run here")
 def test_an_isolated_run_is_another_user_with_only_its_workdir_writable():
-    probe = ("import os, json; print(json.dumps([os.getuid(), os.access('/usr', os.W_OK), "
-             "os.path.exists(os.path.expanduser('~')), sorted(os.listdir('/tmp'))]))")
-    outcome = sandbox.run([sys.executable, "-c", probe], timeout=30)
-    uid, usr_writable, home_exists, tmp = json.loads(outcome.stdout)
+    with tempfile.NamedTemporaryFile(prefix="polar-marker-", dir="/tmp") as marker:  # in the host's /tmp
+        probe = ("import os, json; print(json.dumps([os.getuid(), os.access('/usr', os.W_OK), "
+                 "os.path.exists(os.path.expanduser('~')), sorted(os.listdir('/tmp'))]))")
+        outcome = sandbox.run([sys.executable, "-c", probe], timeout=30)
+        uid, usr_writable, home_exists, tmp = json.loads(outcome.stdout)
+        assert os.path.basename(marker.name) in os.listdir("/tmp")
     assert outcome.level == "isolated" and outcome.returncode == 0, outcome.stderr
     expected = isolation.pool() if os.geteuid() == 0 else [os.geteuid()]
     assert uid in expected and (os.geteuid() != 0 or uid != 0)
     assert not usr_writable and home_exists
-    assert len(tmp) == 1 and tmp[0].startswith("polar-sandbox-")  # its workdir only, not the host's /tmp
+    # its /tmp holds its workdir (and, for a checkout under /tmp, the folders its venv is bound under): not the
+    # host's files
+    assert os.path.basename(marker.name) not in tmp and any(name.startswith("polar-sandbox-") for name in tmp)
 
 
 def test_concurrent_isolated_runs_get_their_own_uids_and_give_them_back():
@@ -92,25 +95,56 @@ def test_concurrent_isolated_runs_get_their_own_uids_and_give_them_back():
     assert isolation._state.leased == set()  # all given back
 
 
-def test_a_run_does_not_have_the_kernels_session_keyring():
-    """setpriv keeps the caller's session keyring, which every run would share (and may write): the launcher
-    leaves it. A key the kernel adds to its session keyring is visible at "process" level (the control), not
-    when isolated."""
-    import ctypes
+KEYRING_CALLS = ("import ctypes, errno, json\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 "got = [libc.syscall(250, 0, -3, 0),"  # keyctl(GET_KEYRING_ID, the session keyring)
+                 " libc.syscall(248, b'user', b'polar-note', b'the answer is 42', 16, -4)]\n"  # add_key(@u)
+                 "print(json.dumps([got, ctypes.get_errno() == errno.ENOSYS]))\n")
+
+
+def test_an_isolated_run_cannot_use_kernel_keyrings():
+    """Keyrings outlive a run (its uid's) or are shared by all (the kernel's session keyring): the seccomp
+    filter refuses every keyring call with ENOSYS. The control: at "process" level the read-only call works."""
     import platform
 
     if platform.machine() != "x86_64" or sandbox.unavailable() is not None:
         pytest.skip("x86_64 syscall numbers, and the isolated level")
-    libc = ctypes.CDLL(None, use_errno=True)
-    name = f"polar-test-{os.getpid()}".encode()
-    key = libc.syscall(248, b"user", name, b"secret", 6, -3)  # add_key(..., KEY_SPEC_SESSION_KEYRING)
-    if key < 0:
-        pytest.skip(f"cannot add a key here (errno {ctypes.get_errno()})")
-    try:
-        seen = {level: sandbox.run(["cat", "/proc/keys"], timeout=30, level=level).stdout for level in LEVELS}
-        assert name.decode() in seen["process"] and name.decode() not in seen["isolated"]
-    finally:
-        libc.syscall(250, 3, key)  # keyctl(KEYCTL_REVOKE, key)
+    isolated = sandbox.run([sys.executable, "-c", KEYRING_CALLS], timeout=30)
+    (session, added), enosys = json.loads(isolated.stdout)
+    assert session == added == -1 and enosys, isolated.stdout
+    control = sandbox.run([sys.executable, "-c", "import ctypes\n"
+                           "print(ctypes.CDLL(None).syscall(250, 0, -3, 0))"], timeout=30, level="process")
+    assert int(control.stdout) > 0
+
+
+def test_the_keyring_filter_is_the_program_its_comments_say():
+    """Ten classic-BPF instructions; the jumps land where the comments say (a wrong offset would allow a
+    keyring call or refuse everything)."""
+    import struct
+
+    from polar_lab.sandbox.seccomp import keyring_filter
+
+    ops = [struct.unpack("HBBI", keyring_filter("x86_64")[i:i + 8]) for i in range(0, 80, 8)]
+    refuse, allow = ops[8], ops[9]
+    assert refuse[0] == allow[0] == 0x06 and refuse[3] == 0x00050000 | 38 and allow[3] == 0x7FFF0000
+    targets = {i: (i + 1 + jt, i + 1 + jf) for i, (code, jt, jf, _) in enumerate(ops) if code in (0x15, 0x35)}
+    assert targets == {1: (3, 2), 4: (8, 5), 5: (8, 6), 6: (8, 7), 7: (8, 9)}
+    assert [ops[i][3] for i in (5, 6, 7)] == [248, 249, 250]
+
+
+def test_what_a_program_leaves_running_is_killed_when_it_exits_even_without_cgroups(monkeypatch):
+    """A program that exits 0 with a child still running in its process group: the group is killed before the
+    program is reaped (a zombie leader still owns the group id), with no cgroup to fall back on."""
+    import time
+
+    from tests.conftest import running
+
+    monkeypatch.setattr(sandbox, "Cgroup", type("NoCgroup", (), {"create": staticmethod(lambda **_: None)}))
+    outcome = sandbox.run(["sh", "-c", "sleep 600 & echo $!"], timeout=30, level="process")
+    leftover = int(outcome.stdout)
+    deadline = time.monotonic() + 5
+    while running(leftover) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcome.returncode == 0 and not running(leftover)
 
 
 def test_a_link_in_the_workspace_is_never_followed(tmp_path):
@@ -176,6 +210,8 @@ def test_many_empty_files_count_against_the_entry_limit(tmp_path):
     ("pytest.toml", False),
     ("pytest.py", False),  # would shadow pytest itself
     ("_pytest/main.py", False),
+    ("pkg/core.py/x", False),  # a file where a folder would have to be (once an evaluator error: a masked run)
+    ("pkg", False),  # a folder's name as a file
 ])
 def test_which_changes_the_evaluator_applies(path, applied):
     files, refused = apply_changes({"pkg/core.py": "old"}, {path: "new"})

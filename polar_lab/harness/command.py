@@ -53,6 +53,7 @@ class Command:
     file_mb: int = 512  # RLIMIT_FSIZE
     open_files: int = 4096  # RLIMIT_NOFILE
     disk_mb: int = 2048  # the workdir's disk use; past it the run is killed
+    disk_files: int = 200_000  # entries in the workdir; past it too
     processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     keep_workdir: bool = False
     enforce_limits: bool = True  # False: run without prlimit where the machine has none (an explicit opt-out)
@@ -65,12 +66,17 @@ class Command:
     @property
     def limits(self) -> sandbox.Limits:
         return sandbox.Limits(memory_mb=self.memory_mb, cpu_seconds=self.cpu_seconds, file_mb=self.file_mb,
-                              open_files=self.open_files, disk_mb=self.disk_mb, processes=self.processes,
+                              open_files=self.open_files, disk_mb=self.disk_mb, disk_files=self.disk_files,
+                              processes=self.processes,
                               enforce=self.enforce_limits)
 
     async def __call__(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
-        with sandbox.workdir(prefix=f"polar-{self.name}-", keep=self.keep_workdir) as workdir:
-            return await self._run(session, task, workdir)
+        with sandbox.workdir(prefix=f"polar-{self.name}-", keep=True) as workdir:
+            try:
+                return await self._run(session, task, workdir)
+            finally:
+                if not self.keep_workdir:  # a tree the program made may be big or odd: off the Lab's loop
+                    await asyncio.shield(asyncio.to_thread(files.remove_tree, workdir))
 
     async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
         repo = os.path.join(workdir, REPO)
@@ -94,20 +100,21 @@ class Command:
         outcome = await box.start().wait_async()
         result = {"returncode": outcome.returncode, "stdout": outcome.stdout, "stderr": outcome.stderr,
                   "workdir": workdir, "pids_peak": outcome.pids_peak, "sandbox": outcome.level}
-        if self.workspace:  # a walk of a tree the program made: off the Lab's loop
-            result["changes"], result["skipped"] = await asyncio.to_thread(changes, repo, pristine)
         said = (outcome.stderr.strip() or outcome.stdout.strip())[-500:]  # some agents report on stdout
         if outcome.reason is not None:
             raise HarnessError(f"{argv[0]} was killed: it exceeded its {outcome.reason} limit. {said}",
                                output=outcome.stdout + outcome.stderr, limit=outcome.reason)
         if outcome.returncode != 0:
             raise HarnessError(f"{argv[0]} exited {outcome.returncode}: {said}", output=outcome.stdout + outcome.stderr)
+        if self.workspace:  # a walk of a tree the program made (within its limits): off the Lab's loop
+            result["changes"], result["skipped"] = await asyncio.to_thread(changes, repo, pristine, self.disk_files)
         lines = outcome.stdout.strip().splitlines()
         result["final"] = lines[-1] if lines else ""
         return result
 
 
-def changes(repo: str | Path, pristine: dict[str, str]) -> tuple[dict[str, str | None], list[str]]:
+def changes(repo: str | Path, pristine: dict[str, str], max_entries: int = 200_000
+            ) -> tuple[dict[str, str | None], list[str]]:
     """What a program did to its workspace: {path: new text, or None where it deleted a task file}, and the
     paths left out: links (never followed — the kernel reads this as root, and a link could point at anything
     it can read), anything not a regular file, binary files, files past the size bounds, folders nested past
@@ -121,7 +128,7 @@ def changes(repo: str | Path, pristine: dict[str, str]) -> tuple[dict[str, str |
     """
     found: dict[str, str | None] = {}
     skipped, present, deep, total = [], set(), [], 0
-    for relative, info, folder, name in files.walk(repo, too_deep=deep):
+    for relative, info, folder, name in files.walk(repo, max_entries=max_entries, too_deep=deep):
         if stat.S_ISDIR(info.st_mode):
             continue
         data = files.read_regular(folder, name, MAX_CHANGED_FILE_BYTES) if stat.S_ISREG(info.st_mode) else None

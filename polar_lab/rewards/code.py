@@ -4,12 +4,15 @@ a fresh sandbox built from the task's own files (never the workdir the harness r
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 from xml.etree import ElementTree
 
 from polar_lab import sandbox
+from polar_lab.errors import SandboxError
 from polar_lab.sandbox import files as files_of_sandbox
 
 TEST_TIMEOUT_S = 30
@@ -80,18 +83,27 @@ def apply_changes(files: dict[str, str], changes: dict[str, Any], *, editable: l
     ({'a.py': 'x = 2', 'test_a.py': 'assert x'}, ['conftest.py', 'test_a.py'])
     """
     out, refused = dict(files), []
-    for path, text in changes.items():
+    for path, text in sorted(changes.items(), key=lambda item: item[1] is not None):  # deletions first
         clean = PurePosixPath(str(path))
         plain = not clean.is_absolute() and ".." not in clean.parts and str(clean) == str(path) and str(path) != "."
         allowed = editable is None or any(fnmatch.fnmatch(str(path), pattern) for pattern in editable)
         setup = any(fnmatch.fnmatch(part, pattern) for part in clean.parts for pattern in TEST_SETUP)
-        if not plain or not allowed or setup or is_test_path(str(path)) or not isinstance(text, (str, type(None))):
+        clash = text is not None and _clashes(str(path), out)
+        if (not plain or not allowed or setup or clash or is_test_path(str(path))
+                or not isinstance(text, (str, type(None)))):
             refused.append(str(path))
         elif text is None:
             out.pop(str(path), None)
         else:
             out[str(path)] = text
     return out, sorted(refused)
+
+
+def _clashes(path: str, files: dict[str, str]) -> bool:
+    """Whether `path` cannot be written beside `files`: a file is among its folders, or it is a folder of one
+    (a harness that replaced test_calc.py by a folder test_calc.py/x)."""
+    folders = {str(p) for p in PurePosixPath(path).parents}
+    return any(other in folders or other.startswith(path + "/") for other in files)
 
 
 def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
@@ -116,40 +128,74 @@ def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
     if missing:
         raise KeyError(f"the task's test_files {missing} are not among its files")
     files.update({path: task["files"][path] for path in tests})  # whatever the harness did to them
-    passed, _ = run_repo_tests(files, [p for p in tests if p.endswith(".py")], task.get("test_command"))
+    py_tests = [p for p in tests if p.endswith(".py")]
+    command = task.get("test_command")
+    expected = None if command else expected_tests(task["files"], py_tests)
+    passed, _ = run_repo_tests(files, py_tests, command, expected=expected)
     return {"total": float(passed), "passed": float(passed), "refused": float(len(refused))}
 
 
+_EXPECTED: dict[str, int] = {}  # a task's files → how many tests pytest collects from them
+
+
+def expected_tests(files: dict[str, str], tests: list[str]) -> int | None:
+    """How many tests pytest collects from the task's own repository (once per task: cached). A run must
+    report exactly these, all passed: code that ends pytest early (`pytest.exit(returncode=0)`) reports fewer."""
+    key = hashlib.sha256(json.dumps([files, tests], sort_keys=True).encode()).hexdigest()
+    if key not in _EXPECTED:
+        outcome, _ = _pytest_run(files, ["--collect-only", "-q", *tests])
+        _EXPECTED[key] = sum("::" in line for line in outcome.stdout.splitlines())
+    return _EXPECTED[key] or None  # none collected (the task's code does not import): at least one, then
+
+
 def run_repo_tests(files: dict[str, str], tests: list[str], command: list[str] | None = None,
-                   timeout_s: float = REPO_TEST_TIMEOUT_S) -> tuple[bool, str]:
+                   timeout_s: float = REPO_TEST_TIMEOUT_S, expected: int | None = None) -> tuple[bool, str]:
     """Run a repository's tests in a fresh sandbox; (passed, the tail of the output). The repository goes in
     `<workdir>/repo`, where the tests run; pytest runs with `-P` (the repository is not where `pytest` and
     its plugins are imported from: a `pytest.py` there is not imported) and with the evaluator's own
-    configuration (`-c`), which puts the repository on the path for the tests."""
-    argv = [a.replace("{python}", sys.executable) for a in command] if command else \
-        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", f"../{PYTEST_INI_NAME}",
-         "--rootdir", ".", f"--junitxml=../{REPORT}", *tests]
+    configuration (`-c`), which puts the repository on the path for the tests. `expected`: how many tests
+    its report must show (all passed); None: at least one."""
+    if command:
+        outcome, report = _pytest_run(files, [], timeout_s, argv=[a.replace("{python}", sys.executable) for a in command])
+    else:
+        outcome, report = _pytest_run(files, ["-q", f"--junitxml=../{REPORT}", *tests], timeout_s, keep=REPORT)
+    output = (outcome.stdout + outcome.stderr)[-1000:]
+    if outcome.reason is not None:
+        return False, f"the tests were stopped: {outcome.reason} limit. {output}"
+    if outcome.returncode != 0:
+        return False, output
+    return command is not None or _report_clean(report, expected), output
+
+
+def _pytest_run(files: dict[str, str], args: list[str], timeout_s: float = REPO_TEST_TIMEOUT_S,
+                argv: list[str] | None = None, keep: str | None = None) -> tuple[sandbox.Outcome, bytes | None]:
+    """pytest (or `argv`) on `files` in a fresh sandbox: its outcome, and the bytes of `keep` (a file beside
+    the repository; read safely, bounded; None without one). A repository that cannot be written (a path too long, a
+    file where a folder must be) is a failed run, not an error."""
+    argv = argv or [sys.executable, "-P", "-m", "pytest", "-p", "no:cacheprovider", "-c", f"../{PYTEST_INI_NAME}",
+                    "--rootdir", ".", *args]
     limits = sandbox.Limits(memory_mb=2048, cpu_seconds=int(timeout_s) + 1, processes=256)
     env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     with sandbox.workdir() as where:
         repo = Path(where) / REPO
         repo.mkdir()
-        sandbox.write_files(repo, files)
+        try:
+            sandbox.write_files(repo, files)
+        except (OSError, SandboxError) as exc:
+            return sandbox.Outcome(returncode=1, stdout="", stderr=f"the repository cannot be written: {exc}",
+                                   timed_out=False, pids_peak=None), None
         sandbox.write_files(where, {PYTEST_INI_NAME: PYTEST_INI})
-        box = sandbox.Sandbox(argv, workdir=where, env=sandbox.environment(where, env), limits=limits, cwd=repo)
-        outcome = box.start().wait(timeout_s)
-        output = (outcome.stdout + outcome.stderr)[-1000:]
-        if outcome.reason is not None:
-            return False, f"the tests were stopped: {outcome.reason} limit. {output}"
-        passed = outcome.returncode == 0 and (command is not None or _report_clean(Path(where) / REPORT))
-    return passed, output
+        with sandbox.Sandbox(argv, workdir=where, env=sandbox.environment(where, env), limits=limits,
+                             cwd=repo) as box:
+            outcome = box.wait(timeout_s)
+        kept = files_of_sandbox.read_file(Path(where) / keep, MAX_REPORT_BYTES) if keep else None
+    return outcome, kept
 
 
-def _report_clean(report: Path) -> bool:
-    """A pytest junit report in which tests ran and none failed, errored or was skipped. Read without
-    following a link or blocking on a FIFO the tested code could have put there."""
-    data = files_of_sandbox.read_file(report, MAX_REPORT_BYTES)
-    if data is None:
+def _report_clean(data: bytes | None, expected: int | None) -> bool:
+    """A pytest junit report in which `expected` tests (None: at least one) ran and none failed, errored or
+    was skipped."""
+    if data is None:  # missing, or a link, a FIFO, too big: the tested code may have put it there
         return False
     try:
         root = ElementTree.fromstring(data)
@@ -160,4 +206,5 @@ def _report_clean(report: Path) -> bool:
         counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     except ValueError:
         return False
-    return counts["tests"] > 0 and counts["failures"] == counts["errors"] == counts["skipped"] == 0
+    ran = counts["tests"] == expected if expected is not None else counts["tests"] > 0
+    return ran and counts["failures"] == counts["errors"] == counts["skipped"] == 0

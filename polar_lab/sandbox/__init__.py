@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polar_lab.errors import SandboxError
-from polar_lab.sandbox import files, isolation
+from polar_lab.sandbox import files, isolation, seccomp
 from polar_lab.sandbox.cgroup import Cgroup
 from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, current, resolve, unavailable
 
@@ -119,17 +119,21 @@ class Sandbox:
         self._done = threading.Event()  # stops the watcher
         self._watcher: threading.Thread | None = None
         self._owner: isolation.User | None = None  # the uid an isolated run holds
+        self._seccomp: int | None = None  # the filter's descriptor, open while bwrap starts
         self._lock = threading.Lock()  # the watcher and close() both kill
+        self._closed = threading.Event()  # set once close() has ended the run and kept its outcome
 
     def start(self) -> Sandbox:
-        self._owner = isolation.lease() if self.level == "isolated" else None  # its own uid, given back at close
-        self.cgroup = Cgroup.create(max_pids=self.limits.processes, memory_mb=self.limits.memory_mb)
-        _say_once_what_is_missing(self.cgroup)
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         try:
+            self._owner = isolation.lease() if self.level == "isolated" else None  # its own uid, given back at close
+            self.cgroup = Cgroup.create(max_pids=self.limits.processes, memory_mb=self.limits.memory_mb)
+            _say_once_what_is_missing(self.cgroup)
+            self._seccomp = seccomp.filter_fd() if self.level == "isolated" else None
             self.proc = subprocess.Popen(
                 self._command(), cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._out,
-                stderr=self._err, start_new_session=True)  # its own process group: the deadline kills its children
+                stderr=self._err, start_new_session=True,  # its own process group: the deadline kills its children
+                pass_fds=(self._seccomp,) if self._seccomp is not None else ())
         except BaseException:  # e.g. EAGAIN when processes are scarce: leave no cgroup, uid or files behind
             if self.cgroup is not None:
                 self.cgroup.close()
@@ -137,7 +141,11 @@ class Sandbox:
                 isolation.release(self._owner)
             self._out.close()
             self._err.close()
+            self._out = None
             raise
+        finally:
+            if self._seccomp is not None:  # bwrap has its copy
+                os.close(self._seccomp)
         self._watcher = threading.Thread(target=self._watch, name="polar-lab-sandbox-watch", daemon=True)
         self._watcher.start()
         return self
@@ -153,7 +161,7 @@ class Sandbox:
         if self.level == "isolated":
             isolation.prepare_workdir(self.workdir, self._owner)
             argv = isolation.wrap(argv, workdir=self.workdir, tmp_mb=self.limits.disk_mb, readonly=self.readonly,
-                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner)
+                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner, seccomp_fd=self._seccomp)
         return ["/bin/sh", "-c", shell, "sh", *_limits_argv(self._prlimit, self.limits, nproc=nproc), *argv]
 
     def _watch(self) -> None:
@@ -161,10 +169,14 @@ class Sandbox:
         use. The first limit passed ends the run (kill) and is kept as its reason."""
         next_disk = time.monotonic() + DISK_WATCH_S
         while not self._done.wait(WATCH_S):
-            reason = self.cgroup.exceeded() if self.cgroup is not None else None
-            if reason is None and time.monotonic() >= next_disk:
-                reason = self._disk_exceeded()
-                next_disk = time.monotonic() + DISK_WATCH_S
+            try:
+                reason = self.cgroup.exceeded() if self.cgroup is not None else None
+                if reason is None and time.monotonic() >= next_disk:
+                    reason = self._disk_exceeded()
+                    next_disk = time.monotonic() + DISK_WATCH_S
+            except Exception:  # noqa: BLE001 - a failed check (EMFILE...) must not end the watching
+                log.warning("checking a sandbox's limits failed; checking again", exc_info=True)
+                continue
             if reason is not None:
                 with self._lock:
                     if self._reason is None and not self._done.is_set():
@@ -180,14 +192,15 @@ class Sandbox:
     def wait(self, timeout: float | None = None) -> Outcome:
         """Block until the program exits or `timeout` passes; then end the run and return its outcome."""
         fd = self._pidfd()
-        if fd is None:  # no pidfd: Popen's own wait, which polls (up to 50 ms late)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        if fd is None:  # no pidfd (an old kernel): look every 10 ms
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._exited() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.01)
         else:
             try:
-                select.select([fd], [], [], timeout)  # readable the moment it exits
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                poller.poll(None if timeout is None else int(timeout * 1000))  # readable the moment it exits
             finally:
                 os.close(fd)
         return self.close()
@@ -199,7 +212,7 @@ class Sandbox:
         fd = self._pidfd()
         try:
             if fd is None:
-                while self.proc.poll() is None:
+                while not self._exited():
                     await asyncio.sleep(poll_s)
             else:
                 loop, exited = asyncio.get_running_loop(), asyncio.Event()
@@ -221,11 +234,21 @@ class Sandbox:
         """A descriptor that becomes readable when the program exits (Linux 5.3+), or None."""
         try:
             return os.pidfd_open(self.proc.pid)
-        except (AttributeError, OSError):  # an old kernel; or it already exited and was reaped
+        except (AttributeError, OSError):  # an old kernel
             return None
 
+    def _exited(self) -> bool:
+        """Whether the program has exited, without reaping it: until it is reaped, its pid and process group
+        id stay its own, so killing the group cannot hit anyone else's."""
+        if self.proc.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already
+            return True
+
     def _kill(self) -> None:
-        if self.proc.returncode is None:  # not reaped yet: its group id cannot have been reused
+        if self.proc.returncode is None:  # not reaped yet (a zombie leader still holds the group id)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the group start_new_session made; no one else's
             except ProcessLookupError:
@@ -234,15 +257,27 @@ class Sandbox:
             self.cgroup.kill()
 
     def close(self) -> Outcome:
-        """Kill the process group and everything left in the cgroups; collect the output. Safe to call twice."""
+        """Kill the process group and everything left in the cgroups (what the program left running after it
+        exited too); collect the output. Safe to call twice, and from two threads: one ends the run, the
+        other waits for it."""
         if self.proc is None:
             raise SandboxError("the sandbox was never started")
         with self._lock:
-            if self._out is None:
-                return self._outcome
+            first = not self._done.is_set()
             self._done.set()
-            still_running = self.proc.poll() is None and self._reason is None
-            self._kill()
+            if first:
+                still_running = not self._exited() and self._reason is None
+                self._kill()  # before reaping: the group's leftovers die with it
+        if not first:
+            self._closed.wait()
+            return self._outcome
+        try:
+            self._outcome = self._end(still_running)
+        finally:
+            self._closed.set()
+        return self._outcome
+
+    def _end(self, still_running: bool) -> Outcome:
         self.proc.wait()
         if self._watcher is not None:
             self._watcher.join()
@@ -251,21 +286,21 @@ class Sandbox:
             peak, reason, cpu = self.cgroup.peak(), self.cgroup.exceeded(), self.cgroup.cpu_seconds()
             self.cgroup.close()  # every process the run left, even one that escaped its process group
             self.cgroup = None
-        if self._owner is not None:  # its processes are gone (the cgroup emptied, or the PID namespace ended)
-            isolation.release(self._owner)
+        owner, self._owner = self._owner, None
+        if owner is not None:  # its processes are gone (the cgroup emptied, or the PID namespace ended)
+            isolation.release(owner)
         if reason is None and self._reason is None and not still_running:
             reason = self._disk_exceeded()  # it wrote past the quota and ended before a check saw it
         if reason is None and not still_running:
             reason = _signal_reason(self.proc.returncode, cpu, self.limits.cpu_seconds)
         reason = self._reason or reason or ("deadline" if still_running else None)
         killed = still_running or self._reason is not None
-        self._outcome = Outcome(returncode=None if killed else self.proc.returncode, stdout=_tail(self._out),
-                                stderr=_tail(self._err), timed_out=still_running, pids_peak=peak, reason=reason,
-                                level=self.level)
+        outcome = Outcome(returncode=None if killed else self.proc.returncode, stdout=_tail(self._out),
+                          stderr=_tail(self._err), timed_out=still_running, pids_peak=peak, reason=reason,
+                          level=self.level)
         self._out.close()
         self._err.close()
-        self._out = self._err = None
-        return self._outcome
+        return outcome
 
     def __enter__(self) -> Sandbox:
         return self.start()
@@ -322,8 +357,8 @@ def run(argv: list[str], *, timeout: float, files: dict[str, str] | None = None,
     the workdir is removed afterwards."""
     with workdir() as where:
         write_files(where, files or {})
-        box = Sandbox(argv, workdir=where, env=environment(where, env), limits=limits, level=level)
-        return box.start().wait(timeout)
+        with Sandbox(argv, workdir=where, env=environment(where, env), limits=limits, level=level) as box:
+            return box.wait(timeout)
 
 
 @contextlib.contextmanager

@@ -30,52 +30,57 @@ class Usage:
     too_deep: bool = False
 
 
-def _open_dir(root: str | Path, parts: tuple[str, ...]) -> int:
-    """A descriptor for root/parts..., each step opened relative to the last, never through a link."""
-    fd = os.open(root, _DIR_FLAGS)
-    try:
-        for name in parts:
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def _names(fd: int) -> list[str]:
+    """A folder's names, last first (they are popped: the walk goes in name order)."""
+    with os.scandir(fd) as entries:
+        return sorted((e.name for e in entries), reverse=True)
 
 
 def walk(root: str | Path, *, max_entries: int | None = None,
          too_deep: list[str] | None = None) -> Iterator[tuple[str, os.stat_result, int, str]]:
     """Every entry under `root`, depth first: (relative path, its lstat, its folder's descriptor, its name).
     The descriptor is valid while the caller handles the entry. Nothing when `root` is not a real folder.
-    Stops after `max_entries`; does not enter folders MAX_DEPTH deep (their paths go to `too_deep`)."""
-    pending: list[tuple[str, ...]] = [()]
+    Stops after `max_entries`; does not enter folders MAX_DEPTH deep (their paths go to `too_deep`). One
+    descriptor is open per level of the current path (as in fts), each opened from its parent's."""
+    try:
+        top = os.open(root, _DIR_FLAGS)
+        stack = [(top, _names(top), ())]  # (folder's descriptor, names left in it, its path parts)
+    except OSError:
+        return
     seen = 0
-    while pending:
-        parts = pending.pop()
-        try:
-            fd = _open_dir(root, parts)
-        except OSError:
-            continue  # removed, or replaced by something that is not a folder
-        try:
-            with os.scandir(fd) as entries:
-                names = [e.name for e in entries]
-            for name in names:
-                try:
-                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                relative = "/".join((*parts, name))
-                yield relative, info, fd, name
-                seen += 1
-                if max_entries is not None and seen >= max_entries:
-                    return
-                if stat.S_ISDIR(info.st_mode):
-                    if len(parts) + 1 < MAX_DEPTH:
-                        pending.append((*parts, name))
-                    elif too_deep is not None:
-                        too_deep.append(relative)
-        finally:
+    try:
+        while stack:
+            fd, names, parts = stack[-1]
+            if not names:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = names.pop()
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:  # removed meanwhile
+                continue
+            relative = "/".join((*parts, name))
+            yield relative, info, fd, name
+            seen += 1
+            if max_entries is not None and seen >= max_entries:
+                return
+            if not stat.S_ISDIR(info.st_mode):
+                continue
+            if len(parts) + 1 >= MAX_DEPTH:
+                if too_deep is not None:
+                    too_deep.append(relative)
+                continue
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:  # replaced by something that is not a folder, or removed
+                continue
+            try:
+                stack.append((child, _names(child), (*parts, name)))
+            except OSError:
+                os.close(child)
+    finally:
+        for fd, _, _ in stack:
             os.close(fd)
 
 

@@ -17,8 +17,9 @@ What an isolated run has (docs/reliability.md lists each with the test that chec
 - the proxy through the Lab's unix socket only: `launch.py` listens on the session's own address
   (127.0.0.1:port) inside the sandbox's empty network namespace and forwards to the socket, so a harness
   keeps its ordinary base URL and no other port exists for it;
-- nothing shared with another run: each run gets its own uid from a pool (`lease`) and `launch.py` gives it
-  a new session keyring (the kernel's would otherwise be inherited, and writable by everyone who has it).
+- nothing shared with another run: each run gets its own uid from a pool (`lease`), and a seccomp filter
+  refuses the kernel keyring calls (`seccomp.py`: the uid's keyrings outlive a run, and the kernel's session
+  keyring is inherited).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("isolated", "process")
 FIRST_UID = 61000  # where the search for a free uid starts (no passwd entry, no group entry)
-POOL_SIZE = 256  # uids from the first one: one per isolated run at a time, so at most this many at once
+POOL_SIZE = 1024  # uids from the first one: one per isolated run at a time (harnesses and evaluators together)
 LAUNCH = Path(__file__).with_name("launch.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # polar_lab/: harness modules run from it (`-m polar_lab...`)
 SOCKET_DIR = "/run/polar"  # where the proxy's socket appears inside the sandbox
@@ -195,7 +196,8 @@ def lease() -> User:
                 if uid not in _state.etc:
                     _state.etc[uid] = first.etc if uid == first.uid else _etc_files(uid, uid)
                 return User(uid=uid, gid=uid, switch=True, etc=_state.etc[uid])
-    raise SandboxError(f"all {POOL_SIZE} sandbox uids from {first.uid} are in use: too many runs at once")
+    raise RuntimeError(f"all {POOL_SIZE} sandbox uids from {first.uid} are in use: too many isolated runs at once "
+                       f"(lower the rollout's concurrency)")  # this run fails; the machine can still sandbox
 
 
 def release(owner: User) -> None:
@@ -253,18 +255,19 @@ def prepare_workdir(workdir: str | Path, owner: User | None = None) -> None:
 
 
 def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, readonly: tuple[str, ...] = (),
-         proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None) -> list[str]:
+         proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None,
+         seccomp_fd: int | None = None) -> list[str]:
     """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher."""
     owner = owner or user()
-    forward = ["--listen", proxy.host, str(proxy.port), "--to", f"{SOCKET_DIR}/{os.path.basename(proxy.socket)}"] \
-        if proxy is not None else []
-    argv = [sys.executable, "-I", "-S", str(LAUNCH), *forward, "--", *argv]  # new keyring, forwarder, the program
+    if proxy is not None:  # the forwarder first, then the program
+        argv = [sys.executable, "-I", "-S", str(LAUNCH), "--listen", proxy.host, str(proxy.port), "--to",
+                f"{SOCKET_DIR}/{os.path.basename(proxy.socket)}", "--", *argv]
     if owner.switch:  # bwrap runs as root (it can read what it binds), the program as the sandbox user
         argv = ["setpriv", f"--reuid={owner.uid}", f"--regid={owner.gid}", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--", *argv]
     box = ["bwrap", *([] if owner.switch else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
            "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
-           *_system(),
+           *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []), *_system(),
            "--ro-bind", f"{owner.etc}/passwd", "/etc/passwd", "--ro-bind", f"{owner.etc}/group", "/etc/group",
            "--proc", "/proc", "--dev", "/dev",
            "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",

@@ -1,12 +1,11 @@
-"""The first program of every isolated sandbox: it leaves the kernel's session keyring for a new one, and for
-a harness with a session listens on the session's own address (127.0.0.1:port) inside the sandbox's empty
-network namespace, forwarding every connection to the Lab's unix socket (bound into the sandbox); then it
-runs the program and exits as the program did.
+"""The first program of an isolated sandbox whose harness has a session: it listens on the session's own
+address (127.0.0.1:port) inside the sandbox's empty network namespace and forwards every connection to the
+Lab's unix socket (bound into the sandbox); then it runs the program and exits as the program did.
 
 It runs as the sandbox's user with `python -I -S`: standard library only, nothing of polar_lab imported.
 The harness may kill it; then it loses its own way to the proxy and nothing else.
 
-    python -I -S launch.py [--listen 127.0.0.1 41234 --to /run/polar/proxy.sock] -- argv...
+    python -I -S launch.py --listen 127.0.0.1 41234 --to /run/polar/proxy.sock -- argv...
 """
 
 from __future__ import annotations
@@ -65,29 +64,17 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def new_session_keyring() -> None:
-    """Leave the kernel's session keyring (setpriv keeps it, and whoever has it may add keys to it: a channel
-    between runs) for a new, empty one. Linux's keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL) via libc."""
-    number = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
-    if number is None:
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, 1, None) < 0:
-        print(f"sandbox: no new session keyring (errno {ctypes.get_errno()})", file=sys.stderr)
-
-
 def main(args: list[str]) -> int:
     split = args.index("--")
     options, argv = args[:split], args[split + 1:]
-    new_session_keyring()
     listener = None
     if "--listen" in options:  # bound before the program starts, so its first call never races the forwarder
         at = options.index("--listen")
         listener = listen(options[at + 1], int(options[at + 2]))
-    child = os.fork()  # fork + exec, not subprocess: this runs before every isolated program, so it starts lean
+    child = os.fork()  # fork + exec, not subprocess: this starts before every isolated harness, so it starts lean
     if child == 0:
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; the program gets the defaults
+            signal.signal(sig, signal.SIG_DFL)
         try:
             os.execvp(argv[0], argv)
         except OSError as exc:

@@ -17,6 +17,7 @@ def _installed(name):
 
 
 def test_mini_swe_agent_runs_and_every_call_is_recorded_with_exact_ids(lab, tokenizer):
+    assert lab.sandbox_level == "isolated"  # it runs isolated, unmodified
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), mini_swe_agent(step_limit=3),
                        num_generations=1, deadline_s=300, progress=False)
     (s,) = g.sessions
@@ -30,6 +31,7 @@ def test_mini_swe_agent_runs_and_every_call_is_recorded_with_exact_ids(lab, toke
 
 
 def _run_agent(lab, harness):
+    assert lab.sandbox_level == "isolated" and harness.sandbox is None  # the agent runs isolated, unmodified
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), harness, num_generations=1, deadline_s=300,
                        progress=False)
     (s,) = g.sessions

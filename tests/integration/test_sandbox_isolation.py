@@ -253,6 +253,7 @@ EDITS = {  # what each program writes into its repository
     "delete_tests": {},
     "shadow_pytest": {"pytest.py": "open('../report.xml', 'w').write('<testsuite tests=\"1\" failures=\"0\" "
                                    "errors=\"0\" skipped=\"0\"/>')\nraise SystemExit(0)\n"},
+    "pytest_exit": {"calc.py": "import pytest\n\n\ndef add(a, b):\n    pytest.exit('done', returncode=0)\n"},
     "pytest_ini": {".pytest.ini": "[pytest]\naddopts = -p passall\n",
                    "passall.py": "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
                                  "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
@@ -289,6 +290,7 @@ def _repo_reward(lab, *modes):
     (("delete_tests",), 0.0),  # the tests are re-copied from the task
     (("exit_early",), 0.0),  # exiting 0 at import: pytest's report has no passing test
     (("shadow_pytest",), 0.0),  # a pytest.py that writes a clean report: not taken, and pytest runs with -P
+    (("pytest_exit",), 0.0),  # ends pytest at 0 before the test finishes: its report has fewer tests than the task's
     (("pytest_ini",), 0.0),  # a .pytest.ini loading a plugin that passes everything: only the evaluator's ini
     (("fix", "edit_tests"), 1.0),  # the fix still counts; the test edit does not
 ])
