@@ -4,7 +4,6 @@ Each attempt is checked from outside (file hashes, live pids, what a listener re
 again at the "process" level as a negative control: there they succeed, so the check can see a breach.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -71,10 +70,6 @@ for name in task["attempts"]:
 '''
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class Listener:
     """A loopback listener the harness must not reach; counts the connections it accepts."""
 
@@ -139,7 +134,7 @@ def targets(lab, tmp_path):
 def test_an_isolated_harness_reaches_the_proxy_and_nothing_of_the_lab(lab, targets):
     fields, listener = targets
     calls, weights = lab.run_dir / "calls.jsonl", Path(fields["weights_dir"])
-    before = {"calls": _sha(calls), "weights": sorted(os.listdir(weights)), "shm": sorted(os.listdir("/dev/shm"))}
+    before = {"calls": calls.read_bytes(), "weights": sorted(os.listdir(weights)), "shm": sorted(os.listdir("/dev/shm"))}
     engine_pid = lab.engine.pid
     attempts = ["model_call", "read_calls", "append_calls", "read_other_workdir", "write_project",
                 "write_weights", "write_shm", "kill_kernel", "kill_engine", "kill_visible", "connect_listener"]
@@ -154,7 +149,9 @@ def test_an_isolated_harness_reaches_the_proxy_and_nothing_of_the_lab(lab, targe
     assert report["write_shm"] == "done 6", report  # into its own /dev/shm, which no one else sees
     assert report["kill_visible"] == "done []", report  # it sees only bwrap (root's), itself and its launcher
     # ... and from outside:
-    assert "HACKED" not in calls.read_text()
+    after = calls.read_bytes()  # what was there, then only the records of its own call
+    assert after.startswith(before["calls"]) and b"HACKED" not in after
+    assert {json.loads(line)["session_id"] for line in after[len(before["calls"]):].splitlines()} == {session.id}
     assert sorted(os.listdir(weights)) == before["weights"]
     assert not Path(fields["project_file"]).exists()
     assert sorted(os.listdir("/dev/shm")) == before["shm"]
