@@ -77,6 +77,7 @@ bench: setup litellm sandbox-tools
 	$(BIN)/python benchmarks/kernel_memory.py
 	$(BIN)/python benchmarks/structured_outputs.py
 	$(BIN)/python benchmarks/sandbox_startup.py
+	$(BIN)/python benchmarks/logprob_memory.py
 	$(BIN)/python benchmarks/grpo_step.py
 
 model: setup

@@ -72,6 +72,13 @@ class GRPOConfig:
     warmup_ratio: float = _f(0.0, "fraction of those steps the learning rate warms up from 0")
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm; None = no clipping")
     micro_batch_size: int = _f(32, "sequences per forward/backward (gradient accumulation over the batch)")
+    micro_batch_tokens: int | None = _f(None, "padded tokens per forward/backward (sequences x the longest); set, "
+                                              "it sizes micro-batches instead of micro_batch_size (agent chains "
+                                              "vary from hundreds to tens of thousands of tokens)")
+    logprob_chunk_tokens: int = _f(4096, "positions whose full-vocabulary fp32 logits exist at once in the loss "
+                                         "(the lm_head runs chunk by chunk, recomputed in backward)")
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward instead of keeping "
+                                             "them (TRL's name): less memory, ~1/3 more compute")
 
     # ---- async rollouts --------------------------------------------------------------------------
     async_mode: bool = _f(False, "keep rollouts running while the trainer steps (else: rollout, train, sync)")
@@ -114,7 +121,10 @@ class GRPOConfig:
         _check(self.stale_groups in ("drop", "rerun"), f"stale_groups must be drop or rerun, got {self.stale_groups!r}")
         _check(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), "
                                           f"got {self.num_generations}")
+        _check(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+               f"micro_batch_tokens must be >= 1 or None, got {self.micro_batch_tokens}")
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
+                     "logprob_chunk_tokens",
                      "max_nonfinite_updates", "async_window_steps",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")

@@ -197,8 +197,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         policy = Policy(model_path, GRPOConfig.from_dict(config), device=device)
         policy.world_size = world_size
-        policy.train_model = DistributedDataParallel(
-            policy.model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+        policy.train_model = DistributedDataParallel(  # the chunked-logprob wrapper: its forward is the step's
+            policy.train_model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
         reply("ok", "ready")
     except BaseException:  # noqa: BLE001 - reported to the kernel, then this rank exits
         reply("error", traceback.format_exc())

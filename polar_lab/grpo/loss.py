@@ -21,11 +21,66 @@ from polar_lab.grpo.config import GRPOConfig
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperatures: torch.Tensor) -> torch.Tensor:
-    """log π(input_ids[:, 1:]) under `model` at each row's temperature. (B, T) → (B, T-1)."""
+    """log π(input_ids[:, 1:]) under `model` at each row's temperature. (B, T) → (B, T-1).
+
+    `model` is a `TokenLogprobs` (the trainer's: chunked, fp32 head) or any causal LM (this reference form
+    materialises the whole (B, T-1, V) logits)."""
+    if isinstance(getattr(model, "module", model), TokenLogprobs):  # itself, or wrapped in DDP
+        return model(input_ids, attention_mask, temperatures)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     logits = logits / temperatures[:, None, None]
     targets = input_ids[:, 1:, None]
     return (logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1))  # (B, T-1)
+
+
+class TokenLogprobs(torch.nn.Module):
+    """A causal LM's token logprobs without its full-vocabulary logits: the decoder's hidden states go
+    through the lm_head `chunk` positions at a time, in fp32 even under bf16 autocast, and with gradients
+    each chunk is recomputed in backward (activation checkpointing), so the fp32 logits of only `chunk`
+    positions ever exist — for a ~150k vocabulary and a 32k-token chain, ~20 GB become ~2.5 GB at 4096.
+
+    Wraps the model (DDP wraps this: its forward is the trainer's whole forward). Models whose logits are
+    more than lm_head(hidden) (a softcap, a logit scale) use the reference path of `token_logprobs`."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = 4096):
+        super().__init__()
+        self.model, self.chunk = model, chunk
+        self.chunked = _plain_head(model)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                temperatures: torch.Tensor) -> torch.Tensor:
+        if not self.chunked:
+            return token_logprobs(self.model, input_ids, attention_mask, temperatures)
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        batch, width = input_ids.shape[0], input_ids.shape[1] - 1
+        hidden = hidden[:, :-1].reshape(batch * width, -1)  # (B·(T-1), H)
+        targets = input_ids[:, 1:].reshape(-1)  # (B·(T-1),)
+        temps = temperatures.repeat_interleave(width)  # (B·(T-1),)
+        parts = []
+        for start in range(0, hidden.shape[0], self.chunk):
+            piece = (hidden[start:start + self.chunk], targets[start:start + self.chunk], temps[start:start + self.chunk])
+            if torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(self._head_logprobs, *piece, use_reentrant=False))
+            else:
+                parts.append(self._head_logprobs(*piece))
+        return torch.cat(parts).view(batch, width)  # (B, T-1)
+
+    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32."""
+        head = self.model.get_output_embeddings()
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = head(hidden.float()) / temps[:, None]  # (N, V) fp32
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def _plain_head(model: torch.nn.Module) -> bool:
+    """Whether the model's logits are exactly lm_head(decoder hidden states)."""
+    config = getattr(model, "config", None)
+    extra = any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    try:
+        return not extra and model.get_decoder() is not None and model.get_output_embeddings() is not None
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch.Tensor,

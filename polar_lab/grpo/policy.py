@@ -19,7 +19,7 @@ import torch
 
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.grpo.loss import policy_loss, token_logprobs
+from polar_lab.grpo.loss import TokenLogprobs, policy_loss, token_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,7 +42,9 @@ class Policy:
         self._autocast_dtype = _DTYPES[config.dtype]
         self.model.train()
         disable_dropout(self.model)  # the sampler had none: with it, π_old ≠ μ before any step
-        self.train_model = self.model  # DDP wraps this one (distributed.py)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.train_model = TokenLogprobs(self.model, config.logprob_chunk_tokens)  # DDP wraps this (distributed.py)
         self.world_size = 1
         self.ref_model = None
         if config.beta > 0:
@@ -87,7 +89,8 @@ class Policy:
         for s in samples:
             mb = self._collate([s])
             with self._autocast():
-                out.append(token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
+                out.append(token_logprobs(self._logprobs_model, mb["input_ids"], mb["attention_mask"],
+                                          mb["temperature"])[0].cpu())
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -104,11 +107,17 @@ class Policy:
         pass  # nothing outside this process
 
     # ---- internals -------------------------------------------------------------------------------
+    @property
+    def _logprobs_model(self) -> TokenLogprobs:
+        """The chunked logprob model without DDP (no gradients, no all-reduce)."""
+        return getattr(self.train_model, "module", self.train_model)
+
     def _micro_batches(self, samples: list[Sample]) -> list[dict[str, torch.Tensor]]:
-        """Sorted by length so padding stays small; `micro_batch_size` sequences each."""
+        """Sorted by length so padding stays small; `micro_batch_size` sequences each, or, with
+        `micro_batch_tokens`, as many as fit that many padded tokens (a longer sample goes alone)."""
         order = sorted(samples, key=lambda s: len(s.input_ids))
-        size = self.config.micro_batch_size
-        return [self._collate(order[i:i + size]) for i in range(0, len(order), size)]
+        return [self._collate(group) for group in token_budget_groups(
+            [len(s.input_ids) for s in order], self.config.micro_batch_size, self.config.micro_batch_tokens, order)]
 
     def _collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         width = max(len(s.input_ids) for s in samples)
@@ -133,7 +142,7 @@ class Policy:
         old = ref = None
         with self._autocast():
             if self.config.num_iterations > 1:
-                old = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                old = token_logprobs(self._logprobs_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
             if self.ref_model is not None:
                 ref = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
         return old, ref
@@ -211,6 +220,26 @@ class UpdateStats:
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped,
         }
+
+
+def token_budget_groups(lengths: list[int], size: int, budget: int | None, items: list) -> list[list]:
+    """`items` (sorted by their `lengths`, ascending) in consecutive groups: `size` each, or, with a token
+    `budget`, as many as keep (count × the longest) within it; an item over the budget alone.
+
+    >>> token_budget_groups([2, 3, 5, 9], 32, 10, "abcd")  # 2 × 3 fits 10; 2 × 5 does not; 9 alone
+    [['a', 'b'], ['c'], ['d']]
+    >>> token_budget_groups([2, 3, 5, 9], 2, None, "abcd")
+    [['a', 'b'], ['c', 'd']]
+    """
+    if budget is None:
+        return [list(items[i:i + size]) for i in range(0, len(items), size)]
+    groups, current = [], []
+    for length, item in zip(lengths, items):
+        if current and (len(current) + 1) * length > budget:
+            groups.append(current)
+            current = []
+        current.append(item)
+    return groups + ([current] if current else [])
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -134,3 +134,71 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule(model_path):
     constant = Policy(model_path, GRPOConfig(learning_rate=1e-3))
     constant.update(samples)
     assert constant.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def _varied_batch():
+    """Samples of different lengths and temperatures, so micro-batching and chunking have something to split."""
+    batch = _hand_batch(n_runs=4, sampled=9)
+    for i, s in enumerate(batch.samples):
+        s.temperature = 1.0 if i % 2 else 0.7
+    batch.samples[0].input_ids = batch.samples[0].input_ids[:8]  # one shorter chain
+    batch.samples[0].weights = batch.samples[0].weights[:7]
+    batch.samples[0].behavior_logprobs = batch.samples[0].behavior_logprobs[:7]
+    return batch.samples
+
+
+@pytest.mark.parametrize("variant", [
+    {"logprob_chunk_tokens": 5},  # the lm_head 5 positions at a time, each chunk recomputed in backward
+    {"gradient_checkpointing": True},  # every layer recomputed in backward
+    {"micro_batch_tokens": 13},  # micro-batches by padded tokens: here one or two sequences each
+    {"micro_batch_size": 1},  # the control for the last: any split of the batch gives the same update
+])
+def test_memory_savers_give_the_same_loss_and_gradients(model_path, variant):
+    """Each way of spending less memory computes the same update as the plain path (≤ 1e-5), which keeps
+    the whole (B, T-1, V) fp32 logits and every activation: the loss is a weighted sum over tokens."""
+
+    samples = _varied_batch()
+    plain = Policy(model_path, GRPOConfig(learning_rate=1e-9, logprob_chunk_tokens=10**6))
+    saver = Policy(model_path, GRPOConfig(learning_rate=1e-9, **variant))
+    assert saver.model.is_gradient_checkpointing == variant.get("gradient_checkpointing", False)
+    stats_plain = plain.update(samples)
+    grads_plain = {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
+    stats_saver = saver.update(samples)
+    grads_saver = {n: p.grad.clone() for n, p in saver.model.named_parameters() if p.grad is not None}
+    assert abs(stats_plain.loss - stats_saver.loss) <= 1e-5 * max(1.0, abs(stats_plain.loss))
+    assert grads_plain.keys() == grads_saver.keys()
+    for name in grads_plain:
+        scale = grads_plain[name].abs().max().clamp(min=1e-8)
+        assert (grads_plain[name] - grads_saver[name]).abs().max() / scale <= 1e-5, name
+
+
+def test_chunked_logprobs_equal_the_full_logits_and_stay_fp32_under_bf16(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polar_lab.grpo.loss import TokenLogprobs, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 17))
+    mask, temps = torch.ones_like(ids), torch.tensor([1.0, 0.7, 1.3])
+    chunked = TokenLogprobs(model, chunk=7)
+    assert chunked.chunked  # tiny-calc's logits are its lm_head's: the chunked path, not the fallback
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: rows.append(len(args[0])))
+    with torch.no_grad():
+        got = chunked(ids, mask, temps)
+    hook.remove()
+    assert rows == [7] * 6 + [6]  # 3 × 16 positions, never more than 7 through the head at once
+    with torch.no_grad():
+        assert torch.allclose(got, token_logprobs(model, ids, mask, temps), atol=1e-6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert chunked(ids, mask, temps).dtype == torch.float32  # the head in fp32 under autocast
+
+
+@pytest.mark.parametrize("budget, sizes", [(24, [2, 2]), (23, [1, 1, 1, 1]), (7, [1, 1, 1, 1]), (10**6, [4])])
+def test_micro_batches_by_token_budget(model_path, budget, sizes):
+    """Sorted by length, then as many as keep count × the longest within the budget (one over it goes alone)."""
+    policy = Policy(model_path, GRPOConfig(micro_batch_tokens=budget))
+    micro = policy._micro_batches(_varied_batch())
+    assert [len(mb["input_ids"]) for mb in micro] == sizes
+    assert all(mb["input_ids"].numel() <= budget or len(mb["input_ids"]) == 1 for mb in micro)
