@@ -15,6 +15,7 @@ All logprobs are of the tempered distribution the engine sampled from (logits / 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from polar_lab.grpo.config import GRPOConfig
 
@@ -37,21 +38,25 @@ class TokenLogprobs(torch.nn.Module):
     """A causal LM's token logprobs without its full-vocabulary logits: the decoder's hidden states go
     through the lm_head `chunk` positions at a time, in fp32 even under bf16 autocast, and with gradients
     each chunk is recomputed in backward (activation checkpointing), so the fp32 logits of only `chunk`
-    positions ever exist — for a ~150k vocabulary and a 32k-token chain, ~20 GB become ~2.5 GB at 4096.
+    positions ever exist at once (with their softmax and gradient in backward, ~3 copies): for a ~150k vocabulary
+    and a 32k-token chain, ~20 GB of fp32 logits become ~7 GB at 4096.
 
-    Wraps the model (DDP wraps this: its forward is the trainer's whole forward). Models whose logits are
-    more than lm_head(hidden) (a softcap, a logit scale) use the reference path of `token_logprobs`."""
+    Wraps the model (DDP wraps this: its forward is the trainer's whole forward). Models not known to have
+    plain logits (`PLAIN_HEAD_TYPES`; others add a softcap, a logit scale...) use the reference path of
+    `token_logprobs`. The fp32 head's cost on GPU is not measured yet."""
 
     def __init__(self, model: torch.nn.Module, chunk: int = 4096):
         super().__init__()
         self.model, self.chunk = model, chunk
         self.chunked = _plain_head(model)
+        self.head_calls = 0  # positions' chunks through the lm_head, recomputations included (tests count them)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 temperatures: torch.Tensor) -> torch.Tensor:
         if not self.chunked:
             return token_logprobs(self.model, input_ids, attention_mask, temperatures)
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         batch, width = input_ids.shape[0], input_ids.shape[1] - 1
         hidden = hidden[:, :-1].reshape(batch * width, -1)  # (B·(T-1), H)
         targets = input_ids[:, 1:].reshape(-1)  # (B·(T-1),)
@@ -59,8 +64,8 @@ class TokenLogprobs(torch.nn.Module):
         parts = []
         for start in range(0, hidden.shape[0], self.chunk):
             piece = (hidden[start:start + self.chunk], targets[start:start + self.chunk], temps[start:start + self.chunk])
-            if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(self._head_logprobs, *piece, use_reentrant=False))
+            if torch.is_grad_enabled():  # the model draws no random numbers: no RNG state to keep
+                parts.append(checkpoint(self._head_logprobs, *piece, use_reentrant=False, preserve_rng_state=False))
             else:
                 parts.append(self._head_logprobs(*piece))
         return torch.cat(parts).view(batch, width)  # (B, T-1)
@@ -68,17 +73,26 @@ class TokenLogprobs(torch.nn.Module):
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32."""
         head = self.model.get_output_embeddings()
+        self.head_calls += 1
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = head(hidden.float()) / temps[:, None]  # (N, V) fp32
+            logits = head(hidden.float()) / temps[:, None]  # (N, V) fp32: weights are fp32 masters
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
+PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "smollm3",
+                    "olmo2", "phi3")  # model types whose logits are lm_head(the decoder's last hidden state)
+
+
 def _plain_head(model: torch.nn.Module) -> bool:
-    """Whether the model's logits are exactly lm_head(decoder hidden states)."""
+    """Whether the model's logits are exactly lm_head(decoder hidden states): an allow-list of model types
+    (others add a softcap, a logit scale or a multiplier, some in a nested text config), checked on the
+    text config too."""
     config = getattr(model, "config", None)
-    extra = any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = {getattr(config, "model_type", None), getattr(text, "model_type", None)}
     try:
-        return not extra and model.get_decoder() is not None and model.get_output_embeddings() is not None
+        return bool(kinds & set(PLAIN_HEAD_TYPES)) and model.get_decoder() is not None \
+            and model.get_output_embeddings() is not None
     except (AttributeError, NotImplementedError):
         return False
 

@@ -47,8 +47,9 @@ class Policy:
         self.train_model = TokenLogprobs(self.model, config.logprob_chunk_tokens)  # DDP wraps this (distributed.py)
         self.world_size = 1
         self.ref_model = None
-        if config.beta > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if config.beta > 0:  # through the same chunked fp32 head as π_θ: at step 0 the KL is exactly 0
+            self.ref_model = TokenLogprobs(copy.deepcopy(self.model).eval().requires_grad_(False),
+                                           config.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, config.weight_decay), lr=config.learning_rate,
                                            betas=(config.adam_beta1, config.adam_beta2))
         total = config.max_steps * config.num_iterations
@@ -231,6 +232,8 @@ def token_budget_groups(lengths: list[int], size: int, budget: int | None, items
     >>> token_budget_groups([2, 3, 5, 9], 2, None, "abcd")
     [['a', 'b'], ['c', 'd']]
     """
+    if any(a > b for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("token_budget_groups needs items sorted by length (the last of a group is its longest)")
     if budget is None:
         return [list(items[i:i + size]) for i in range(0, len(items), size)]
     groups, current = [], []

@@ -150,7 +150,7 @@ def _varied_batch():
 @pytest.mark.parametrize("variant", [
     {"logprob_chunk_tokens": 5},  # the lm_head 5 positions at a time, each chunk recomputed in backward
     {"gradient_checkpointing": True},  # every layer recomputed in backward
-    {"micro_batch_tokens": 13},  # micro-batches by padded tokens: here one or two sequences each
+    {"micro_batch_tokens": 24},  # micro-batches by padded tokens: the short chain padded beside a long one
     {"micro_batch_size": 1},  # the control for the last: any split of the batch gives the same update
 ])
 def test_memory_savers_give_the_same_loss_and_gradients(model_path, variant):
@@ -158,18 +158,33 @@ def test_memory_savers_give_the_same_loss_and_gradients(model_path, variant):
     the whole (B, T-1, V) fp32 logits and every activation: the loss is a weighted sum over tokens."""
 
     samples = _varied_batch()
-    plain = Policy(model_path, GRPOConfig(learning_rate=1e-9, logprob_chunk_tokens=10**6))
+    plain = Policy(model_path, GRPOConfig(learning_rate=1e-9))
+    plain.train_model = plain.model  # the reference path: the whole (B, T-1, V) logits, no recomputation
     saver = Policy(model_path, GRPOConfig(learning_rate=1e-9, **variant))
     assert saver.model.is_gradient_checkpointing == variant.get("gradient_checkpointing", False)
+    layer_calls = []  # a layer runs once per micro-batch, twice when it is recomputed in backward
+    layer = saver.model.get_decoder().layers[0]
+    forward = layer.forward  # wrapped, not hooked: a recomputation calls forward but runs no module hooks
+    layer.forward = lambda *args, **kwargs: layer_calls.append(1) or forward(*args, **kwargs)
     stats_plain = plain.update(samples)
     grads_plain = {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
     stats_saver = saver.update(samples)
+    micro = len(saver._micro_batches(samples))
+    assert len(layer_calls) == micro * (2 if variant.get("gradient_checkpointing") else 1)
     grads_saver = {n: p.grad.clone() for n, p in saver.model.named_parameters() if p.grad is not None}
     assert abs(stats_plain.loss - stats_saver.loss) <= 1e-5 * max(1.0, abs(stats_plain.loss))
     assert grads_plain.keys() == grads_saver.keys()
     for name in grads_plain:
         scale = grads_plain[name].abs().max().clamp(min=1e-8)
         assert (grads_plain[name] - grads_saver[name]).abs().max() / scale <= 1e-5, name
+
+
+def test_the_reference_model_goes_through_the_same_head_so_the_first_kl_is_zero_in_bf16(model_path):
+    from polar_lab.grpo.loss import TokenLogprobs
+
+    policy = Policy(model_path, GRPOConfig(beta=0.1, dtype="bfloat16", learning_rate=1e-9))
+    assert isinstance(policy.ref_model, TokenLogprobs)
+    assert policy.update(_varied_batch()).kl_sum == 0.0  # π_θ = π_ref at step 0, the same numbers
 
 
 def test_chunked_logprobs_equal_the_full_logits_and_stay_fp32_under_bf16(model_path):
@@ -183,16 +198,19 @@ def test_chunked_logprobs_equal_the_full_logits_and_stay_fp32_under_bf16(model_p
     mask, temps = torch.ones_like(ids), torch.tensor([1.0, 0.7, 1.3])
     chunked = TokenLogprobs(model, chunk=7)
     assert chunked.chunked  # tiny-calc's logits are its lm_head's: the chunked path, not the fallback
-    rows = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: rows.append(len(args[0])))
+    seen = []  # (rows, dtype) of every lm_head call
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, out: seen.append((len(args[0]), out.dtype)))
     with torch.no_grad():
         got = chunked(ids, mask, temps)
+    assert [rows for rows, _ in seen] == [7] * 6 + [6]  # 3 × 16 positions, never more than 7 at once
+    assert torch.allclose(got, token_logprobs(model, ids, mask, temps).detach(), atol=1e-6)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked(ids, mask, temps).sum().backward()  # with gradients: each chunk again in backward
     hook.remove()
-    assert rows == [7] * 6 + [6]  # 3 × 16 positions, never more than 7 through the head at once
-    with torch.no_grad():
-        assert torch.allclose(got, token_logprobs(model, ids, mask, temps), atol=1e-6)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert chunked(ids, mask, temps).dtype == torch.float32  # the head in fp32 under autocast
+    assert sorted(rows for rows, _ in seen) == sorted(([7] * 6 + [6]) * 2) and chunked.head_calls == 7 + 14
+    assert {dtype for _, dtype in seen} == {torch.float32}  # the head itself in fp32 under bf16 autocast
 
 
 @pytest.mark.parametrize("budget, sizes", [(24, [2, 2]), (23, [1, 1, 1, 1]), (7, [1, 1, 1, 1]), (10**6, [4])])
