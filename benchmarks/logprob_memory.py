@@ -1,7 +1,7 @@
 """Peak memory of the loss's logprobs, full logits vs chunked (issue 20, item 1): forward + backward of one
 sequence's token logprobs through a model with a Qwen-sized vocabulary (151,936), on CPU.
 
-The reference path (`token_logprobs` on the bare model) materialises the (T-1, V) logits, then an fp32 copy,
+The reference path (`TokenLogprobs(model, chunk=None)`, i.e. `token_logprobs`) materialises the (T-1, V) logits, then an fp32 copy,
 and keeps them for backward; `TokenLogprobs` runs the lm_head `chunk` positions at a time in fp32 and
 recomputes each chunk in backward. The model is random (from a config: no weights to download), 2 layers of
 width 128, so the logits dominate. Each variant runs in its own process; printed: the peak resident memory
@@ -24,7 +24,7 @@ def measure(variant: str, tokens: int, chunk: int) -> dict[str, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from polar_lab.grpo.loss import TokenLogprobs, token_logprobs
+    from polar_lab.grpo.loss import TokenLogprobs
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=151_936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -32,10 +32,10 @@ def measure(variant: str, tokens: int, chunk: int) -> dict[str, float]:
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (1, tokens))
     mask, temps = torch.ones_like(ids), torch.ones(1)
-    target = TokenLogprobs(model, chunk) if variant == "chunked" else model
+    target = TokenLogprobs(model, chunk if variant == "chunked" else None)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    token_logprobs(target, ids, mask, temps).sum().backward()
+    target(ids, mask, temps).sum().backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"variant": variant, "extra_mib": (peak - before) / 1024, "seconds": seconds}

@@ -22,12 +22,8 @@ from polar_lab.grpo.config import GRPOConfig
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperatures: torch.Tensor) -> torch.Tensor:
-    """log π(input_ids[:, 1:]) under `model` at each row's temperature. (B, T) → (B, T-1).
-
-    `model` is a `TokenLogprobs` (the trainer's: chunked, fp32 head) or any causal LM (this reference form
-    materialises the whole (B, T-1, V) logits)."""
-    if isinstance(getattr(model, "module", model), TokenLogprobs):  # itself, or wrapped in DDP
-        return model(input_ids, attention_mask, temperatures)
+    """log π(input_ids[:, 1:]) under a causal LM at each row's temperature. (B, T) → (B, T-1). The reference
+    form: it materialises the whole (B, T-1, V) logits (the trainer uses `TokenLogprobs`)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     logits = logits / temperatures[:, None, None]
     targets = input_ids[:, 1:, None]
@@ -45,10 +41,10 @@ class TokenLogprobs(torch.nn.Module):
     plain logits (`PLAIN_HEAD_TYPES`; others add a softcap, a logit scale...) use the reference path of
     `token_logprobs`. The fp32 head's cost on GPU is not measured yet."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int = 4096):
+    def __init__(self, model: torch.nn.Module, chunk: int | None = 4096):
         super().__init__()
         self.model, self.chunk = model, chunk
-        self.chunked = _plain_head(model)
+        self.chunked = chunk is not None and _plain_head(model)  # chunk=None: the reference path, on purpose
         self.head_calls = 0  # positions' chunks through the lm_head, recomputations included (tests count them)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.grpo.loss import TokenLogprobs, policy_loss, token_logprobs
+from polar_lab.grpo.loss import TokenLogprobs, policy_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -69,7 +69,7 @@ class Policy:
             for i, (mb, (old, ref)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
-                    logp = token_logprobs(self.train_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                    logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config)
                     (loss * self.world_size).backward()
@@ -90,8 +90,7 @@ class Policy:
         for s in samples:
             mb = self._collate([s])
             with self._autocast():
-                out.append(token_logprobs(self._logprobs_model, mb["input_ids"], mb["attention_mask"],
-                                          mb["temperature"])[0].cpu())
+                out.append(self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -143,9 +142,9 @@ class Policy:
         old = ref = None
         with self._autocast():
             if self.config.num_iterations > 1:
-                old = token_logprobs(self._logprobs_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                old = self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
             if self.ref_model is not None:
-                ref = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                ref = self.ref_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
         return old, ref
 
     def _autocast(self):

@@ -325,11 +325,6 @@ def _say_once_what_is_missing(cgroup: Cgroup | None) -> None:
             log.warning("no %s cgroup can be made here: %s", controller, instead)
 
 
-def disk_mb(root: str | Path) -> float:
-    """Disk space the files under `root` take, in MiB (allocated blocks; links not followed)."""
-    return files.usage(root, max_entries=10**9).mb
-
-
 def _tail(stream) -> str:
     """The last MAX_OUTPUT_BYTES of an output file (a program may print up to its file-size limit)."""
     size = stream.seek(0, os.SEEK_END)

@@ -157,9 +157,11 @@ def test_memory_savers_give_the_same_loss_and_gradients(model_path, variant):
     """Each way of spending less memory computes the same update as the plain path (≤ 1e-5), which keeps
     the whole (B, T-1, V) fp32 logits and every activation: the loss is a weighted sum over tokens."""
 
+    from polar_lab.grpo.loss import TokenLogprobs
+
     samples = _varied_batch()
     plain = Policy(model_path, GRPOConfig(learning_rate=1e-9))
-    plain.train_model = plain.model  # the reference path: the whole (B, T-1, V) logits, no recomputation
+    plain.train_model = TokenLogprobs(plain.model, chunk=None)  # the reference path: whole logits, no recompute
     saver = Policy(model_path, GRPOConfig(learning_rate=1e-9, **variant))
     assert saver.model.is_gradient_checkpointing == variant.get("gradient_checkpointing", False)
     layer_calls = []  # a layer runs once per micro-batch, twice when it is recomputed in backward
