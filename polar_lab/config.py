@@ -35,7 +35,13 @@ class EngineConfig:
                                   "the chat template renders) or 'none'")
     reasoning_parser: str = _f("auto", "how thoughts are read: a `vllm serve --reasoning-parser` name (qwen3, "
                                        "deepseek_r1, mistral...), 'auto' or 'none'")
+    max_lora_rank: int | None = _f(None, "serve LoRA adapters up to this rank (a GRPO run with peft_config syncs "
+                                         "only its adapter); None = LoRA off")
     # resources
+    tensor_parallel_size: int = _f(1, "GPUs the engine splits the model over (vLLM's tensor parallelism; must "
+                                      "divide the attention heads)")
+    gpus: list[int] | None = _f(None, "the engine's GPU indices, tensor_parallel_size of them; None = the first "
+                                      "ones (engine/layout.py)")
     kv_cache_gib: int = _f(1, "CPU KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = _f(0.5, "GPU only: fraction of memory vLLM may take")
     max_num_seqs: int = _f(256, "most sequences vLLM batches in one step")
@@ -56,6 +62,11 @@ class EngineConfig:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.max_lora_rank is not None and self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ConfigError(f"max_lora_rank must be one of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512 (or None), "
+                              f"got {self.max_lora_rank}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

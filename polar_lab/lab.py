@@ -17,6 +17,7 @@ same port closes the old Lab first. `close()` is idempotent and frees the port, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import atexit
 import concurrent.futures
 import fcntl
@@ -27,6 +28,8 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
+import uuid
 import warnings
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -39,7 +42,9 @@ import uvicorn
 
 from polar_lab import sandbox
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
+from polar_lab.engine.layout import check_heads, engine_gpus, visible_gpus
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
+from polar_lab.engine.weights import remove_weights, weights_size, write_weights
 from polar_lab.errors import LabError, SandboxError
 from polar_lab.proxy.app import create_app
 from polar_lab.proxy.formats import resolve_parsers, tool_format
@@ -99,6 +104,7 @@ class Lab:
         cfg = self.config
         _warn_if_exposed(cfg.proxy.host)
         self.supervisor, self._weights_dir, self._first_engine = None, None, None
+        self._weights_paths: set[Path] = set()  # weights_path()s not synced yet
         run_name = check_run_name(cfg.store.run_name or new_run_name())
         self.run_dir = Path(cfg.store.runs_dir) / run_name
         self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
@@ -124,6 +130,7 @@ class Lab:
     def _start_engine(self, engine):
         """The engine, ready; a passed-in engine (a fake) is used as it is and never restarted."""
         if engine is None:
+            check_engine_layout(self.config.engine)  # before any process starts
             if self.config.engine.keep_weights:  # the served weights' file, for restarts (shared memory)
                 self._weights_dir, self._weights_lock = _weights_dir()
             engine = self._new_engine()
@@ -254,6 +261,8 @@ class Lab:
                 pass
         if getattr(self, "_socket_dir", None) is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+        for path in self._weights_paths:  # handed out by weights_path() and never synced
+            remove_weights(path)
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             os.close(self._weights_lock)
@@ -389,13 +398,45 @@ class Lab:
         self._check_open()
         return self.supervisor.load(state_dict)
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, drain_timeout: float = 30.0) -> SyncResult:
+    def sync_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, *,
+                     drain_timeout: float = 30.0) -> SyncResult:
         """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
         load the weights into the live engine, bump `policy_version`, resume. If the engine dies during the
         load, a new one is started with these weights, at the next version.
+
+        `weights`: HF-named tensors (`lm_head.weight` included), written first — before the pause — as a
+        safetensors file in shared memory that the engine maps; or the path of such a file already written
+        (a trainer writes it straight from its ranks: `weights_path()`, engine/weights.py). A file from
+        `weights_path()` becomes the kept copy of the served weights (no second copy); another path is left
+        where it is. The result says how many bytes moved, and how long the write and the pause took.
         """
         self._check_open()
-        return self.supervisor.sync(state_dict, drain_timeout)
+        if isinstance(weights, (str, Path)):  # a file, or a LoRA adapter's folder
+            path, write_s = Path(weights), 0.0
+        else:
+            t0 = time.perf_counter()
+            path = self.weights_path()
+            write_weights(path, weights)
+            write_s = time.perf_counter() - t0
+        size = weights_size(path)
+        try:
+            result = self.supervisor.sync(path, drain_timeout)
+        finally:
+            if path in self._weights_paths:
+                self._weights_paths.discard(path)
+                if self.engine.weights_file != path:
+                    remove_weights(path)  # ours, and not the kept copy (not kept, or the load failed)
+        return dataclasses.replace(result, bytes=size, write_s=write_s,
+                                   path="shm-adapter" if path.is_dir() else "shm-file")
+
+    def weights_path(self) -> Path:
+        """A fresh path in shared memory for a weights file (or a LoRA adapter's folder) that `sync_weights`
+        will load (and keep, with keep_weights) and otherwise delete; one not synced is deleted when the Lab
+        closes."""
+        folder = self._weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        path = Path(folder) / f"polar-lab-weights-{uuid.uuid4().hex}"
+        self._weights_paths.add(path)
+        return path
 
     def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
                        drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> Restart:
@@ -513,6 +554,16 @@ def _lockable(path: Path) -> bool:
         return False
     finally:
         os.close(fd)  # closing releases a lock we took
+
+
+def check_engine_layout(config: EngineConfig) -> list[int]:
+    """The engine's GPUs, and its tensor-parallel size against the model's heads (engine/layout.py)."""
+    from transformers import AutoConfig
+
+    gpus = engine_gpus(config, visible_gpus())
+    if config.tensor_parallel_size > 1:
+        check_heads(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size)
+    return gpus
 
 
 def _make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:

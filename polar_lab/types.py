@@ -343,6 +343,9 @@ class SyncResult:
     drain_s: float
     load_s: float
     sync_s: float  # the whole pause: drain + load + resume
+    bytes: int = 0  # size of the weights moved into the engine
+    write_s: float = 0.0  # writing them where the engine reads them, before the pause (rollouts go on meanwhile)
+    path: str = ""  # how they travelled: "shm-file" (a safetensors file in shared memory the engine maps)
 
 
 @dataclass

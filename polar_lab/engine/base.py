@@ -68,7 +68,7 @@ class Engine(Protocol):
         ...
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
-        """`load_weights` from a `torch.save`d state dict on disk (a dead engine's `weights_file`)."""
+        """`load_weights` from a safetensors file (engine/weights.py) (a dead engine's `weights_file`)."""
         ...
 
     def wait_ready(self, timeout: float = 900.0) -> Engine:

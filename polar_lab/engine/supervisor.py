@@ -28,13 +28,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from polar_lab.engine.base import Engine
+from polar_lab.engine.weights import remove_weights
 from polar_lab.errors import EngineError, LabError
 from polar_lab.types import SyncResult
+
+Weights = Mapping[str, torch.Tensor] | str | Path  # a state dict, or a safetensors file (engine/weights.py)
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +96,20 @@ class EngineSupervisor:
         with self.lock:
             return self._load_or_heal(state_dict)
 
-    def sync(self, state_dict: Mapping[str, torch.Tensor], drain_timeout: float) -> SyncResult:
-        """Pause the proxy, drain, load, resume."""
+    def sync(self, weights: Weights, drain_timeout: float) -> SyncResult:
+        """Pause the proxy, drain, load `weights` (a state dict, or the path of a safetensors file), resume."""
         with self.lock:
             t0 = time.perf_counter()
             with self._paused(drain_timeout) as undrained:
                 t1 = time.perf_counter()
-                version = self._load_or_heal(state_dict)
+                version = self._load_or_heal(weights)
             t2 = time.perf_counter()
         return SyncResult(policy_version=version, undrained=undrained, drain_s=t1 - t0, load_s=t2 - t1,
                           sync_s=t2 - t0)
 
-    def _load_or_heal(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+    def _load_or_heal(self, state_dict: Weights) -> int:
         try:
-            return self.engine.load_weights(state_dict)
+            return load_into(self.engine, state_dict)
         except EngineError:
             if self.engine.alive or not self._budget_left():
                 raise
@@ -209,7 +213,7 @@ class EngineSupervisor:
             new.on_exit = self.exited
             new.wait_ready(timeout)
             if state_dict is not None:
-                new.load_weights(state_dict, version=version)
+                load_into(new, state_dict, version=version)
             elif weights_file is not None:
                 new.load_weights_file(weights_file, version=version)
             if self.closed:
@@ -227,7 +231,7 @@ class EngineSupervisor:
         self.busy_before += old.busy_seconds
         self.engine = new
         if superseded and old.weights_file is not None and old.weights_file != new.weights_file:
-            old.weights_file.unlink(missing_ok=True)  # replaced by the weights passed in
+            remove_weights(old.weights_file)  # replaced by the weights passed in
         if self.on_swap is not None:
             self.on_swap(new)
 
@@ -303,6 +307,13 @@ class EngineSupervisor:
         """Close the live engine (after `quiesce`, once nothing may call it any more)."""
         self.quiesce()
         self.engine.close()
+
+
+def load_into(engine: Engine, weights: Weights, *, version: int | None = None) -> int:
+    """`engine.load_weights` for a state dict, `engine.load_weights_file` for a file's path."""
+    if isinstance(weights, (str, Path)):
+        return engine.load_weights_file(weights, version=version)
+    return engine.load_weights(weights, version=version)
 
 
 def _recoverable(engine: Engine) -> bool:

@@ -7,7 +7,7 @@ step's new tokens (`TokenDelta`) on the caller's loop, all of them before `gener
 thread ("polar-lab-engine") receives each step's deltas and finished generations and hands them over: thread
 futures at once, and each event loop's share in one callback per step (a cross-thread wake-up per request
 cost the loop more than the request).
-Weights travel as a `torch.save` file in /dev/shm that the worker maps and loads between two steps; given a
+Weights travel as a safetensors file in /dev/shm (engine/weights.py) that the worker maps and loads between two steps; given a
 `weights_dir`, the file of the weights being served is kept there (`weights_file`, one at a time) so that a
 replacement engine can load them again without the kernel holding a copy.
 If the process dies, every waiting caller gets `EngineError` (the proxy turns that into a 503), later
@@ -37,6 +37,8 @@ import torch
 
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection
+from polar_lab.engine.layout import engine_gpus, visible_gpus
+from polar_lab.engine.weights import remove_weights, write_weights
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -99,6 +101,11 @@ class VLLMEngine:
         env = {**_ENV_DEFAULTS, **os.environ}
         env.setdefault("VLLM_LOGGING_LEVEL", self.config.vllm_log_level)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        gpus = engine_gpus(self.config, visible_gpus())
+        if gpus:  # the engine sees its own GPUs only (indices as torch numbers them in this process)
+            outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+            names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
         # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
         self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
         env["TMPDIR"] = self._scratch
@@ -242,17 +249,18 @@ class VLLMEngine:
         if not self.alive:
             raise EngineError(f"engine is not running ({self._failure})")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
-        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".pt", dir=self.weights_dir or shm)
+        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".safetensors", dir=self.weights_dir or shm)
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, fh)
+            write_weights(path, state_dict)
             return self.load_weights_file(path, version=version, timeout=timeout)
         finally:
             if self.weights_file != Path(path):
                 os.unlink(path)
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0) -> int:
-        """Load a `torch.save`d state dict from `path` (as `load_weights` does). With a `weights_dir`, the file
+        """Load a safetensors file of HF-named tensors (engine/weights.py) from `path`, as `load_weights` does,
+        or a PEFT LoRA adapter's folder (served to new requests from now on; needs `max_lora_rank`). With a `weights_dir`, the file
         becomes `weights_file` and the one it replaces there is removed; a replacement engine is handed the
         dead one's `weights_file` this way, without a copy."""
         path = Path(path)
@@ -278,7 +286,7 @@ class VLLMEngine:
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
-                previous.unlink(missing_ok=True)  # superseded (by a kept file, or by weights we do not keep)
+                remove_weights(previous)  # superseded (by a kept file, or by weights we do not keep)
         return result
 
     # ---- the reader thread -----------------------------------------------------------------

@@ -15,7 +15,7 @@ Why a process of its own: the proxy's HTTP work and vLLM's Python step loop each
 interpreter time under load; in one process they share one GIL, and at 64 concurrent sessions the steps
 ran 3.3× slower than with the engine alone (docs/design-notes.md).
 Why not vLLM's `AsyncLLM`: its child cannot take weights from memory on vllm 0.32 and it adds a second hop;
-here weights arrive as a `torch.save` file in /dev/shm, mapped, not copied through the socket.
+here weights arrive as a safetensors file in /dev/shm, mapped, not copied through the socket.
 
 Every request is validated before it is added, and a request that fails validation is answered alone (a
 `Rejection`, which the proxy turns into the caller's 400). This matters because vLLM steps all requests in
@@ -62,6 +62,9 @@ class Worker:
         self.live: set[str] = set()  # request ids vLLM is working on
         self.streams: dict[str, _Pieces] = {}  # streamed requests: what their deltas carried so far
         self.llm = None
+        self.adapter = None  # the LoRARequest new requests are served with (None: the weights alone)
+        self.adapter_of: dict[str, Any] = {}  # request id → the LoRARequest it was added with (kept to its end)
+        self.adapters_loaded = 0
 
     def build(self) -> dict[str, Any]:
         import torch
@@ -72,11 +75,11 @@ class Worker:
         self.llm = vllm.LLM(
             model=c.model, runner="generate", dtype=c.dtype, max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
-            gpu_memory_utilization=c.gpu_memory_utilization,
+            gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
-            **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c),
+            **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c), **_lora_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
@@ -103,6 +106,7 @@ class Worker:
             self.live.difference_update(rid for rid, _ in done)
             if done:
                 self.conn.send(("done", done, self.stats()))
+                self.retire_adapters()
 
     def stats(self) -> tuple[float, int, int]:
         """(busy seconds, steps, requests running), sent with every answer."""
@@ -122,8 +126,10 @@ class Worker:
             if msg[1] in self.live:
                 self.live.discard(msg[1])
                 self.streams.pop(msg[1], None)
+                self.adapter_of.pop(msg[1], None)
                 self.llm.llm_engine.abort_request([msg[1]])
                 self.conn.send(("running", len(self.live)))
+                self.retire_adapters()
         elif kind == "weights":
             self.conn.send(("weights", self.load_weights(msg[1], msg[2])))
         elif kind == "stop":
@@ -137,18 +143,23 @@ class Worker:
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec, stream))
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec, stream),
+                                        lora_request=self.adapter)
+        if self.adapter is not None:
+            self.adapter_of[rid] = self.adapter
         self.live.add(rid)
         if stream:
             self.streams[rid] = _Pieces()
 
     def load_weights(self, path: str, version: int | None) -> int | str:
-        """Load a torch.save'd state dict; it becomes `version` (default: the current one + 1)."""
-        import torch
+        """Load a safetensors file (engine/weights.py), or a PEFT LoRA adapter folder; it becomes `version`
+        (default: the current one + 1)."""
+        if os.path.isdir(path):
+            return self.load_adapter(path, version)
+        from polar_lab.engine.weights import read_weights
 
         try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": read_weights(path)})
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving
             log.exception("weight load failed")
             return f"weight load failed: {exc!r}"
@@ -157,12 +168,43 @@ class Worker:
         self.llm.llm_engine.set_weight_version(str(self.version))
         return self.version
 
+    def load_adapter(self, path: str, version: int | None) -> int | str:
+        """Serve a LoRA adapter (over the unchanged base weights) to every request added from now on, as
+        `version`. Requests already running finish with the adapter they started with, and their tokens
+        keep its version; an adapter no request uses any more is unloaded."""
+        from vllm.lora.request import LoRARequest
+
+        if self.llm.llm_engine.vllm_config.lora_config is None:
+            return "weight load failed: this engine was started without LoRA (EngineConfig.max_lora_rank)"
+        target = self.version + 1 if version is None else version
+        self.adapters_loaded += 1
+        request = LoRARequest(f"polar-lab-v{target}", self.adapters_loaded, path)
+        try:
+            self.llm.llm_engine.add_lora(request)  # read now: the folder may go once the next one is loaded
+        except Exception as exc:  # noqa: BLE001 - the caller learns why; the old adapter keeps serving
+            log.exception("adapter load failed")
+            return f"adapter load failed: {exc!r}"
+        self.adapter, self.version = request, target
+        self.retire_adapters()
+        return self.version
+
+    def retire_adapters(self) -> None:
+        """Unload adapters that are neither served to new requests nor used by a running one."""
+        if self.adapter is None:
+            return
+        in_use = {r.lora_int_id for r in self.adapter_of.values()} | {self.adapter.lora_int_id}
+        for lora_id in self.llm.llm_engine.list_loras() - in_use:
+            self.llm.llm_engine.remove_lora(lora_id)
+
     def generation(self, output) -> Generation:
         c = output.outputs[0]
         pieces = self.streams.pop(output.request_id, None)
         ids = list(c.token_ids) if pieces is None else pieces.ids
         logprob_dicts = (c.logprobs or []) if pieces is None else pieces.logprobs
         spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
+        adapter = self.adapter_of.pop(output.request_id, None)
+        if adapter is not None:  # every token was sampled with the adapter the request started with
+            spans = [(int(adapter.lora_name.rsplit("-v", 1)[1]), 0, len(ids))]
         return Generation(
             output_ids=ids,
             output_logprobs=[d[t].logprob for t, d in zip(ids, logprob_dicts)],
@@ -206,6 +248,14 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
 
         max_len = AutoConfig.from_pretrained(c.model).max_position_embeddings
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
+
+
+def _lora_args(c: EngineConfig) -> dict[str, Any]:
+    """LoRA on when a rank is set: room for two adapters in a step (the new policy's, and the old one's for
+    calls still running across a sync)."""
+    if c.max_lora_rank is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": c.max_lora_rank, "max_loras": 2}
 
 
 # the thought markers a chat template renders → vLLM's reasoning strings (proxy/formats.py's THINKING, by marker:

@@ -1,0 +1,118 @@
+"""Weights on their way to the engine: a safetensors file in shared memory, written tensor by tensor.
+
+A safetensors file is a JSON header (names, dtypes, shapes, byte offsets) followed by the raw bytes. When
+the names, dtypes and shapes are known before the tensors exist — a sharded trainer knows them from its
+parameters' global shapes — the header can be written first and each tensor copied to its offset as soon
+as it is gathered, then freed: the writer never holds more than one full tensor, and the engine maps the
+file (`read_weights`) instead of receiving a copy through a socket. safetensors' own writer needs every
+tensor at once, so this one writes the documented format itself; `safetensors.safe_open` reads it.
+
+    with WeightsWriter(path, [(name, dtype, shape), ...]) as out:
+        for name, tensor in gathered:
+            out.write(name, tensor)
+    for name, tensor in read_weights(path): ...
+
+A LoRA adapter travels the same way, as a PEFT folder (adapter_config.json + adapter_model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class WeightsWriter:
+    """Writes named tensors into a safetensors file whose layout is fixed up front."""
+
+    def __init__(self, path: str | Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.path = Path(path)
+        header, offset = {}, 0
+        for name, dtype, shape in layout:
+            if dtype not in _DTYPE_NAMES:
+                raise ValueError(f"{name}: dtype {dtype} has no safetensors name")
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned (the format allows trailing spaces)
+        self._header, self._start = header, 8 + len(text)
+        self.bytes = self._start + offset
+        self._missing = set(header)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self._fd, self.bytes)
+        os.pwrite(self._fd, len(text).to_bytes(8, "little") + text, 0)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one tensor to its place; it must have the dtype and shape the layout gave it."""
+        entry = self._header.get(name)
+        if entry is None:
+            raise KeyError(f"{name} is not in this file's layout")
+        if _DTYPE_NAMES.get(tensor.dtype) != entry["dtype"] or list(tensor.shape) != entry["shape"]:
+            raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, the layout says {entry['dtype']} "
+                             f"{tuple(entry['shape'])}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        os.pwrite(self._fd, memoryview(data), self._start + entry["data_offsets"][0])
+        self._missing.discard(name)
+
+    def close(self) -> None:
+        """Finish the file; an error if a tensor of the layout was never written (its bytes would be zeros)."""
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        if self._missing:
+            self.path.unlink(missing_ok=True)
+            raise ValueError(f"{len(self._missing)} tensors were never written, e.g. {sorted(self._missing)[:3]}")
+
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:  # a failed write leaves no half-written file behind
+            os.close(self._fd)
+            self._fd = -1
+            self.path.unlink(missing_ok=True)
+
+
+def write_weights(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> int:
+    """Write a whole state dict (tied tensors are written once per name); returns the file's size in bytes."""
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in state_dict.items()]
+    with WeightsWriter(path, layout) as out:
+        for name, tensor in state_dict.items():
+            out.write(name, tensor)
+    return out.bytes
+
+
+def read_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a safetensors file, mapped from it one at a time (nothing read twice)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def remove_weights(path: str | Path) -> None:
+    """Delete a weights file, or a LoRA adapter's folder; gone already is fine."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def weights_size(path: str | Path) -> int:
+    """Bytes of a weights file, or of every file in an adapter's folder."""
+    path = Path(path)
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
