@@ -10,9 +10,11 @@ from typing import Any
 
 from polar_lab.config import _f
 from polar_lab.errors import ConfigError
+from polar_lab.grpo.lora import lora_config, lora_dict
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -77,6 +79,11 @@ class GRPOConfig:
                                               "vary from hundreds to tens of thousands of tokens)")
     logprob_chunk_tokens: int = _f(4096, "positions whose full-vocabulary fp32 logits exist at once in the loss "
                                          "(the lm_head runs chunk by chunk, recomputed in backward)")
+    peft_config: Any = _f(None, "LoRA: a peft.LoraConfig, or its fields as a dict (YAML); only the adapter trains "
+                                "(TRL's name). None = full fine-tuning")
+    lora_sync: str = _f("adapter", "with peft_config: 'adapter' (the engine serves the adapter live; needs "
+                                   "EngineConfig.max_lora_rank >= r; a sync moves only the adapter) or 'merged' "
+                                   "(W + scale*B*A synced as full weights, for an engine without LoRA)")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward instead of keeping "
                                              "them (TRL's name): less memory, ~1/3 more compute")
 
@@ -92,10 +99,16 @@ class GRPOConfig:
     drain_timeout_s: float = _f(30.0, "weight sync waits this long for in-flight calls before loading anyway")
 
     # ---- trainer placement -----------------------------------------------------------------------
-    world_size: int = _f(1, "trainer ranks; 1 trains in this process, >1 in worker processes (DDP)")
+    world_size: int = _f(1, "trainer ranks; 1 trains in this process (strategy ddp), >1 in worker processes")
+    strategy: str = _f("ddp", "how ranks hold the model: ddp (a full copy each; gradients all-reduced) or fsdp "
+                              "(FSDP2: parameters, gradients and Adam state sharded over the ranks, each layer "
+                              "gathered when it runs; always in worker processes, also with 1 rank)")
+    cpu_offload: bool = _f(False, "fsdp on GPU: keep parameter shards and optimiser state in host memory")
     device: str = _f("auto", "auto (cuda if present, else cpu), cpu, or cuda")
     trainer_devices: list[str] | None = _f(None, "CUDA devices of the trainer ranks, e.g. ['cuda:1', 'cuda:2']; "
-                                                 "None = the GPUs after the engine's first")
+                                                 "None = the GPUs after the engine's")
+    colocate: bool = _f(False, "let trainer ranks share the engine's GPUs (a 1-GPU machine); else they need "
+                               "GPUs of their own (engine/layout.py)")
     dtype: str = _f("float32", "trainer compute dtype: float32, or bfloat16 autocast (weights and Adam stay fp32)")
     cpu_threads: int | None = _f(None, "torch threads of a CPU trainer in this process; None = all cores in sync "
                                        "mode, half of them in async mode (the engine process steps on the rest)")
@@ -147,6 +160,11 @@ class GRPOConfig:
         _check(not (self.async_mode and self.max_staleness < 1),
                f"async_mode=True needs max_staleness >= 1 (got {self.max_staleness}): rollouts made while "
                f"the trainer steps are one version old when they are trained on")
+        self.peft_config = lora_config(self.peft_config)
+        _check(self.lora_sync in ("adapter", "merged"), f"lora_sync must be adapter or merged, got {self.lora_sync!r}")
+        _check(self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        _check(not self.cpu_offload or self.strategy == "fsdp",
+               f"cpu_offload=True needs strategy='fsdp' (got {self.strategy!r}): DDP keeps a full copy per GPU")
         _check(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         _check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         _check(self.trainer_devices is None or len(self.trainer_devices) == self.world_size,
@@ -162,7 +180,9 @@ class GRPOConfig:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
+        data["peft_config"] = lora_dict(self.peft_config)  # JSON-able; from_dict turns it back into a LoraConfig
+        return data
 
 
 def _check(ok: bool, message: str) -> None:

@@ -4,20 +4,23 @@ Why processes: a notebook re-runs cells, and a kernel that joined a torch.distri
 another (one default group per process); the ranks also keep CUDA and OpenMP state out of the kernel.
 (Until the engine moved to its own process, vLLM held the kernel's group, which forced this.) Each rank
 is a `spawn`ed process running
-`Policy` wrapped in DistributedDataParallel (gloo on CPU, nccl on GPU). The kernel talks to each rank
+`Policy`, which wraps its model in DistributedDataParallel or shards it with FSDP2 (`strategy`; gloo on
+CPU, nccl on GPU). The kernel talks to each rank
 over a pipe (pickled commands, a timeout on every answer, a dead rank is an error, never a hang).
 
 How a batch is split: samples are dealt round-robin by length, so ranks get similar token counts. Their
 per-token weights were computed for the whole batch (batch.py), so the ranks' losses are exact shards of
-one loss and DDP's gradient average (× world size in Policy.update) is the full-batch gradient:
-2 ranks make the same update as 1 (tested).
+one loss and the gradient average (DDP's all-reduce, FSDP's reduce-scatter; × world size in Policy.update)
+is the full-batch gradient: 2 ranks make the same update as 1 (tested for both strategies).
 
-GPU placement (one node): the engine uses the first GPU(s) (vLLM's own `tensor_parallel_size`); trainer
-rank r uses `trainer_devices[r]`, by default cuda:1 … cuda:N when there are more GPUs than ranks, else
-every rank shares the GPUs round-robin with the engine (then lower the engine's
-`gpu_memory_utilization`). Weights go back to the engine through the kernel as CPU tensors from rank 0,
-then as a file in /dev/shm to the engine process: fine up to a few hundred MB; larger models want CUDA IPC
-or NCCL broadcast (not built yet).
+With FSDP every rank holds 1/N of the parameters, gradients and Adam state; commands that need the whole
+model (logprobs, weights for the engine, checkpoints) run on every rank together, and only rank 0 answers.
+
+GPU placement (one node, engine/layout.py): the engine uses its `gpus` (default the first
+`tensor_parallel_size`); trainer rank r uses `trainer_devices[r]`, by default the GPUs after the engine's;
+sharing the engine's GPUs needs `colocate=True` (then lower the engine's `gpu_memory_utilization`). Weights reach the engine as a safetensors file in /dev/shm that rank 0 writes tensor by tensor (gathered
+from the shards one at a time with FSDP), and the engine maps; CUDA IPC / NCCL through vLLM's weight
+transfer is not built (no GPU to verify it here: docs/grpo.md).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import pickle
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from polar_lab.engine.layout import trainer_gpus, visible_gpus
 from polar_lab.errors import TrainerError
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
@@ -41,12 +46,14 @@ from polar_lab.grpo.policy import UpdateStats, resolve_device
 class DistributedPolicy:
     """Same interface as Policy (update, logprobs, state_dict, optimizer_state, close), N worker processes."""
 
-    def __init__(self, model_path: str, config: GRPOConfig, *, start_timeout: float = 300.0,
-                 step_timeout: float = 1800.0):
+    def __init__(self, model_path: str, config: GRPOConfig, *, devices: list[str] | None = None,
+                 start_timeout: float = 300.0, step_timeout: float = 1800.0):
+        """devices: one per rank (default: `trainer_devices(config)`)."""
         self.config = config
         self.world_size = config.world_size
         self.step_timeout = step_timeout
-        self.devices = trainer_devices(config)
+        self.sharded = config.strategy == "fsdp"
+        self.devices = devices if devices is not None else trainer_devices(config)
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
         ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
         port = _free_port()
@@ -75,13 +82,29 @@ class DistributedPolicy:
         return sum(rest, start=first)  # grad_norm: rank 0's, identical on every rank after the all-reduce
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        return self._ask_rank0(("logprobs", samples))
+        return self._ask(("logprobs", samples), collective=self.sharded)  # FSDP: every rank gathers layers
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._ask_rank0(("state_dict", None))
+        return self._ask(("state_dict", None), collective=self.sharded)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self._ask(("gradients", None), collective=self.sharded)
+
+    def write_weights(self, path: str) -> int:
+        """The weights as a safetensors file, written by rank 0 tensor by tensor (see Policy.write_weights)."""
+        return self._ask(("write_weights", str(path)), collective=self.sharded)
+
+    def save_training_state(self, folder: str) -> None:
+        self._ask(("save_training_state", str(folder)), collective=True)  # each rank writes its shards
+
+    def load_training_state(self, folder: str) -> None:
+        self._ask(("load_training_state", str(folder)), collective=True)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return self._ask_rank0(("optimizer_state", None))
+        if self.sharded:
+            raise TrainerError("with strategy='fsdp' each rank holds a shard of the optimiser state: use "
+                               "save_training_state(folder) (torch.distributed.checkpoint)")
+        return self._ask(("optimizer_state", None), collective=False)
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask every rank to stop; kill any that does not within `timeout` s. Safe to call twice."""
@@ -101,9 +124,13 @@ class DistributedPolicy:
         self._conns, self._procs = [], []
 
     # ---- internals -------------------------------------------------------------------------------
-    def _ask_rank0(self, message: tuple) -> Any:
-        self._tell(0, message)
-        return self._receive(0, self.step_timeout)
+    def _ask(self, message: tuple, *, collective: bool) -> Any:
+        """Rank 0's answer; `collective`: every rank runs the command (it gathers shards), rank 0 answers."""
+        ranks = range(self.world_size) if collective else [0]
+        for rank in ranks:
+            self._tell(rank, message)
+        answers = [self._receive(rank, self.step_timeout) for rank in ranks]
+        return answers[0]
 
     def _tell(self, rank: int, message: tuple) -> None:
         try:
@@ -156,16 +183,12 @@ def shard(samples: list[Sample], world_size: int) -> list[list[Sample]]:
     return parts
 
 
-def trainer_devices(config: GRPOConfig) -> list[str]:
-    """Device of each rank (see the module docstring for the default GPU split)."""
-    if config.trainer_devices is not None:
-        return list(config.trainer_devices)
+def trainer_devices(config: GRPOConfig, engine: Sequence[int] = ()) -> list[str]:
+    """Device of each rank: CPU processes, or GPUs beside the engine's `engine` GPUs (engine/layout.py: the
+    default split and its errors)."""
     if resolve_device(config.device) == "cpu":
-        return ["cpu"] * config.world_size
-    gpus = torch.cuda.device_count()
-    if gpus > config.world_size:
-        return [f"cuda:{1 + r}" for r in range(config.world_size)]
-    return [f"cuda:{r % gpus}" for r in range(config.world_size)]
+        return list(config.trainer_devices) if config.trainer_devices is not None else ["cpu"] * config.world_size
+    return trainer_gpus(config.trainer_devices, config.world_size, engine, visible_gpus(), colocate=config.colocate)
 
 
 def _send(conn, message: tuple) -> None:
@@ -182,7 +205,6 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
             config: dict[str, Any], conn) -> None:
     """One trainer rank: build the Policy, join the group, answer commands until "stop"."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     from polar_lab.grpo.policy import Policy
 
@@ -195,16 +217,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        policy = Policy(model_path, GRPOConfig.from_dict(config), device=device)
-        policy.world_size = world_size
-        policy.train_model = DistributedDataParallel(  # the chunked-logprob wrapper: its forward is the step's
-            policy.train_model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+        policy = Policy(model_path, GRPOConfig.from_dict(config), device=device, world_size=world_size)
         reply("ok", "ready")
     except BaseException:  # noqa: BLE001 - reported to the kernel, then this rank exits
         reply("error", traceback.format_exc())
         return
-    handlers = {"update": policy.update, "logprobs": policy.logprobs,
-                "state_dict": lambda _: policy.state_dict(), "optimizer_state": lambda _: policy.optimizer_state()}
+    handlers = {"update": policy.update, "logprobs": policy.logprobs, "write_weights": policy.write_weights,
+                "save_training_state": policy.save_training_state, "load_training_state": policy.load_training_state,
+                "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients(),
+                "optimizer_state": lambda _: policy.optimizer_state()}
     try:
         while True:
             command, payload = pickle.loads(conn.recv_bytes())

@@ -64,14 +64,19 @@ class TokenLogprobs(torch.nn.Module):
                 parts.append(checkpoint(self._head_logprobs, *piece, use_reentrant=False, preserve_rng_state=False))
             else:
                 parts.append(self._head_logprobs(*piece))
-        return torch.cat(parts).view(batch, width)  # (B, T-1)
+        return torch.cat(parts).view(batch, width).clone()  # (B, T-1); not a view (FSDP2 hooks the output)
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32."""
         head = self.model.get_output_embeddings()
         self.head_calls += 1
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = head(hidden.float()) / temps[:, None]  # (N, V) fp32: weights are fp32 masters
+            if head.weight.dtype == torch.float32:  # fp32 masters (also FSDP on CPU)
+                logits = head(hidden.float())
+            else:  # FSDP's bf16-gathered parameters on GPU: the product still in fp32
+                bias = None if head.bias is None else head.bias.float()
+                logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+            logits = logits / temps[:, None]  # (N, V)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,6 +20,9 @@ import torch
 
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.config import GRPOConfig
+from polar_lab.engine.weights import WeightsWriter
+from polar_lab.errors import TrainerError
+from polar_lab.grpo import lora
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -31,25 +35,45 @@ def resolve_device(device: str) -> str:
 
 
 class Policy:
-    def __init__(self, model_path: str, config: GRPOConfig, *, device: str = "cpu"):
+    def __init__(self, model_path: str, config: GRPOConfig, *, device: str = "cpu", world_size: int = 1):
+        """One rank. `world_size` > 1, or strategy "fsdp", means a process group exists (distributed.py's
+        worker made it) and the model is wrapped in DDP or sharded with FSDP2 before the optimiser is built."""
         from transformers import AutoModelForCausalLM, get_scheduler
 
-        self.config = config  # nothing here draws random numbers: the kernel's torch RNG is left alone
+        self.config = config  # the kernel's torch RNG is left alone (LoRA's init draws from a forked, seeded one)
         self.device = torch.device(device)
         # weights and optimizer state stay fp32 (bf16 weights would round Adam's ~lr-sized steps away);
         # dtype=bfloat16 runs the forward/backward under autocast
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self._autocast_dtype = _DTYPES[config.dtype]
         self.model.train()
-        disable_dropout(self.model)  # the sampler had none: with it, π_old ≠ μ before any step
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.train_model = TokenLogprobs(self.model, config.logprob_chunk_tokens)  # DDP wraps this (distributed.py)
-        self.world_size = 1
+        self.world_size = world_size
+        self.sharded = config.strategy == "fsdp"
         self.ref_model = None
         if config.beta > 0:  # through the same chunked fp32 head as π_θ: at step 0 the KL is exactly 0
             self.ref_model = TokenLogprobs(copy.deepcopy(self.model).eval().requires_grad_(False),
                                            config.logprob_chunk_tokens)
+            disable_dropout(self.ref_model)
+            if self.sharded:
+                shard_model(self.ref_model, config, self.device)
+        self.lora = config.peft_config is not None
+        if self.lora:  # base weights frozen, adapter matrices trained (lora.py)
+            from peft import get_peft_model
+
+            with torch.random.fork_rng(devices=[]):  # A's random init: the same on every rank and every run,
+                torch.manual_seed(config.seed)  # and the kernel's RNG left as it was
+                self.model = get_peft_model(self.model, config.peft_config)
+        disable_dropout(self.model)  # the sampler had none (LoRA's dropout too): with it, π_old ≠ μ before any step
+        self.train_model = TokenLogprobs(self.model, config.logprob_chunk_tokens)  # the step's whole forward
+        if self.sharded:
+            shard_model(self.train_model, config, self.device)  # parameters become DTensor shards, in place
+        elif world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.train_model = DistributedDataParallel(
+                self.train_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = torch.optim.AdamW(_param_groups(self.model, config.weight_decay), lr=config.learning_rate,
                                            betas=(config.adam_beta1, config.adam_beta2))
         total = config.max_steps * config.num_iterations
@@ -94,8 +118,60 @@ class Policy:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it)."""
-        return {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
+        """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it). Sharded:
+        every rank must call it (each tensor is gathered from all); rank 0 gets them, the others `{}`."""
+        out = {}
+        for name, tensor in self._full_tensors():
+            if self._rank == 0:
+                out[name] = tensor.to("cpu").clone()
+        return out
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last update's gradients (after clipping), full CPU tensors named like the parameters: which
+        layers learn, and how much. Sharded: every rank must call it; rank 0 gets them, the others `{}`."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            if self._rank == 0:
+                out[name] = grad.detach().to("cpu").clone()
+        return out
+
+    def write_adapter(self, folder: str) -> int:
+        """LoRA: the adapter alone as a PEFT folder the engine serves (lora.py); every rank must call it (the
+        adapter's tensors are gathered when sharded); returns the bytes written (0 on other ranks)."""
+        if not self.lora:
+            raise TrainerError("write_adapter needs a LoRA policy (GRPOConfig.peft_config)")
+        tensors = lora.adapter_tensors(self.model, _full)
+        if self._rank != 0:
+            for _ in tensors:  # take part in each gather
+                pass
+            return 0
+        return lora.write_adapter(folder, self.model, tensors)
+
+    def write_weights(self, path: str) -> int:
+        """Write the weights as a safetensors file the engine maps (engine/weights.py), one tensor at a time:
+        sharded, each is gathered, written by rank 0, freed — no rank ever holds a full copy of the model.
+        With LoRA, the merged weights (W + scale·B·A). Every rank must call it; returns the file's size (0 on
+        other ranks)."""
+        layout = lora.merged_layout(self.model) if self.lora else \
+            [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]  # global shapes
+        writer = WeightsWriter(path, layout) if self._rank == 0 else None
+        try:
+            for name, tensor in self._full_tensors():
+                if writer is not None:
+                    writer.write(name, tensor)
+        except BaseException:
+            if writer is not None:
+                writer.__exit__(Exception)
+            raise
+        if writer is None:
+            return 0
+        writer.close()
+        return writer.bytes
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -103,14 +179,55 @@ class Policy:
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
+    def save_training_state(self, folder: str) -> None:
+        """Model and optimiser state with torch.distributed.checkpoint: sharded, each rank writes its own
+        shards (FSDP); else one rank's full state. Every rank must call it. `load_training_state` reads it
+        back, also with another number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with _single_process_checkpoint():
+            dcp.save({"model": model_state, "optimizer": optim_state, "steps": self.steps,
+                      "scheduler": self.scheduler.state_dict()}, checkpoint_id=folder, no_dist=not _distributed())
+
+    def load_training_state(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state, "steps": self.steps,
+                 "scheduler": self.scheduler.state_dict()}
+        with _single_process_checkpoint():
+            dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = state["steps"]
+
     def close(self) -> None:
         pass  # nothing outside this process
 
     # ---- internals -------------------------------------------------------------------------------
     @property
     def _logprobs_model(self) -> TokenLogprobs:
-        """The chunked logprob model without DDP (no gradients, no all-reduce)."""
+        """The chunked logprob model without DDP (no gradients, no all-reduce); FSDP's is the model itself."""
         return getattr(self.train_model, "module", self.train_model)
+
+    @property
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if _distributed() else 0
+
+    def _full_tensors(self):
+        """(HF name, full tensor) of each weight, in order (LoRA: merged); a DTensor shard is gathered from
+        every rank first (a collective: all ranks iterate together)."""
+        if self.lora:
+            yield from lora.merged_tensors(self.model, _full)
+            return
+        for name, tensor in self.model.state_dict().items():
+            yield name, _full(tensor.detach())
 
     def _micro_batches(self, samples: list[Sample]) -> list[dict[str, torch.Tensor]]:
         """Sorted by length so padding stays small; `micro_batch_size` sequences each, or, with
@@ -159,11 +276,13 @@ class Policy:
     def _clip_and_step(self) -> float:
         """Clip and step; a non-finite gradient norm skips the step (the weights stay as they were) and is
         returned as NaN. Every rank sees the same norm after the all-reduce, so every rank skips together."""
+        from torch.distributed.tensor import DTensor
+
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.config.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.)
+        limit = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf  # inf: only measure
+        norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.tensor(0.0)
+        if isinstance(norm, DTensor):  # FSDP: the norm over every rank's shards
+            norm = norm.full_tensor()
         if not math.isfinite(float(norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return float("nan")
@@ -244,10 +363,65 @@ def token_budget_groups(lengths: list[int], size: int, budget: int | None, items
     return groups + ([current] if current else [])
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: a DTensor shard gathered from every rank (a collective), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@contextlib.contextmanager
+def _single_process_checkpoint():
+    """torch.distributed.checkpoint warns on every save/load without a process group (`no_dist=True`), which
+    is how the in-process trainer uses it, on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    """Whether this process is a rank of a process group (distributed.py's workers), not the kernel."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_model(model: TokenLogprobs, config: GRPOConfig, device: torch.device) -> None:
+    """FSDP2 (`fully_shard`), in place: one unit per decoder layer (its parameters are gathered just before
+    it runs and freed after), then the wrapper as the root unit (embeddings, final norm, lm_head). On GPU
+    with dtype bfloat16, parameters are gathered in bf16 and gradients reduced in fp32; on CPU they stay
+    fp32 (autocast does the bf16 compute, as without FSDP). `cpu_offload` keeps the shards and the
+    optimiser state in host memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh}
+    if device.type == "cuda" and config.dtype == "bfloat16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model.model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's stack of layers (`model.get_decoder().layers` in every HF causal LM we chunk)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no decoder `layers` list to shard")
+    return layers
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on weight matrices only, never on biases, norms (1-D) or embeddings."""
     decay, keep = [], []
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # LoRA's frozen base weights: no Adam state for them
+            continue
         (keep if param.ndim < 2 or "embed" in name else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 

@@ -17,7 +17,7 @@ import yaml
 from polar_lab.config import LabConfig
 from polar_lab.errors import ConfigError
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.grpo.trainer import GRPOTrainer
+from polar_lab.grpo.trainer import GRPOTrainer, check_run
 
 LAB_SECTIONS = ("engine", "proxy", "store", "harness")
 
@@ -36,6 +36,7 @@ def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bo
     from polar_lab.lab import Lab
 
     t0 = time.perf_counter()
+    check_run(lab_config, config)  # layout, LoRA, offload: errors before the engine or any rank starts
     with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
         t_ready = time.perf_counter()
         before = trainer.evaluate() if config.eval_tasks else None

