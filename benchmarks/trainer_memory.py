@@ -3,9 +3,10 @@ the memory plan's prediction (polar_lab/grpo/memory.py), on CPU with gloo.
 
 Each configuration starts its rank processes, resets each rank's peak resident memory (Linux VmHWM) once
 the model is loaded (and sharded), runs one GRPO update — the first, so Adam's state is created in it —
-then reads each rank's peak: `held` is what a rank holds before the update, `step` what the update added
-on top. The plan's figures for the same parts: parameters (held) and gradients + Adam + activations +
-logits + a gathered layer (step). A second update gives the time per update. Results → benchmarks/results/.
+then reads each rank's peak: `held` is what a rank holds before the update (the interpreter and libraries
+too, ~0.4–0.5 GiB), `step` what the update added on top. The plan's figures for the same parts: parameters
+(held) and the update's peak — the larger of (held gradients + activations + logits + a gathered unit) and
+(gradients + Adam). A second update gives the time per update. Results → benchmarks/results/.
 
     python benchmarks/trainer_memory.py [--model data/models/smollm2-135m-instruct] [--samples 8] [--tokens 256]
 """
@@ -69,10 +70,13 @@ def main() -> None:
         finally:
             policy.close()
         # a rank's micro-batch: its share of the samples, micro_batch_size of them at a time
-        tokens = min(args.micro_batch, -(-args.samples // ranks)) * args.tokens
-        predicted = plan(shape, strategy=strategy, ranks=ranks, tokens=tokens, checkpointing=checkpointing,
-                         lora_rank=LORA["r"] if lora else 0, lora_targets=LORA["target_modules"])["trainer"]
-        step_parts = sum(v for k, v in predicted.items() if k != "parameters")
+        share = -(-args.samples // ranks)
+        tokens = min(args.micro_batch, share) * args.tokens
+        predicted = plan(shape, strategy=strategy, ranks=ranks, tokens=tokens, seq_len=args.tokens, attention="math",
+                         micro_batches=-(-share // args.micro_batch), checkpointing=checkpointing,
+                         lora_rank=LORA["r"] if lora else 0, lora_targets=LORA["target_modules"])
+        step_parts = predicted["trainer_step_peak"]
+        predicted = predicted["trainer"]
         row = {"strategy": strategy + ("+lora" if lora else ""), "ranks": ranks, "checkpointing": checkpointing,
                "held_mib": max(m["rss"] for m in before) / MIB, "step_mib": max(a["peak"] - b["rss"] for a, b in
                                                                                 zip(after, before)) / MIB,

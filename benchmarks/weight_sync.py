@@ -47,7 +47,7 @@ def timed_syncs(lab: Lab, write, repeats: int) -> dict:
 def agreement(lab: Lab, policy, tokens: int = 32) -> dict:
     """Mean and max |engine logprob - trainer logprob| of `tokens` sampled tokens after a fixed prompt."""
     prompt = lab.tokenizer.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
     gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=tokens, temperature=1.0, seed=7, ignore_eos=True)).result()
     ids = prompt + gen.output_ids
     sample = Sample(input_ids=torch.tensor(ids), weights=torch.zeros(len(ids) - 1), advantage=0.0,

@@ -8,10 +8,15 @@ Checks, each printed PASS/FAIL with its figure:
   2. one GRPO update: finite loss and gradient norm, every weight moved;
   3. the updated weights, shipped as the engine would get them (CPU fp32 state dict incl. lm_head),
      score the same tokens like the trainer does (same tolerances);
-  4. with --world-size N > 1: N DDP ranks (nccl on GPU, gloo on CPU) make the same update as one rank.
+  4. with --world-size N > 1: N DDP ranks (nccl on GPU, gloo on CPU) make the same update as one rank;
+  5. with --world-size N > 1: N FSDP2 ranks compute the same gradients as one unsharded rank (bf16 gathers
+     with fp32 reduction on GPU) and write the full weights from their shards;
+  6. activation checkpointing gives the same loss and gradients as without;
+  7. LoRA (needs peft; SKIP without it): a step moves only the adapter, and the merged weights as shipped
+     score like the trainer.
 
     python scripts/check_cuda_trainer.py                       # cuda, bf16, 1 rank
-    python scripts/check_cuda_trainer.py --world-size 2        # needs 2 GPUs for nccl
+    python scripts/check_cuda_trainer.py --world-size 8        # DDP and FSDP over 8 GPUs (nccl)
     python scripts/check_cuda_trainer.py --device cpu --dtype float32   # the same path on CPU (CI runs this)
 Exit status 0 when every check passed.
 """
@@ -108,6 +113,79 @@ def check_ranks(args, samples: list[Sample], start: dict, after: dict, stats: di
            f"{stats.loss:.4f}")
 
 
+def relative_gap(a: dict, b: dict) -> float:
+    """|a - b| / |a| over all tensors of two same-keyed dicts."""
+    num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a)
+    return (num / max(sum(float(a[k].float().pow(2).sum()) for k in a), 1e-30)) ** 0.5
+
+
+GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative gradient gap (bf16 rounds each rank's sums)
+
+
+def check_fsdp(args, samples: list[Sample], grads: dict, stats, report) -> None:
+    """N FSDP2 ranks: the same gradients as one unsharded rank; full weights written from the shards."""
+    import tempfile
+
+    from polar_lab.engine.weights import read_weights
+    from polar_lab.grpo.distributed import DistributedPolicy
+
+    devices = [f"{args.device}:{r}" if args.device == "cuda" else "cpu" for r in range(args.world_size)]
+    ranks = DistributedPolicy(args.model, GRPOConfig(learning_rate=1e-3, dtype=args.dtype, device=args.device,
+                                                     micro_batch_size=4, world_size=args.world_size,
+                                                     strategy="fsdp", trainer_devices=devices))
+    try:
+        multi = ranks.update(samples)
+        other = ranks.gradients()
+        with tempfile.TemporaryDirectory() as folder:
+            size = ranks.write_weights(f"{folder}/w.safetensors")
+            written = dict(read_weights(f"{folder}/w.safetensors"))
+        full = ranks.state_dict()
+    finally:
+        ranks.close()
+    gap = relative_gap(grads, other)
+    same_file = set(written) == set(full) and all(torch.equal(written[k], full[k]) for k in full)
+    report(f"{args.world_size} FSDP ranks vs 1", gap <= GRAD_TOLERANCE[args.dtype] and same_file,
+           f"relative gradient gap {gap:.2e} (limit {GRAD_TOLERANCE[args.dtype]}), loss {multi.loss:.4f} vs "
+           f"{stats.loss:.4f}, weights file {size / 2**20:.1f} MiB {'=' if same_file else '!='} gathered state")
+
+
+def check_checkpointing(args, samples: list[Sample], grads: dict, stats, report) -> None:
+    policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, dtype=args.dtype, device=args.device,
+                                           micro_batch_size=4, gradient_checkpointing=True), device=args.device)
+    again = policy.update(samples)
+    gap = relative_gap(grads, policy.gradients())
+    report("activation checkpointing", gap <= GRAD_TOLERANCE[args.dtype],
+           f"relative gradient gap {gap:.2e}, loss {again.loss:.4f} vs {stats.loss:.4f}")
+
+
+def check_lora(args, samples: list[Sample], report) -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        print("SKIP LoRA: peft is not installed here")
+        return
+    import tempfile
+
+    from polar_lab.engine.weights import read_weights
+
+    config = GRPOConfig(learning_rate=1e-2, dtype=args.dtype, device=args.device, micro_batch_size=4,
+                        peft_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    policy = Policy(args.model, config, device=args.device)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    policy.update(samples)
+    policy.update(samples)  # B starts at 0: the second step moves A too
+    moved = {n for n, p in policy.model.named_parameters() if not torch.equal(before[n], p)}
+    shipped = Policy(args.model, GRPOConfig(dtype="float32", device="cpu"), device="cpu")
+    with tempfile.TemporaryDirectory() as folder:
+        policy.write_weights(f"{folder}/merged.safetensors")
+        shipped.load_state_dict(dict(read_weights(f"{folder}/merged.safetensors")))
+    mean, worst = mean_abs_gap(policy.logprobs(samples), shipped.logprobs(samples), samples)
+    only_adapter = bool(moved) and all(".lora_" in n for n in moved)
+    report("LoRA", only_adapter and mean <= TOLERANCE[args.dtype],
+           f"{len(moved)} tensors moved, {'all' if only_adapter else 'NOT all'} adapter; merged weights as shipped: "
+           f"mean |Δ| {mean:.2e}, max {worst:.2e}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -158,8 +236,12 @@ def main() -> int:
     report("updated weights as shipped to the engine", mean <= TOLERANCE[args.dtype],
            f"mean |Δ| {mean:.2e}, max {worst:.2e} (trainer {args.dtype} on {args.device} vs fp32 CPU)")
 
+    grads = policy.gradients()
     if args.world_size > 1:
         check_ranks(args, samples, start, after, stats, report)
+        check_fsdp(args, samples, grads, stats, report)
+    check_checkpointing(args, samples, grads, stats, report)
+    check_lora(args, samples, report)
     print("ALL PASSED" if failures == 0 else f"{failures} FAILED")
     return 1 if failures else 0
 

@@ -26,6 +26,10 @@ def main() -> None:
     parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor-parallel size")
     parser.add_argument("--strategy", choices=["ddp", "fsdp", "lora", "all"], default="all")
     parser.add_argument("--tokens", type=int, default=16384, help="padded tokens per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: --tokens, one "
+                                                                   "sequence per micro-batch)")
+    parser.add_argument("--attention", choices=["flash", "math"], default="flash",
+                        help="flash (GPU kernels) or math (CPU: attention probabilities kept for backward)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
     parser.add_argument("--chunk", type=int, default=4096, help="logprob_chunk_tokens")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -42,13 +46,14 @@ def main() -> None:
     strategies = ["ddp", "fsdp", "lora"] if args.strategy == "all" else [args.strategy]
     for strategy in strategies:
         lora = strategy == "lora"
-        result = plan(shape, strategy="fsdp" if lora else strategy, ranks=ranks, tokens=args.tokens,
+        result = plan(shape, strategy="fsdp" if lora else strategy, ranks=ranks, tokens=args.tokens, seq_len=args.seq_len,
                       checkpointing=args.checkpointing, chunk=args.chunk, lora_rank=args.lora_rank if lora else 0,
                       lora_targets=TARGETS, engine_dtype_bytes=args.engine_dtype_bytes, tp=args.engine_tp,
-                      context=args.context, sequences=args.sequences)
+                      context=args.context, sequences=args.sequences, attention=args.attention)
         title = f"{strategy}" + (f" (rank {args.lora_rank}, all projections, fsdp)" if lora else "")
         print(format_plan(result, title))
-    print(f"(GiB = {GIB} bytes; add ~0.5 GiB per process for the CUDA context and allocator slack)")
+    print(f"(trainer = parameters + the update's peak, the larger of backward and the optimiser step; GiB = {GIB} "
+          f"bytes; add ~0.5 GiB per process for the CUDA context and allocator slack)")
 
 
 if __name__ == "__main__":

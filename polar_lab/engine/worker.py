@@ -166,6 +166,8 @@ class Worker:
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
+        self.adapter = None  # these weights are the policy now: no adapter on top of them
+        self.retire_adapters()
         return self.version
 
     def load_adapter(self, path: str, version: int | None) -> int | str:
@@ -190,9 +192,11 @@ class Worker:
 
     def retire_adapters(self) -> None:
         """Unload adapters that are neither served to new requests nor used by a running one."""
-        if self.adapter is None:
+        if self.llm.llm_engine.vllm_config.lora_config is None:
             return
-        in_use = {r.lora_int_id for r in self.adapter_of.values()} | {self.adapter.lora_int_id}
+        in_use = {r.lora_int_id for r in self.adapter_of.values()}
+        if self.adapter is not None:
+            in_use.add(self.adapter.lora_int_id)
         for lora_id in self.llm.llm_engine.list_loras() - in_use:
             self.llm.llm_engine.remove_lora(lora_id)
 

@@ -124,13 +124,18 @@ class DistributedPolicy:
         self._conns, self._procs = [], []
 
     # ---- internals -------------------------------------------------------------------------------
-    def _ask(self, message: tuple, *, collective: bool) -> Any:
-        """Rank 0's answer; `collective`: every rank runs the command (it gathers shards), rank 0 answers."""
+    def memory(self, *, reset_peak: bool = False) -> list[dict[str, int]]:
+        """Each rank's memory now and at its peak, in bytes (Policy.memory); `reset_peak` starts a new peak."""
+        return self._ask(("memory", reset_peak), collective=True, every=True)
+
+    def _ask(self, message: tuple, *, collective: bool, every: bool = False) -> Any:
+        """Rank 0's answer (`every`: all ranks' answers); `collective`: every rank runs the command (it gathers
+        shards), else rank 0 alone."""
         ranks = range(self.world_size) if collective else [0]
         for rank in ranks:
             self._tell(rank, message)
         answers = [self._receive(rank, self.step_timeout) for rank in ranks]
-        return answers[0]
+        return answers if every else answers[0]
 
     def _tell(self, rank: int, message: tuple) -> None:
         try:
@@ -224,6 +229,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
         return
     handlers = {"update": policy.update, "logprobs": policy.logprobs, "write_weights": policy.write_weights,
                 "save_training_state": policy.save_training_state, "load_training_state": policy.load_training_state,
+                "memory": lambda reset: policy.memory(reset_peak=reset),
                 "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients(),
                 "optimizer_state": lambda _: policy.optimizer_state()}
     try:

@@ -6,13 +6,15 @@ Engine (vLLM, per GPU of its tensor-parallel group):
     KV cache  2 (K and V) × layers × kv_heads/tp (at least 1) × head_dim × bytes × context × sequences
 Trainer (per rank; fp32 master weights, AdamW):
     ddp       params × (4 weights + 4 grads + 8 Adam)
-    fsdp      the same / ranks, plus one decoder layer gathered whole (its weights and gradients)
-    lora      base weights 4 bytes each (sharded with fsdp) + adapter × 16
+    fsdp      the same / ranks, plus the largest unit gathered whole (a layer, or for small models the root:
+              embeddings and lm_head), with its gradients
+    lora      base weights 4 bytes each (sharded with fsdp) + adapter × 16 (measured: its backward peak is
+              higher than this plan says, docs/benchmarks.md)
     + activations of one micro-batch of `tokens` padded tokens: per layer and token, the tensors autograd
       keeps (`act_per_layer_token`, an estimate for a Llama/Qwen block with SDPA attention); with
       checkpointing only each layer's input is kept, plus one layer's whole activations while it is
       recomputed
-    + the loss's logits: `logprob_chunk_tokens` × vocab fp32, ~3 copies (logits, softmax, gradient)
+    + the loss's logits: `logprob_chunk_tokens` × vocab fp32, ~4.5 copies (measured)
 The estimate leaves out allocator slack, the CUDA context (~0.5 GiB) and, on CPU, the interpreter and
 libraries (~0.5–1 GiB per process: `runtime` in the benchmark).
 """
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 GIB = 1024 ** 3
+# fp32 copies of one chunk's logits alive at the loss's peak (logits, softmax, their gradients, recomputed in
+# backward): benchmarks/logprob_memory.py measured 1,329 MiB above the model for 297 MiB chunks
+LOGIT_COPIES = 4.5
 
 
 @dataclass
@@ -61,20 +66,27 @@ class ModelShape:
                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
 
-    def act_per_layer_token(self) -> int:
+    def act_per_layer_token(self, seq_len: int, attention_weights: bool) -> int:
         """Elements autograd keeps per layer and token: attention block (norm, q/k/v, rotated q/k, output,
-        o_proj input, residual; SDPA's fused kernels keep no probabilities, only a logsumexp per head), MLP
-        block (norm, gate, up, activation, product, residual)."""
+        o_proj input, residual), with `attention_weights` its probabilities too (heads × sequence length: SDPA
+        with a padding mask on CPU takes the math path; GPU flash kernels keep a logsumexp per head), MLP
+        block (norm, gate, up, activation, product, residual). On SmolLM2-135M (256-token sequences, CPU)
+        this is 13.1k elements against 14.3k counted with saved-tensor hooks."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = 3 * self.hidden + 2 * q + 3 * kv + self.heads
+        attention = 3 * self.hidden + 2 * q + 3 * kv + self.heads * (seq_len if attention_weights else 1)
         mlp = 2 * self.hidden + 4 * self.intermediate
         return attention + mlp
 
 
-def plan(shape: ModelShape, *, strategy: str = "ddp", ranks: int = 1, tokens: int = 2048, checkpointing: bool = False,
-         chunk: int = 4096, lora_rank: int = 0, lora_targets: list[str] | None = None, engine_dtype_bytes: int = 2,
-         tp: int = 1, context: int = 32768, sequences: int = 1) -> dict[str, Any]:
-    """Bytes per GPU/rank, by part, for the engine and for one trainer rank."""
+def plan(shape: ModelShape, *, strategy: str = "ddp", ranks: int = 1, tokens: int = 2048, seq_len: int | None = None,
+         micro_batches: int = 1, checkpointing: bool = False, chunk: int = 4096, lora_rank: int = 0,
+         lora_targets: list[str] | None = None, engine_dtype_bytes: int = 2, tp: int = 1, context: int = 32768,
+         sequences: int = 1, attention: str = "flash") -> dict[str, Any]:
+    """Bytes per GPU/rank, by part, for the engine and for one trainer rank. `tokens`: padded tokens of one
+    micro-batch (its sequences are `seq_len` long, default all of them one); `micro_batches` per update and
+    rank (from the second on, the gradients accumulated so far are held while a micro-batch's activations
+    are). `attention`: "flash" (GPU kernels) or "math" (CPU: the probabilities are kept). The trainer's peak is the larger of the forward/backward phase and the optimiser step; the parts
+    are listed, their sum is not the peak."""
     kv_per_gpu = max(1, shape.kv_heads // tp)
     engine = {"weights": shape.params * engine_dtype_bytes / tp,
               "kv_cache": 2 * shape.layers * kv_per_gpu * shape.head_dim * engine_dtype_bytes * context * sequences}
@@ -86,16 +98,21 @@ def plan(shape: ModelShape, *, strategy: str = "ddp", ranks: int = 1, tokens: in
     else:
         trainer = {"parameters": 4 * shape.params / share, "gradients": 4 * shape.params / share,
                    "optimizer": 8 * shape.params / share}
-    if strategy == "fsdp" and ranks > 1:  # one unit gathered whole: its weights, and its gradients in backward
-        trainer["gathered_layer"] = 4 * shape.layer_params * (1 if adapter else 2)
-    per_layer = shape.act_per_layer_token() * 4 * tokens
+    if strategy == "fsdp" and ranks > 1:  # the largest unit gathered whole: a layer, or the root (embeddings,
+        root = shape.params - shape.layers * shape.layer_params  # final norm, lm_head), with its gradients
+        trainer["gathered_unit"] = 4 * max(shape.layer_params, root) * (1 if adapter else 2)
+    per_layer = shape.act_per_layer_token(seq_len or tokens, attention == "math") * 4 * tokens
     if checkpointing:
         trainer["activations"] = shape.layers * shape.hidden * 4 * tokens + per_layer
     else:
         trainer["activations"] = shape.layers * per_layer
-    trainer["logits"] = 3 * min(chunk, tokens) * shape.vocab * 4
+    trainer["logits"] = LOGIT_COPIES * min(chunk, tokens) * shape.vocab * 4
+    head = 0.0 if adapter else 4 * shape.vocab * shape.hidden  # the lm_head's gradient, made while every
+    held_grads = trainer["gradients"] if micro_batches > 1 else 0.0  # activation is still alive
+    backward = held_grads + head + trainer["activations"] + trainer["logits"] + trainer.get("gathered_unit", 0.0)
+    step = trainer["gradients"] + trainer["optimizer"]
     return {"engine": engine, "engine_total": sum(engine.values()), "trainer": trainer,
-            "trainer_total": sum(trainer.values())}
+            "trainer_total": trainer["parameters"] + max(backward, step), "trainer_step_peak": max(backward, step)}
 
 
 def format_plan(result: dict[str, Any], title: str) -> str:

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from polar_lab.grpo.batch import Sample
-from polar_lab.grpo.config import GRPOConfig
 from polar_lab.engine.weights import WeightsWriter
 from polar_lab.errors import TrainerError
 from polar_lab.grpo import lora
+from polar_lab.grpo.batch import Sample
+from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -118,8 +118,9 @@ class Policy:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it). Sharded:
-        every rank must call it (each tensor is gathered from all); rank 0 gets them, the others `{}`."""
+        """CPU fp32 tensors named as in the HF checkpoint, `lm_head.weight` included (vLLM needs it); with LoRA
+        the merged weights. Sharded: every rank must call it (each tensor is gathered from all); rank 0 gets
+        them, the others `{}`."""
         out = {}
         for name, tensor in self._full_tensors():
             if self._rank == 0:
@@ -129,15 +130,12 @@ class Policy:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last update's gradients (after clipping), full CPU tensors named like the parameters: which
         layers learn, and how much. Sharded: every rank must call it; rank 0 gets them, the others `{}`."""
-        from torch.distributed.tensor import DTensor
-
         out = {}
         for name, param in self.model.named_parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-            if self._rank == 0:
-                out[name] = grad.detach().to("cpu").clone()
+            if param.grad is not None:
+                grad = _full(param.grad.detach())
+                if self._rank == 0:
+                    out[name] = grad.to("cpu").clone()
         return out
 
     def write_adapter(self, folder: str) -> int:
@@ -159,19 +157,11 @@ class Policy:
         other ranks)."""
         layout = lora.merged_layout(self.model) if self.lora else \
             [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]  # global shapes
-        writer = WeightsWriter(path, layout) if self._rank == 0 else None
-        try:
-            for name, tensor in self._full_tensors():
+        with WeightsWriter(path, layout) if self._rank == 0 else contextlib.nullcontext() as writer:
+            for name, tensor in self._full_tensors():  # every rank takes part in each gather
                 if writer is not None:
                     writer.write(name, tensor)
-        except BaseException:
-            if writer is not None:
-                writer.__exit__(Exception)
-            raise
-        if writer is None:
-            return 0
-        writer.close()
-        return writer.bytes
+        return writer.bytes if writer is not None else 0
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -204,6 +194,20 @@ class Policy:
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
+
+    def memory(self, *, reset_peak: bool = False) -> dict[str, int]:
+        """This process's resident memory now and at its peak (Linux VmRSS / VmHWM), and on GPU the peak
+        allocated by torch, in bytes; `reset_peak` starts a new peak (for the memory benchmark)."""
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+        out = {"rss": int(status["VmRSS"].split()[0]) * 1024, "peak": int(status["VmHWM"].split()[0]) * 1024}
+        if self.device.type == "cuda":
+            out["cuda_peak"] = torch.cuda.max_memory_allocated(self.device)
+        if reset_peak:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")  # resets VmHWM to the current resident size
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return out
 
     def close(self) -> None:
         pass  # nothing outside this process

@@ -61,7 +61,7 @@ class GRPOTrainer:
         """
         self.lab = lab
         self.config = config = config or GRPOConfig()
-        self.harness = get_harness(harness or config.harness)
+        self.harness = get_harness(harness or config.harness, None if harness else config.harness_options)
         self.evaluator = get_evaluator(evaluator or config.evaluator)
         self.tasks = TaskStream(tasks if tasks is not None else load_tasks(config.tasks), seed=config.seed)
         self.output_dir = Path(config.output_dir or lab.run_dir / "grpo")

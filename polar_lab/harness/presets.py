@@ -66,15 +66,17 @@ def install_root(executable: str) -> str:
 _NODE_MEMORY_MB = 16384
 
 
-def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question") -> Command:
+def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question",
+                workspace: str | None = None) -> Command:
     """Claude Code (npm `@anthropic-ai/claude-code`) in print mode, against the session's Anthropic URL.
 
     `--bare` keeps the request at ~4 KB (3 tools) so it fits a small model's context; without it the
     request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
+    `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`).
     """
     argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
     return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
-                   readonly=[install_root(argv[0])],
+                   readonly=[install_root(argv[0])], workspace=workspace,
                    env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                         "IS_SANDBOX": "1"})
 
@@ -103,15 +105,16 @@ enabled = false
 """
 
 
-def codex(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: str | None = None) -> Command:
     """Codex CLI (npm `@openai/codex`) `exec` mode. It ignores OPENAI_BASE_URL, so a provider config pointing at
     the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
-    plugins, analytics or web search)."""
+    plugins, analytics or web search). `workspace`: the task field holding a repository to start in."""
     executable = agents_bin("codex")
     return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
                    readonly=[install_root(executable)],
-                   env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex")
+                   env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex",
+                   workspace=workspace)
 
 
 async def openai_agents_calculator(session: Session, task: dict[str, Any], *, max_turns: int = 4) -> dict[str, Any]:

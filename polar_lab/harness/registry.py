@@ -1,4 +1,5 @@
-"""Harnesses by name, for configs and the CLI: `grpo: {harness: calculator}` or `"my_pkg.agents:solve"`."""
+"""Harnesses by name, for configs and the CLI: `grpo: {harness: calculator}` or `"my_pkg.agents:solve"`; the
+unmodified CLI agents by preset name with their options: `grpo: {harness: codex, harness_options: {...}}`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.harness.code_agent import code_agent
 from polar_lab.harness.multiagent import planner_solver
+from polar_lab.harness.presets import claude_code, codex, mini_swe_agent
 from polar_lab.types import Harness
 
 HARNESSES: dict[str, Harness] = {
@@ -15,9 +17,21 @@ HARNESSES: dict[str, Harness] = {
     "planner_solver": planner_solver,  # two agents, two chains per session
 }
 
+PRESETS = {  # real CLI agents (harness/presets.py): a Command from keyword options
+    "codex": codex,
+    "claude_code": claude_code,
+    "mini_swe_agent": mini_swe_agent,
+}
 
-def get_harness(name: str | Harness) -> Harness:
-    """A registered name, or 'module:attribute' naming any async callable (or Command) importable here."""
+
+def get_harness(name: str | Harness, options: dict | None = None) -> Harness:
+    """A registered name, a preset with its `options` (keyword arguments of harness/presets.py's function,
+    e.g. {"task_field": "prompt", "workspace": "files"}), or 'module:attribute' naming any async callable (or
+    Command) importable here."""
+    if name in PRESETS:
+        return PRESETS[name](**(options or {}))
+    if options:
+        raise ValueError(f"harness_options are for the presets {sorted(PRESETS)}, not {name!r}")
     if callable(name):
         return name
     if name in HARNESSES:
@@ -25,4 +39,5 @@ def get_harness(name: str | Harness) -> Harness:
     if ":" in name:
         module, _, attr = name.partition(":")
         return getattr(importlib.import_module(module), attr)
-    raise KeyError(f"unknown harness {name!r}; registered: {sorted(HARNESSES)}, or use 'module:function'")
+    raise KeyError(f"unknown harness {name!r}; registered: {sorted(HARNESSES)}, presets: {sorted(PRESETS)}, or "
+                   f"use 'module:function'")

@@ -99,3 +99,18 @@ def test_a_rank_that_dies_or_hangs_is_an_error_not_a_hang(lab, model_path, train
     finally:
         ranks.close(timeout=2)
     assert not any(p.is_alive() for p in procs)  # close() killed what was left, the stopped rank included
+
+
+def test_ddp_ranks_save_a_training_state_one_rank_resumes(lab, model_path, train_tasks, tmp_path):
+    batch = build_batch(rollout(lab, train_tasks[:2]), GRPOConfig(), lab.policy_version)
+    ranks = DistributedPolicy(model_path, GRPOConfig(learning_rate=1e-3, world_size=2))
+    try:
+        ranks.update(batch.samples)
+        ranks.save_training_state(tmp_path / "state")
+        saved = ranks.state_dict()
+    finally:
+        ranks.close()
+    one = Policy(model_path, GRPOConfig(learning_rate=1e-3))
+    one.load_training_state(str(tmp_path / "state"))
+    assert one.steps == 1 and all(torch.equal(one.state_dict()[k], v) for k, v in saved.items())
+    assert one.optimizer.state  # Adam's moments came back too

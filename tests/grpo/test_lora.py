@@ -87,6 +87,10 @@ def test_the_engine_serves_the_adapter_live_after_a_sync_that_moves_only_the_ada
     gap, versions = engine_vs_trainer(lora_lab, again, prompt)
     assert gap.mean() <= 1e-3 and versions == [version + 2] * 24
 
+    lora_lab.sync_weights(base.state_dict())  # full weights replace the policy: no adapter on top of them
+    gap, versions = engine_vs_trainer(lora_lab, base, prompt)
+    assert gap.mean() <= 1e-3 and versions == [version + 3] * 24
+
 
 def test_an_engine_without_lora_gets_the_merged_weights(lab, model_path, batch, restore_weights):
     policy = trained(model_path, batch)
