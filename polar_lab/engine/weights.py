@@ -95,11 +95,16 @@ def write_weights(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> i
 
 
 def read_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a safetensors file, mapped from it one at a time (nothing read twice)."""
+    """(name, tensor) pairs of a safetensors file, mapped from it one at a time, in the order they were
+    written (`safe_open` lists names sorted; the order matters when two names share a weight, as tied
+    embeddings do in vLLM: the later one wins)."""
     from safetensors import safe_open
 
+    with open(path, "rb") as fh:
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    header.pop("__metadata__", None)
     with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
+        for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):
             yield name, f.get_tensor(name)
 
 

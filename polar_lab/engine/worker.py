@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,8 +65,9 @@ class Worker:
         self.streams: dict[str, _Pieces] = {}  # streamed requests: what their deltas carried so far
         self.llm = None
         self.adapter = None  # the LoRARequest new requests are served with (None: the weights alone)
-        self.adapter_of: dict[str, Any] = {}  # request id → the LoRARequest it was added with (kept to its end)
+        self.adapter_of: dict[str, tuple[int, int]] = {}  # request id → (its adapter's id, that policy version)
         self.adapters_loaded = 0
+        self.adapter_dirs: dict[int, str] = {}  # adapter id → the engine's own copy of its folder (in TMPDIR)
 
     def build(self) -> dict[str, Any]:
         import torch
@@ -146,7 +149,7 @@ class Worker:
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec, stream),
                                         lora_request=self.adapter)
         if self.adapter is not None:
-            self.adapter_of[rid] = self.adapter
+            self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
         if stream:
             self.streams[rid] = _Pieces()
@@ -173,19 +176,28 @@ class Worker:
     def load_adapter(self, path: str, version: int | None) -> int | str:
         """Serve a LoRA adapter (over the unchanged base weights) to every request added from now on, as
         `version`. Requests already running finish with the adapter they started with, and their tokens
-        keep its version; an adapter no request uses any more is unloaded."""
+        keep its version; an adapter no request uses any more is unloaded. (Not handled: a full-weights load
+        while a request runs with an adapter — its later tokens come from neither version. A sync drains
+        calls first, so only a call that outlived `drain_timeout` could see it.)"""
         from vllm.lora.request import LoRARequest
 
         if self.llm.llm_engine.vllm_config.lora_config is None:
             return "weight load failed: this engine was started without LoRA (EngineConfig.max_lora_rank)"
         target = self.version + 1 if version is None else version
         self.adapters_loaded += 1
-        request = LoRARequest(f"polar-lab-v{target}", self.adapters_loaded, path)
+        # vLLM reads an adapter again from its folder whenever it dropped it (a weight reload resets its LoRA
+        # state; its cache evicts): a folder missing then fails inside a shared step and ends this process. The
+        # parent deletes a superseded adapter's folder, so the engine serves its own copy, kept while in use.
+        copy = os.path.join(tempfile.mkdtemp(prefix="adapter-"), "adapter")
+        request = LoRARequest(f"polar-lab-v{target}", self.adapters_loaded, copy)
         try:
-            self.llm.llm_engine.add_lora(request)  # read now: the folder may go once the next one is loaded
+            shutil.copytree(path, copy)
+            self.llm.llm_engine.add_lora(request)
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old adapter keeps serving
             log.exception("adapter load failed")
+            shutil.rmtree(os.path.dirname(copy), ignore_errors=True)
             return f"adapter load failed: {exc!r}"
+        self.adapter_dirs[request.lora_int_id] = os.path.dirname(copy)
         self.adapter, self.version = request, target
         self.retire_adapters()
         return self.version
@@ -194,11 +206,14 @@ class Worker:
         """Unload adapters that are neither served to new requests nor used by a running one."""
         if self.llm.llm_engine.vllm_config.lora_config is None:
             return
-        in_use = {r.lora_int_id for r in self.adapter_of.values()}
+        in_use = {lora_id for lora_id, _ in self.adapter_of.values()}
         if self.adapter is not None:
             in_use.add(self.adapter.lora_int_id)
-        for lora_id in self.llm.llm_engine.list_loras() - in_use:
-            self.llm.llm_engine.remove_lora(lora_id)
+        loaded = self.llm.llm_engine.list_loras()
+        for lora_id in set(self.adapter_dirs) - in_use:
+            if lora_id in loaded:
+                self.llm.llm_engine.remove_lora(lora_id)
+            shutil.rmtree(self.adapter_dirs.pop(lora_id), ignore_errors=True)
 
     def generation(self, output) -> Generation:
         c = output.outputs[0]
@@ -208,7 +223,7 @@ class Worker:
         spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         adapter = self.adapter_of.pop(output.request_id, None)
         if adapter is not None:  # every token was sampled with the adapter the request started with
-            spans = [(int(adapter.lora_name.rsplit("-v", 1)[1]), 0, len(ids))]
+            spans = [(adapter[1], 0, len(ids))]
         return Generation(
             output_ids=ids,
             output_logprobs=[d[t].logprob for t, d in zip(ids, logprob_dicts)],

@@ -137,3 +137,18 @@ def test_bad_lora_settings_are_errors_before_any_process_starts(lab, model_path)
     with pytest.raises(ConfigError, match="max_lora_rank must be one of"):
         Lab(model_path, max_lora_rank=4)
     assert GRPOConfig.from_dict(GRPOConfig(peft_config=LoraConfig(**LORA)).to_dict()).peft_config.r == 8
+
+
+def test_a_call_running_with_an_adapter_survives_a_full_weights_load(lora_lab, model_path, batch):
+    """vLLM drops its adapters on a weight reload and reads a running call's adapter again from its folder;
+    the Lab has deleted that folder by then (superseded), so the engine must serve from its own copy."""
+    policy = trained(model_path, batch)
+    path = lora_lab.weights_path()
+    policy.write_adapter(str(path))
+    lora_lab.sync_weights(path)
+    prompt = batch.samples[0].input_ids[:40].tolist()
+    running = lora_lab.engine.submit(prompt, SamplingSpec(max_tokens=200, temperature=1.0, seed=1, ignore_eos=True))
+    sync = lora_lab.sync_weights(Policy(model_path, GRPOConfig()).state_dict())  # the engine's calls are not drained
+    gen = running.result(timeout=120)
+    assert len(gen.output_ids) == 200 and lora_lab.engine.alive and not path.exists()
+    assert sync.path == "shm-file" and lora_lab.engine_restarts == []
