@@ -418,7 +418,7 @@ class Lab:
             path = self.weights_path()
             write_weights(path, weights)
             write_s = time.perf_counter() - t0
-        size = weights_size(path)
+        size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
         try:
             result = self.supervisor.sync(path, drain_timeout)
         finally:
@@ -426,8 +426,7 @@ class Lab:
                 self._weights_paths.discard(path)
                 if self.engine.weights_file != path:
                     remove_weights(path)  # ours, and not the kept copy (not kept, or the load failed)
-        return dataclasses.replace(result, bytes=size, write_s=write_s,
-                                   path="shm-adapter" if path.is_dir() else "shm-file")
+        return dataclasses.replace(result, bytes=size, write_s=write_s, path=kind)
 
     def weights_path(self) -> Path:
         """A fresh path in shared memory for a weights file (or a LoRA adapter's folder) that `sync_weights`

@@ -30,6 +30,7 @@ def main() -> None:
                                                                    "sequence per micro-batch)")
     parser.add_argument("--attention", choices=["flash", "math"], default="flash",
                         help="flash (GPU kernels) or math (CPU: attention probabilities kept for backward)")
+    parser.add_argument("--beta", action="store_true", help="a KL term (GRPOConfig.beta > 0): a reference copy")
     parser.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
     parser.add_argument("--chunk", type=int, default=4096, help="logprob_chunk_tokens")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -49,7 +50,8 @@ def main() -> None:
         result = plan(shape, strategy="fsdp" if lora else strategy, ranks=ranks, tokens=args.tokens, seq_len=args.seq_len,
                       checkpointing=args.checkpointing, chunk=args.chunk, lora_rank=args.lora_rank if lora else 0,
                       lora_targets=TARGETS, engine_dtype_bytes=args.engine_dtype_bytes, tp=args.engine_tp,
-                      context=args.context, sequences=args.sequences, attention=args.attention)
+                      context=args.context, sequences=args.sequences, attention=args.attention,
+                      reference=args.beta)
         title = f"{strategy}" + (f" (rank {args.lora_rank}, all projections, fsdp)" if lora else "")
         print(format_plan(result, title))
     print(f"(trainer = parameters + the update's peak, the larger of backward and the optimiser step; GiB = {GIB} "

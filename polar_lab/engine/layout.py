@@ -2,8 +2,8 @@
 
     engine GPUs   EngineConfig.gpus (default: the first `tensor_parallel_size` GPUs), tensor-parallel inside
     trainer GPUs  GRPOConfig.trainer_devices (default: the GPUs after the engine's), one per rank
-    colocate      GRPOConfig.colocate=True lets trainer ranks share the engine's GPUs (1-GPU machines; lower
-                  the engine's gpu_memory_utilization so both fit)
+    colocate      GRPOConfig.colocate=True lets trainer ranks share the engine's GPUs (on a 1-GPU machine they
+                  always do; lower the engine's gpu_memory_utilization so both fit)
 
 The layouts for 1, 2, 4 and 8 GPUs are in docs/grpo.md. On a machine without GPUs the engine runs on the CPU
 in one process (tensor_parallel_size 1) and trainer ranks are CPU processes.
@@ -86,7 +86,7 @@ def trainer_gpus(devices: Sequence[str] | None, world_size: int, engine: Sequenc
     free = [g for g in range(visible) if g not in engine]
     if len(free) >= world_size:
         return [f"cuda:{g}" for g in free[:world_size]]
-    if colocate:
+    if colocate or visible == 1:  # one GPU: sharing is the only layout there is
         return [f"cuda:{r % visible}" for r in range(world_size)]
     raise ConfigError(f"too few GPUs: the engine uses {list(engine)} and {world_size} trainer rank(s) need their own, "
                       f"but only {len(free)} of {visible} are free; lower world_size, or set colocate=True to share "

@@ -48,8 +48,13 @@ class WeightsWriter:
         self.bytes = self._start + offset
         self._missing = set(header)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, self.bytes)
-        os.pwrite(self._fd, len(text).to_bytes(8, "little") + text, 0)
+        try:
+            os.posix_fallocate(self._fd, 0, self.bytes)  # no room in /dev/shm is an error now, not mid-write
+            os.pwrite(self._fd, len(text).to_bytes(8, "little") + text, 0)
+        except BaseException:
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor to its place; it must have the dtype and shape the layout gave it."""
@@ -121,3 +126,10 @@ def weights_size(path: str | Path) -> int:
     """Bytes of a weights file, or of every file in an adapter's folder."""
     path = Path(path)
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def reload_from_file(worker, path: str) -> None:
+    """Run inside each vLLM worker (`LLM.collective_rpc(reload_from_file, args=(path,))`): load the file's
+    tensors into that worker's shard of the model. A function, not an iterator, crosses to tensor-parallel
+    worker processes (arguments are pickled there; a generator cannot be)."""
+    worker.reload_weights(weights_iterator=read_weights(path))

@@ -101,7 +101,7 @@ class Worker:
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
-            deltas = [(o.request_id, self.streams[o.request_id].add(o.outputs[0], self.version))
+            deltas = [(o.request_id, self.streams[o.request_id].add(o.outputs[0], self.version_of(o.request_id)))
                       for o in outputs if o.request_id in self.streams]
             if deltas:  # a finished request's last piece too: its caller has every token before the answer
                 self.conn.send(("delta", deltas, self.stats()))
@@ -110,6 +110,11 @@ class Worker:
             if done:
                 self.conn.send(("done", done, self.stats()))
                 self.retire_adapters()
+
+    def version_of(self, rid: str) -> int:
+        """The policy version sampling a request's tokens now: its adapter's, or the weights' being served."""
+        adapter = self.adapter_of.get(rid)
+        return adapter[1] if adapter is not None else self.version
 
     def stats(self) -> tuple[float, int, int]:
         """(busy seconds, steps, requests running), sent with every answer."""
@@ -159,10 +164,10 @@ class Worker:
         (default: the current one + 1)."""
         if os.path.isdir(path):
             return self.load_adapter(path, version)
-        from polar_lab.engine.weights import read_weights
+        from polar_lab.engine.weights import reload_from_file
 
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": read_weights(path)})
+        try:  # each of vLLM's workers (one per tensor-parallel GPU) maps the file itself
+            self.llm.collective_rpc(reload_from_file, args=(path,))
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving
             log.exception("weight load failed")
             return f"weight load failed: {exc!r}"

@@ -55,6 +55,8 @@ class DistributedPolicy:
         self.sharded = config.strategy == "fsdp"
         self.devices = devices if devices is not None else trainer_devices(config)
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
+        if backend == "nccl" and config.cpu_offload:  # offloaded shards and gradients live on the CPU
+            backend = "cpu:gloo,cuda:nccl"
         ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
         port = _free_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
@@ -134,7 +136,7 @@ class DistributedPolicy:
         ranks = range(self.world_size) if collective else [0]
         for rank in ranks:
             self._tell(rank, message)
-        answers = [self._receive(rank, self.step_timeout) for rank in ranks]
+        answers = self._gather(self.step_timeout, ranks)
         return answers if every else answers[0]
 
     def _tell(self, rank: int, message: tuple) -> None:
@@ -144,8 +146,18 @@ class DistributedPolicy:
             self._procs[rank].join(timeout=5)
             raise TrainerError(f"trainer rank {rank} died (exit code {self._procs[rank].exitcode}): {exc!r}") from None
 
-    def _gather(self, timeout: float) -> list[Any]:
-        return [self._receive(rank, timeout) for rank in range(self.world_size)]
+    def _gather(self, timeout: float, ranks=None) -> list[Any]:
+        """Every asked rank's answer. A rank that failed (an exception, the rank alive) is raised only once every
+        rank has answered: an unread answer would be taken for the next command's."""
+        answers, failure = [], None
+        for rank in range(self.world_size) if ranks is None else ranks:
+            try:
+                answers.append(self._receive(rank, timeout))
+            except _RankFailed as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise TrainerError(str(failure)) from None
+        return answers
 
     def _receive(self, rank: int, timeout: float) -> Any:
         conn, proc = self._conns[rank], self._procs[rank]
@@ -165,13 +177,17 @@ class DistributedPolicy:
         if status == "error":
             time.sleep(0.5)  # a peer's death fails this rank's all-reduce: name the death, not its echo
             self._raise_if_a_rank_died()
-            raise TrainerError(f"trainer rank {rank} failed:\n{payload}")
+            raise _RankFailed(f"trainer rank {rank} failed:\n{payload}")
         return payload
 
     def _raise_if_a_rank_died(self) -> None:
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
                 raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
+
+
+class _RankFailed(TrainerError):
+    """A rank answered with an exception (it is alive, and answers the next command)."""
 
 
 def shard(samples: list[Sample], world_size: int) -> list[list[Sample]]:

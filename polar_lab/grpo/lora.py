@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from polar_lab.engine.weights import WeightsWriter
 from polar_lab.errors import ConfigError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
@@ -31,16 +29,26 @@ def lora_config(value: Any):
     from peft import LoraConfig
 
     if isinstance(value, LoraConfig):
-        return value
+        return _supported(value)
     if not isinstance(value, dict):
         raise ConfigError(f"peft_config must be a peft.LoraConfig or a dict of its fields, got {type(value).__name__}")
     known = {f.name for f in dataclasses.fields(LoraConfig)}
     unknown = set(value) - known
     if unknown:
         raise ConfigError(f"unknown LoraConfig fields in peft_config: {sorted(unknown)}")
-    config = LoraConfig(**value)
+    return _supported(LoraConfig(**value))
+
+
+def _supported(config):
+    """What both paths can do: vLLM serves plain LoRA on linear layers over unchanged base weights."""
     if config.use_dora:
         raise ConfigError("peft_config.use_dora=True is not supported (vLLM serves plain LoRA adapters)")
+    if config.modules_to_save:
+        raise ConfigError(f"peft_config.modules_to_save={config.modules_to_save} is not supported: those modules "
+                          f"would train whole, and vLLM's adapters cannot carry them")
+    if config.init_lora_weights not in (True, False, "gaussian"):
+        raise ConfigError(f"peft_config.init_lora_weights={config.init_lora_weights!r} changes the base weights "
+                          f"(the engine keeps the originals); use True, False or 'gaussian'")
     return config
 
 
@@ -61,11 +69,18 @@ def check_targets(model_path: str, config) -> None:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     try:
-        get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as exc:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(f"peft_config: {exc} The model's linear layers are named {names}") from None
+    from peft.tuners.lora import LoraLayer
+
+    other = sorted({n for n, m in model.named_modules()
+                    if isinstance(m, LoraLayer) and not isinstance(m.get_base_layer(), torch.nn.Linear)})
+    if other:
+        raise ConfigError(f"peft_config targets layers that are not linear ({other[:3]}...): only linear layers "
+                          f"are supported; the model's are named {names}")
 
 
 def adapter_layout(model) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -115,15 +130,3 @@ def merged_layout(model) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         if ".lora_" not in key:
             out.append((key.replace(".base_layer.", "."), tensor.dtype, tuple(tensor.shape)))
     return out
-
-
-def write_adapter(folder: str | Path, model, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """A PEFT adapter folder vLLM (and peft) load: its config, and `tensors` written one by one. Returns
-    the bytes written."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.peft_config["default"].save_pretrained(str(folder))
-    with WeightsWriter(folder / ADAPTER_WEIGHTS, adapter_layout(model)) as out:
-        for name, tensor in tensors:
-            out.write(name, tensor)
-    return out.bytes + (folder / ADAPTER_CONFIG).stat().st_size

@@ -81,23 +81,26 @@ class ModelShape:
 def plan(shape: ModelShape, *, strategy: str = "ddp", ranks: int = 1, tokens: int = 2048, seq_len: int | None = None,
          micro_batches: int = 1, checkpointing: bool = False, chunk: int = 4096, lora_rank: int = 0,
          lora_targets: list[str] | None = None, engine_dtype_bytes: int = 2, tp: int = 1, context: int = 32768,
-         sequences: int = 1, attention: str = "flash") -> dict[str, Any]:
+         sequences: int = 1, attention: str = "flash", reference: bool = False) -> dict[str, Any]:
     """Bytes per GPU/rank, by part, for the engine and for one trainer rank. `tokens`: padded tokens of one
     micro-batch (its sequences are `seq_len` long, default all of them one); `micro_batches` per update and
     rank (from the second on, the gradients accumulated so far are held while a micro-batch's activations
-    are). `attention`: "flash" (GPU kernels) or "math" (CPU: the probabilities are kept). The trainer's peak is the larger of the forward/backward phase and the optimiser step; the parts
+    are). `attention`: "flash" (GPU kernels) or "math" (CPU: the probabilities are kept). `reference`: a KL
+    term's frozen copy of the model (GRPOConfig.beta > 0), sharded like the policy. The trainer's peak is the larger of the forward/backward phase and the optimiser step; the parts
     are listed, their sum is not the peak."""
     kv_per_gpu = max(1, shape.kv_heads // tp)
     engine = {"weights": shape.params * engine_dtype_bytes / tp,
               "kv_cache": 2 * shape.layers * kv_per_gpu * shape.head_dim * engine_dtype_bytes * context * sequences}
     adapter = shape.lora_params(lora_rank, lora_targets or []) if lora_rank else 0
     share = ranks if strategy == "fsdp" else 1
-    if adapter:
-        trainer = {"parameters": 4 * (shape.params / share + adapter), "gradients": 4 * adapter,
-                   "optimizer": 8 * adapter}
+    if adapter:  # sharded like every parameter under fsdp
+        trainer = {"parameters": 4 * (shape.params + adapter) / share, "gradients": 4 * adapter / share,
+                   "optimizer": 8 * adapter / share}
     else:
         trainer = {"parameters": 4 * shape.params / share, "gradients": 4 * shape.params / share,
                    "optimizer": 8 * shape.params / share}
+    if reference:
+        trainer["reference"] = 4 * shape.params / share
     if strategy == "fsdp" and ranks > 1:  # the largest unit gathered whole: a layer, or the root (embeddings,
         root = shape.params - shape.layers * shape.layer_params  # final norm, lm_head), with its gradients
         trainer["gathered_unit"] = 4 * max(shape.layer_params, root) * (1 if adapter else 2)
@@ -112,7 +115,8 @@ def plan(shape: ModelShape, *, strategy: str = "ddp", ranks: int = 1, tokens: in
     backward = held_grads + head + trainer["activations"] + trainer["logits"] + trainer.get("gathered_unit", 0.0)
     step = trainer["gradients"] + trainer["optimizer"]
     return {"engine": engine, "engine_total": sum(engine.values()), "trainer": trainer,
-            "trainer_total": trainer["parameters"] + max(backward, step), "trainer_step_peak": max(backward, step)}
+            "trainer_total": trainer["parameters"] + trainer.get("reference", 0.0) + max(backward, step),
+            "trainer_step_peak": max(backward, step)}
 
 
 def format_plan(result: dict[str, Any], title: str) -> str:

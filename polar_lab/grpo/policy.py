@@ -14,6 +14,7 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +63,9 @@ class Policy:
         if self.lora:  # base weights frozen, adapter matrices trained (lora.py)
             from peft import get_peft_model
 
-            with torch.random.fork_rng(devices=[]):  # A's random init: the same on every rank and every run,
-                torch.manual_seed(config.seed)  # and the kernel's RNG left as it was
+            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=cuda):  # A's random init: the same on every rank and every run,
+                torch.manual_seed(config.seed)  # and the kernel's RNGs (CPU and every GPU) left as they were
                 self.model = get_peft_model(self.model, config.peft_config)
         disable_dropout(self.model)  # the sampler had none (LoRA's dropout too): with it, π_old ≠ μ before any step
         self.train_model = TokenLogprobs(self.model, config.logprob_chunk_tokens)  # the step's whole forward
@@ -85,7 +87,7 @@ class Policy:
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
-        micro = self._micro_batches(samples)
+        micro = self._same_count_on_every_rank(self._micro_batches(samples))
         frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref) per micro-batch
         totals = UpdateStats()
         for iteration in range(self.config.num_iterations):
@@ -148,7 +150,10 @@ class Policy:
             for _ in tensors:  # take part in each gather
                 pass
             return 0
-        return lora.write_adapter(folder, self.model, tensors)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.model.peft_config["default"].save_pretrained(folder)
+        size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.adapter_layout(self.model), tensors, True)
+        return size + (Path(folder) / lora.ADAPTER_CONFIG).stat().st_size
 
     def write_weights(self, path: str) -> int:
         """Write the weights as a safetensors file the engine maps (engine/weights.py), one tensor at a time:
@@ -157,11 +162,7 @@ class Policy:
         other ranks)."""
         layout = lora.merged_layout(self.model) if self.lora else \
             [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]  # global shapes
-        with WeightsWriter(path, layout) if self._rank == 0 else contextlib.nullcontext() as writer:
-            for name, tensor in self._full_tensors():  # every rank takes part in each gather
-                if writer is not None:
-                    writer.write(name, tensor)
-        return writer.bytes if writer is not None else 0
+        return _write_gathered(path, layout, self._full_tensors(), self._rank == 0)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -239,6 +240,21 @@ class Policy:
         order = sorted(samples, key=lambda s: len(s.input_ids))
         return [self._collate(group) for group in token_budget_groups(
             [len(s.input_ids) for s in order], self.config.micro_batch_size, self.config.micro_batch_tokens, order)]
+
+    def _same_count_on_every_rank(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Ranks must run the same number of forward/backward passes: each FSDP layer's gather and gradient
+        reduce-scatter, and DDP's buffer broadcast, are collectives. A rank with fewer micro-batches (its shard
+        is shorter, or splits differently under `micro_batch_tokens`) adds copies of its last one with every
+        weight zero, which change nothing in the loss."""
+        if not _distributed():
+            return micro
+        import torch.distributed as dist
+
+        count = torch.tensor([len(micro)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        blank = {**micro[-1], "weights": torch.zeros_like(micro[-1]["weights"]),
+                 "advantage": torch.zeros_like(micro[-1]["advantage"])}
+        return micro + [blank] * (int(count) - len(micro))
 
     def _collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         width = max(len(s.input_ids) for s in samples)
@@ -367,11 +383,44 @@ def token_budget_groups(lengths: list[int], size: int, budget: int | None, items
     return groups + ([current] if current else [])
 
 
+def _write_gathered(path, layout, tensors, writes: bool) -> int:
+    """Write `tensors` (gathered as they are iterated) into a weights file on the rank that `writes`; the
+    others only iterate, taking part in each gather. An error on the writing rank (no room in /dev/shm, a
+    layout mismatch) is raised only after the iteration ends, so no other rank is left waiting in a gather;
+    the partial file is removed. Returns the file's size (0 where nothing was written)."""
+    writer, error = None, None
+    if writes:
+        try:
+            writer = WeightsWriter(path, layout)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the gathers
+            error = exc
+    for name, tensor in tensors:
+        if writer is not None and error is None:
+            try:
+                writer.write(name, tensor)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the gathers
+                error = exc
+    if writer is not None:
+        if error is None:
+            writer.close()
+            return writer.bytes
+        writer.__exit__(type(error), error, None)  # closes and removes the partial file
+    if error is not None:
+        raise error
+    return 0
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A whole tensor: a DTensor shard gathered from every rank (a collective), anything else as it is."""
+    """A whole tensor: a DTensor shard gathered from every rank (a collective), anything else as it is.
+    Shards offloaded to the CPU are gathered on the mesh's device (an NCCL group moves only GPU tensors)."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh_device = tensor.device_mesh.device_type
+    if tensor.device.type != mesh_device:
+        return tensor.to(mesh_device).full_tensor().to(tensor.device)
+    return tensor.full_tensor()
 
 
 @contextlib.contextmanager

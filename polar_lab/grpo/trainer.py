@@ -71,8 +71,8 @@ class GRPOTrainer:
         self.policy = make_policy(lab.model_path, config, engine_gpus(lab.config.engine, visible_gpus()))
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(config, self._threads_before))
-        if lab.policy_version != 0:
-            self.sync_weights()
+        if lab.policy_version != 0:  # the engine serves other weights: the full model (LoRA: B = 0, so the base)
+            self.sync_weights(full=True)
         self.history: list[dict[str, Any]] = []
         self.reward_log: list[dict[str, Any]] = []  # one row per run of every step (trainer.rewards)
         self.evaluations: list[dict[str, Any]] = []
@@ -112,13 +112,16 @@ class GRPOTrainer:
         self._log(metrics)
         return metrics
 
-    def sync_weights(self) -> SyncResult:
+    def sync_weights(self, *, full: bool = False) -> SyncResult:
         """The trainer's weights into the engine: the policy writes them as a file in shared memory (rank 0,
         tensor by tensor) while rollouts go on, then the Lab pauses, loads it and resumes. The result has the
-        bytes, the write and pause times and the path used (also in each step's metrics)."""
+        bytes, the write and pause times and the path used (also in each step's metrics). With LoRA
+        (`lora_sync="adapter"`) only the adapter moves, served over the engine's base weights; `full=True`
+        sends the merged model instead (how a trainer puts the base weights back into an engine that served
+        others)."""
         t0 = time.perf_counter()
         path = self.lab.weights_path()
-        if self.config.peft_config is not None and self.config.lora_sync == "adapter":
+        if self.config.peft_config is not None and self.config.lora_sync == "adapter" and not full:
             self.policy.write_adapter(str(path))  # the adapter alone: the engine keeps the base weights
         else:
             self.policy.write_weights(str(path))
@@ -301,6 +304,7 @@ def check_run(lab_config: LabConfig, config: GRPOConfig) -> None:
     from polar_lab.lab import check_engine_layout
 
     gpus = check_engine_layout(lab_config.engine)
+    get_harness(config.harness, config.harness_options)  # a preset's options, a 'module:function' that imports
     check_lora_engine(config, lab_config.engine.max_lora_rank)
     check_policy(lab_config.engine.model, config, gpus)
 
@@ -309,7 +313,7 @@ def check_lora_engine(config: GRPOConfig, engine_rank: int | None) -> None:
     """An adapter sync needs an engine serving LoRA at the adapter's rank: say so before anything starts."""
     if config.peft_config is None or config.lora_sync != "adapter":
         return
-    rank = config.peft_config.r
+    rank = max([config.peft_config.r, *(config.peft_config.rank_pattern or {}).values()])
     if engine_rank is None or engine_rank < rank:
         raise ConfigError(f"peft_config has rank {rank} and lora_sync='adapter', but the engine serves LoRA up to "
                           f"rank {engine_rank} — start the Lab with max_lora_rank >= {rank} (EngineConfig; one of "

@@ -28,7 +28,7 @@ def get_harness(name: str | Harness, options: dict | None = None) -> Harness:
     """A registered name, a preset with its `options` (keyword arguments of harness/presets.py's function,
     e.g. {"task_field": "prompt", "workspace": "files"}), or 'module:attribute' naming any async callable (or
     Command) importable here."""
-    if name in PRESETS:
+    if isinstance(name, str) and name in PRESETS:  # (a Command is a dataclass: unhashable)
         return PRESETS[name](**(options or {}))
     if options:
         raise ValueError(f"harness_options are for the presets {sorted(PRESETS)}, not {name!r}")

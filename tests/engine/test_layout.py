@@ -14,7 +14,7 @@ from polar_lab.grpo.trainer import check_run
 
 
 @pytest.mark.parametrize("visible,tp,ranks,colocate,expected", [
-    (1, 1, 1, True, ([0], ["cuda:0"])),  # one GPU: both on it
+    (1, 1, 1, False, ([0], ["cuda:0"])),  # one GPU: both on it
     (2, 1, 1, False, ([0], ["cuda:1"])),
     (4, 1, 3, False, ([0], ["cuda:1", "cuda:2", "cuda:3"])),
     (4, 2, 2, False, ([0, 1], ["cuda:2", "cuda:3"])),
@@ -30,8 +30,9 @@ def test_layouts_that_cannot_run_are_clear_errors():
     with pytest.raises(ConfigError, match="overlap the engine's GPUs"):
         trainer_gpus(["cuda:0", "cuda:1"], 2, [0], 4, colocate=False)
     assert trainer_gpus(["cuda:0"], 1, [0], 1, colocate=True) == ["cuda:0"]
-    with pytest.raises(ConfigError, match="too few GPUs.*only 0 of 1 are free.*colocate=True"):
-        trainer_gpus(None, 1, [0], 1, colocate=False)
+    assert trainer_gpus(None, 1, [0], 1, colocate=False) == ["cuda:0"]  # one GPU: sharing is the only layout
+    with pytest.raises(ConfigError, match="too few GPUs.*only 0 of 2 are free.*colocate=True"):
+        trainer_gpus(None, 1, [0, 1], 2, colocate=False)
     with pytest.raises(ConfigError, match="too few GPUs: the engine needs GPUs \\[0, 1, 2, 3\\]"):
         engine_gpus(EngineConfig(tensor_parallel_size=4), 2)
     with pytest.raises(ConfigError, match="must be tensor_parallel_size=2 GPUs"):

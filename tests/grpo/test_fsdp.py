@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polar_lab.engine.weights import read_weights
-from polar_lab.errors import ConfigError
+from polar_lab.errors import ConfigError, TrainerError
 from polar_lab.grpo import GRPOConfig, build_batch
 from polar_lab.grpo.distributed import DistributedPolicy
 from polar_lab.grpo.policy import Policy
@@ -143,3 +143,33 @@ def test_strategy_and_offload_errors_come_before_any_process_starts(model_path):
         GRPOConfig(cpu_offload=True)
     with pytest.raises(ConfigError, match="already runs on the CPU"):
         make_policy(model_path, GRPOConfig(strategy="fsdp", cpu_offload=True, device="cpu"))
+
+
+def test_ranks_with_uneven_micro_batches_neither_hang_nor_change_the_update(model_path, batch):
+    """5 samples, 2 per micro-batch: one rank has 3 (2 micro-batches), the other 2 (1). Every FSDP layer's
+    gather is a collective, so the shorter rank pads with a zero-weight micro-batch."""
+    samples = batch.samples[:5]
+    config = dict(learning_rate=1e-3, micro_batch_size=2)
+    single = Policy(model_path, GRPOConfig(**config))
+    one = single.update(samples)
+    ranks = DistributedPolicy(model_path, GRPOConfig(**config, strategy="fsdp", world_size=2), step_timeout=120)
+    try:
+        two = ranks.update(samples)
+        grads = ranks.gradients()
+    finally:
+        ranks.close()
+    assert two.tokens == one.tokens and two.loss == pytest.approx(one.loss, rel=1e-5)
+    assert relative_gap(single.gradients(), grads) <= 1e-5
+
+
+def test_a_command_that_fails_on_the_ranks_leaves_them_in_step(model_path, tmp_path):
+    ranks = DistributedPolicy(model_path, GRPOConfig(strategy="fsdp", world_size=2), step_timeout=120)
+    try:
+        with pytest.raises(TrainerError, match="failed"):
+            ranks.load_training_state(tmp_path / "no-such-checkpoint")  # fails on every rank
+        with pytest.raises(TrainerError, match="No such file or directory"):
+            ranks.write_weights(tmp_path / "no-such-folder" / "w")  # fails on rank 0 only, after the gathers
+        state = ranks.state_dict()  # the next command gets its own answers, not the failures' leftovers
+    finally:
+        ranks.close()
+    assert "lm_head.weight" in state and state["lm_head.weight"].shape[0] > 1000

@@ -12,7 +12,7 @@ from polar_lab.grpo import GRPOConfig, build_batch
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.distributed import DistributedPolicy
 from polar_lab.grpo.policy import Policy
-from polar_lab.grpo.trainer import GRPOTrainer, make_policy
+from polar_lab.grpo.trainer import GRPOTrainer, check_lora_engine, make_policy
 from polar_lab.types import SamplingSpec
 
 from ..conftest import free_port
@@ -132,6 +132,15 @@ def test_bad_lora_settings_are_errors_before_any_process_starts(lab, model_path)
                                            strategy="fsdp", world_size=2))
     with pytest.raises(ConfigError, match="unknown LoraConfig fields"):
         GRPOConfig(peft_config={"rank": 8})
+    with pytest.raises(ConfigError, match="modules_to_save"):
+        GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]})
+    with pytest.raises(ConfigError, match="changes the base weights"):
+        GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "init_lora_weights": "pissa"})
+    with pytest.raises(ConfigError, match="not linear"):
+        make_policy(model_path, GRPOConfig(peft_config={"r": 8, "target_modules": ["embed_tokens", "q_proj"]}))
+    with pytest.raises(ConfigError, match="max_lora_rank >= 16"):  # rank_pattern raises a layer's rank
+        check_lora_engine(GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"],
+                                                  "rank_pattern": {"q_proj": 16}}), 8)
     with pytest.raises(ConfigError, match="max_lora_rank >= 8"):  # the shared Lab's engine has no LoRA
         GRPOTrainer(lab, GRPOConfig(peft_config=LoraConfig(**LORA)))
     with pytest.raises(ConfigError, match="max_lora_rank must be one of"):
@@ -152,3 +161,13 @@ def test_a_call_running_with_an_adapter_survives_a_full_weights_load(lora_lab, m
     gen = running.result(timeout=120)
     assert len(gen.output_ids) == 200 and lora_lab.engine.alive and not path.exists()
     assert sync.path == "shm-file" and lora_lab.engine_restarts == []
+
+
+def test_a_lora_trainer_puts_the_base_weights_back_into_an_engine_that_served_others(lora_lab, model_path, batch):
+    base = Policy(model_path, GRPOConfig())
+    other = {k: v * 1.01 if k == "lm_head.weight" else v for k, v in base.state_dict().items()}
+    lora_lab.sync_weights(other)  # e.g. a full fine-tune ran in this Lab before
+    with GRPOTrainer(lora_lab, GRPOConfig(peft_config=LoraConfig(**LORA), output_dir=None)) as trainer:
+        assert lora_lab.engine.weights_file is not None and lora_lab.engine.weights_file.is_file()  # full weights
+        gap, _ = engine_vs_trainer(lora_lab, trainer.policy, batch.samples[0].input_ids[:40].tolist())
+    assert gap.mean() <= 1e-3  # the adapter (B = 0) over the base: what the engine now serves

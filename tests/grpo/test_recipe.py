@@ -62,3 +62,4 @@ def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options()
     assert get_harness("claude_code", {"workspace": "files"}).workspace == "files"
     with pytest.raises(ValueError, match="harness_options are for the presets"):
         get_harness("calculator", {"workspace": "files"})
+    assert get_harness(codex) is codex  # a Command (unhashable) passed as it is
