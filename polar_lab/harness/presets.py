@@ -72,9 +72,12 @@ def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str 
 
     `--bare` keeps the request at ~4 KB (3 tools) so it fits a small model's context; without it the
     request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
-    `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`).
+    `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`); then it
+    runs with `--dangerously-skip-permissions` so that it can edit it — run it in the isolated sandbox.
     """
     argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
+    if workspace:  # it must edit the repository without asking; polar_lab's sandbox is the boundary
+        argv.append("--dangerously-skip-permissions")
     return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
                    readonly=[install_root(argv[0])], workspace=workspace,
                    env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
@@ -108,9 +111,12 @@ enabled = false
 def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: str | None = None) -> Command:
     """Codex CLI (npm `@openai/codex`) `exec` mode. It ignores OPENAI_BASE_URL, so a provider config pointing at
     the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
-    plugins, analytics or web search). `workspace`: the task field holding a repository to start in."""
+    plugins, analytics or web search). `workspace`: the task field holding a repository to start in; then
+    Codex's own sandbox (read-only by default in `exec`) is turned off with the flag its docs give for
+    "environments that are externally sandboxed", so that it can edit it — run it in the isolated sandbox."""
     executable = agents_bin("codex")
-    return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", "{" + task_field + "}"],
+    writes = ["--dangerously-bypass-approvals-and-sandbox"] if workspace else []
+    return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", *writes, "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
                    readonly=[install_root(executable)],
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex",

@@ -35,7 +35,7 @@ def test_the_recipe_runs_two_steps_on_cpu_with_the_qwen35_fixture(tmp_path):
     data["store"] = {"runs_dir": str(tmp_path / "runs"), "run_name": "recipe"}
     data["grpo"].update(tasks="data/tasks/repo_fix.jsonl", num_generations=2, tasks_per_step=1, max_steps=2,
                         max_completion_length=64, deadline_s=120, concurrency=2, trainer_devices=None, world_size=2,
-                        device="cpu", dtype="float32", micro_batch_tokens=None, output_dir=str(tmp_path / "out"),
+                        device="cpu", dtype="float32", output_dir=str(tmp_path / "out"),
                         save_steps=0)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -58,6 +58,7 @@ def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options()
 
     codex = get_harness("codex", {"task_field": "prompt", "workspace": "files", "model": "qwen3.5-4b"})
     assert isinstance(codex, Command) and codex.workspace == "files" and "{prompt}" in codex.argv
+    assert "--dangerously-bypass-approvals-and-sandbox" in codex.argv  # exec's own sandbox is read-only
     assert 'model = "qwen3.5-4b"' in codex.files["codex-home/config.toml"]
     assert get_harness("claude_code", {"workspace": "files"}).workspace == "files"
     with pytest.raises(ValueError, match="harness_options are for the presets"):
