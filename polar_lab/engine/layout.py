@@ -79,13 +79,16 @@ def trainer_gpus(devices: Sequence[str] | None, world_size: int, engine: Sequenc
         if len(set(indices)) != len(indices):
             raise ConfigError(f"trainer_devices {list(devices)} name a GPU twice: one rank per GPU")
         shared = sorted(set(indices) & set(engine))
-        if shared and not colocate:
+        if shared and not (colocate or visible == 1):
             raise ConfigError(f"trainer_devices {list(devices)} overlap the engine's GPUs {list(engine)} (on {shared}); "
                               f"set colocate=True to share them (and lower gpu_memory_utilization), or pick others")
         return list(devices)
     free = [g for g in range(visible) if g not in engine]
     if len(free) >= world_size:
         return [f"cuda:{g}" for g in free[:world_size]]
+    if world_size > visible:
+        raise ConfigError(f"{world_size} trainer ranks need {world_size} GPUs (NCCL runs one rank per GPU), but "
+                          f"{visible} are visible; lower world_size")
     if colocate or visible == 1:  # one GPU: sharing is the only layout there is
         return [f"cuda:{r % visible}" for r in range(world_size)]
     raise ConfigError(f"too few GPUs: the engine uses {list(engine)} and {world_size} trainer rank(s) need their own, "

@@ -18,7 +18,8 @@ model (logprobs, weights for the engine, checkpoints) run on every rank together
 
 GPU placement (one node, engine/layout.py): the engine uses its `gpus` (default the first
 `tensor_parallel_size`); trainer rank r uses `trainer_devices[r]`, by default the GPUs after the engine's;
-sharing the engine's GPUs needs `colocate=True` (then lower the engine's `gpu_memory_utilization`). Weights reach the engine as a safetensors file in /dev/shm that rank 0 writes tensor by tensor (gathered
+sharing the engine's GPUs needs `colocate=True`, or a machine with one GPU (then lower the engine's
+`gpu_memory_utilization`); one rank per GPU (NCCL). Weights reach the engine as a safetensors file in /dev/shm that rank 0 writes tensor by tensor (gathered
 from the shards one at a time with FSDP), and the engine maps; CUDA IPC / NCCL through vLLM's weight
 transfer is not built (no GPU to verify it here: docs/grpo.md).
 """
@@ -53,6 +54,7 @@ class DistributedPolicy:
         self.world_size = config.world_size
         self.step_timeout = step_timeout
         self.sharded = config.strategy == "fsdp"
+        self._broken = ""  # why the ranks were stopped after answers could not be read (then nothing is sent)
         self.devices = devices if devices is not None else trainer_devices(config)
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
         if backend == "nccl" and config.cpu_offload:  # offloaded shards and gradients live on the CPU
@@ -95,6 +97,10 @@ class DistributedPolicy:
     def write_weights(self, path: str) -> int:
         """The weights as a safetensors file, written by rank 0 tensor by tensor (see Policy.write_weights)."""
         return self._ask(("write_weights", str(path)), collective=self.sharded)
+
+    def write_adapter(self, folder: str) -> int:
+        """LoRA: the adapter alone as a PEFT folder (Policy.write_adapter), written by rank 0."""
+        return self._ask(("write_adapter", str(folder)), collective=self.sharded)
 
     def save_training_state(self, folder: str) -> None:
         self._ask(("save_training_state", str(folder)), collective=True)  # each rank writes its shards
@@ -140,6 +146,8 @@ class DistributedPolicy:
         return answers if every else answers[0]
 
     def _tell(self, rank: int, message: tuple) -> None:
+        if self._broken:
+            raise TrainerError(f"this trainer's ranks are stopped: {self._broken}. Start a new trainer")
         try:
             _send(self._conns[rank], message)
         except OSError as exc:  # its end of the pipe is gone: the rank died
@@ -148,16 +156,27 @@ class DistributedPolicy:
 
     def _gather(self, timeout: float, ranks=None) -> list[Any]:
         """Every asked rank's answer. A rank that failed (an exception, the rank alive) is raised only once every
-        rank has answered: an unread answer would be taken for the next command's."""
+        rank has answered: an unread answer would be taken for the next command's. After a failure the others
+        get `FAILED_PEER_WAIT_S` more: a rank that failed inside a collective leaves its peers waiting there for
+        good. Whenever answers cannot all be read (a death, a timeout, peers stuck), every rank is stopped and
+        this policy refuses further commands: their pipes would be out of step."""
         answers, failure = [], None
-        for rank in range(self.world_size) if ranks is None else ranks:
-            try:
-                answers.append(self._receive(rank, timeout))
-            except _RankFailed as exc:
-                failure = failure or exc
+        try:
+            for rank in range(self.world_size) if ranks is None else ranks:
+                try:
+                    answers.append(self._receive(rank, timeout if failure is None else FAILED_PEER_WAIT_S))
+                except _RankFailed as exc:
+                    failure = failure or exc
+        except TrainerError as exc:
+            self._stop(f"{failure or exc}; the trainer ranks were stopped (a rank's answer could not be read)")
+            raise TrainerError(self._broken) from None
         if failure is not None:
             raise TrainerError(str(failure)) from None
         return answers
+
+    def _stop(self, reason: str) -> None:
+        self._broken = reason
+        self.close(timeout=5)
 
     def _receive(self, rank: int, timeout: float) -> Any:
         conn, proc = self._conns[rank], self._procs[rank]
@@ -184,6 +203,9 @@ class DistributedPolicy:
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
                 raise TrainerError(f"trainer rank {rank} died (exit code {proc.exitcode})")
+
+
+FAILED_PEER_WAIT_S = 60.0  # after one rank failed, how long the others may take to answer before all are stopped
 
 
 class _RankFailed(TrainerError):
@@ -244,6 +266,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
         reply("error", traceback.format_exc())
         return
     handlers = {"update": policy.update, "logprobs": policy.logprobs, "write_weights": policy.write_weights,
+                "write_adapter": policy.write_adapter,
                 "save_training_state": policy.save_training_state, "load_training_state": policy.load_training_state,
                 "memory": lambda reset: policy.memory(reset_peak=reset),
                 "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients(),

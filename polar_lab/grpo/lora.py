@@ -46,9 +46,13 @@ def _supported(config):
     if config.modules_to_save:
         raise ConfigError(f"peft_config.modules_to_save={config.modules_to_save} is not supported: those modules "
                           f"would train whole, and vLLM's adapters cannot carry them")
-    if config.init_lora_weights not in (True, False, "gaussian"):
-        raise ConfigError(f"peft_config.init_lora_weights={config.init_lora_weights!r} changes the base weights "
-                          f"(the engine keeps the originals); use True, False or 'gaussian'")
+    if config.init_lora_weights not in (True, "gaussian"):
+        raise ConfigError(f"peft_config.init_lora_weights={config.init_lora_weights!r}: the adapter must start at "
+                          f"zero (B = 0), so that the policy starts as the base weights the engine serves; use "
+                          f"True or 'gaussian'")
+    if config.bias != "none" or config.lora_bias:
+        raise ConfigError(f"peft_config bias={config.bias!r}, lora_bias={config.lora_bias}: vLLM serves adapters "
+                          f"without biases; use bias='none', lora_bias=False")
     return config
 
 

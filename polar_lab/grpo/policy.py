@@ -147,11 +147,13 @@ class Policy:
             raise TrainerError("write_adapter needs a LoRA policy (GRPOConfig.peft_config)")
         tensors = lora.adapter_tensors(self.model, _full)
         if self._rank != 0:
-            for _ in tensors:  # take part in each gather
-                pass
-            return 0
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        self.model.peft_config["default"].save_pretrained(folder)
+            return _write_gathered(None, None, tensors, False)  # take part in each gather
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.model.peft_config["default"].save_pretrained(folder)
+        except Exception:
+            _write_gathered(None, None, tensors, False)  # the peers are in the gathers: finish them, then raise
+            raise
         size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.adapter_layout(self.model), tensors, True)
         return size + (Path(folder) / lora.ADAPTER_CONFIG).stat().st_size
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from polar_lab import sandbox
+from polar_lab.errors import HarnessError, SandboxError
 from polar_lab.sandbox import files
-from polar_lab.errors import HarnessError
 from polar_lab.types import Session
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")  # only {name} of known fields; other braces (code) stay as they are
@@ -47,6 +47,7 @@ class Command:
     files: dict[str, str] = field(default_factory=dict)  # workdir-relative path → content, written first
     workspace: str | None = None  # task field holding a repository (path → text) to start in; see the module doc
     sandbox: str | None = None  # "isolated" | "process"; None: the Lab's (HarnessConfig.sandbox)
+    isolated_only: bool = False  # refuse to run at any level but "isolated" (a program with its own guards off)
     readonly: list[str] = field(default_factory=list)  # paths the program needs (its install), read-only
     memory_mb: int = 4096  # RLIMIT_AS, and a memory cgroup where one can be made
     cpu_seconds: int = 600  # RLIMIT_CPU
@@ -71,6 +72,10 @@ class Command:
                               enforce=self.enforce_limits)
 
     async def __call__(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
+        if self.isolated_only and sandbox.resolve(self.sandbox) != "isolated":
+            raise SandboxError(f"{self.name} runs with its own sandbox or permission checks off and must run in "
+                               f"the isolated sandbox, which this Lab does not use here (sandbox='process', or "
+                               f"sandbox_fallback=True on a machine without bubblewrap)")
         with sandbox.workdir(prefix=f"polar-{self.name}-", keep=True) as workdir:
             try:
                 return await self._run(session, task, workdir)

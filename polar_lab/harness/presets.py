@@ -73,13 +73,13 @@ def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str 
     `--bare` keeps the request at ~4 KB (3 tools) so it fits a small model's context; without it the
     request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
     `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`); then it
-    runs with `--dangerously-skip-permissions` so that it can edit it — run it in the isolated sandbox.
+    runs with `--dangerously-skip-permissions` so that it can edit it, and refuses to run outside the isolated sandbox.
     """
     argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
     if workspace:  # it must edit the repository without asking; polar_lab's sandbox is the boundary
         argv.append("--dangerously-skip-permissions")
     return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
-                   readonly=[install_root(argv[0])], workspace=workspace,
+                   readonly=[install_root(argv[0])], workspace=workspace, isolated_only=bool(workspace),
                    env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                         "IS_SANDBOX": "1"})
 
@@ -113,14 +113,15 @@ def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: 
     the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
     plugins, analytics or web search). `workspace`: the task field holding a repository to start in; then
     Codex's own sandbox (read-only by default in `exec`) is turned off with the flag its docs give for
-    "environments that are externally sandboxed", so that it can edit it — run it in the isolated sandbox."""
+    "environments that are externally sandboxed", so that it can edit it; it then refuses to run outside the
+    isolated sandbox."""
     executable = agents_bin("codex")
     writes = ["--dangerously-bypass-approvals-and-sandbox"] if workspace else []
     return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", *writes, "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
                    readonly=[install_root(executable)],
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex",
-                   workspace=workspace)
+                   workspace=workspace, isolated_only=bool(workspace))
 
 
 async def openai_agents_calculator(session: Session, task: dict[str, Any], *, max_turns: int = 4) -> dict[str, Any]:

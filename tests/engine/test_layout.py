@@ -43,6 +43,9 @@ def test_layouts_that_cannot_run_are_clear_errors():
         trainer_gpus(["cuda:1", "cuda:1"], 2, [0], 4, colocate=False)
     with pytest.raises(ConfigError, match="no GPU is visible"):
         engine_gpus(EngineConfig(tensor_parallel_size=2), 0)
+    with pytest.raises(ConfigError, match="2 trainer ranks need 2 GPUs \\(NCCL runs one rank per GPU\\)"):
+        trainer_gpus(None, 2, [0], 1, colocate=True)
+    assert trainer_gpus(["cuda:0"], 1, [0], 1, colocate=False) == ["cuda:0"]  # one GPU: shared, as by default
 
 
 def test_tensor_parallelism_must_split_the_heads(model_path):

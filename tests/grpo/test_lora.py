@@ -134,8 +134,11 @@ def test_bad_lora_settings_are_errors_before_any_process_starts(lab, model_path)
         GRPOConfig(peft_config={"rank": 8})
     with pytest.raises(ConfigError, match="modules_to_save"):
         GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]})
-    with pytest.raises(ConfigError, match="changes the base weights"):
-        GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "init_lora_weights": "pissa"})
+    for init in ("pissa", False):  # the adapter must start at zero: the policy starts as the engine's base
+        with pytest.raises(ConfigError, match="must start at zero"):
+            GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "init_lora_weights": init})
+    with pytest.raises(ConfigError, match="without biases"):
+        GRPOConfig(peft_config={"r": 8, "target_modules": ["q_proj"], "bias": "all"})
     with pytest.raises(ConfigError, match="not linear"):
         make_policy(model_path, GRPOConfig(peft_config={"r": 8, "target_modules": ["embed_tokens", "q_proj"]}))
     with pytest.raises(ConfigError, match="max_lora_rank >= 16"):  # rank_pattern raises a layer's rank
@@ -171,3 +174,18 @@ def test_a_lora_trainer_puts_the_base_weights_back_into_an_engine_that_served_ot
         assert lora_lab.engine.weights_file is not None and lora_lab.engine.weights_file.is_file()  # full weights
         gap, _ = engine_vs_trainer(lora_lab, trainer.policy, batch.samples[0].input_ids[:40].tolist())
     assert gap.mean() <= 1e-3  # the adapter (B = 0) over the base: what the engine now serves
+
+
+def test_fsdp_ranks_sync_their_adapter_to_the_engine(lora_lab, model_path, batch):
+    ranks = DistributedPolicy(model_path, GRPOConfig(learning_rate=1e-2, strategy="fsdp", world_size=2,
+                                                     peft_config=LoraConfig(**LORA)), step_timeout=300)
+    try:
+        ranks.update(batch.samples)
+        path = lora_lab.weights_path()
+        size = ranks.write_adapter(str(path))  # gathered from the shards, written by rank 0
+        sync = lora_lab.sync_weights(path)
+        assert sync.path == "shm-adapter" and sync.bytes == size
+        gap, _ = engine_vs_trainer(lora_lab, ranks, batch.samples[0].input_ids[:40].tolist())
+    finally:
+        ranks.close()
+    assert gap.mean() <= 1e-3, f"engine vs FSDP trainer: mean {gap.mean():.2e}"

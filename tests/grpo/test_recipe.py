@@ -64,3 +64,16 @@ def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options()
     with pytest.raises(ValueError, match="harness_options are for the presets"):
         get_harness("calculator", {"workspace": "files"})
     assert get_harness(codex) is codex  # a Command (unhashable) passed as it is
+
+
+def test_an_agent_with_its_own_guards_off_refuses_to_run_outside_the_isolated_sandbox():
+    import asyncio
+
+    from polar_lab.errors import SandboxError
+    from polar_lab.harness.registry import get_harness
+
+    codex = get_harness("codex", {"workspace": "files"})
+    assert codex.isolated_only and not get_harness("codex").isolated_only
+    codex.sandbox = "process"
+    with pytest.raises(SandboxError, match="must run in the isolated sandbox"):
+        asyncio.run(codex(None, {"prompt": "fix it", "files": {}}))
