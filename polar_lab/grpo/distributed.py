@@ -45,7 +45,8 @@ from polar_lab.grpo.policy import UpdateStats, resolve_device
 
 
 class DistributedPolicy:
-    """Same interface as Policy (update, logprobs, state_dict, optimizer_state, close), N worker processes."""
+    """Same interface as Policy (update, logprobs, state_dict, write_weights, save/load_training_state, close),
+    N worker processes."""
 
     def __init__(self, model_path: str, config: GRPOConfig, *, devices: list[str] | None = None,
                  start_timeout: float = 300.0, step_timeout: float = 1800.0):
@@ -107,12 +108,6 @@ class DistributedPolicy:
 
     def load_training_state(self, folder: str) -> None:
         self._ask(("load_training_state", str(folder)), collective=True)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        if self.sharded:
-            raise TrainerError("with strategy='fsdp' each rank holds a shard of the optimiser state: use "
-                               "save_training_state(folder) (torch.distributed.checkpoint)")
-        return self._ask(("optimizer_state", None), collective=False)
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask every rank to stop; kill any that does not within `timeout` s. Safe to call twice."""
@@ -269,8 +264,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
                 "write_adapter": policy.write_adapter,
                 "save_training_state": policy.save_training_state, "load_training_state": policy.load_training_state,
                 "memory": lambda reset: policy.memory(reset_peak=reset),
-                "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients(),
-                "optimizer_state": lambda _: policy.optimizer_state()}
+                "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients()}
     try:
         while True:
             command, payload = pickle.loads(conn.recv_bytes())

@@ -169,9 +169,6 @@ class Policy:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
     def save_training_state(self, folder: str) -> None:
         """Model and optimiser state with torch.distributed.checkpoint: sharded, each rank writes its own
         shards (FSDP); else one rank's full state. Every rank must call it. `load_training_state` reads it
