@@ -45,6 +45,14 @@ class EngineConfig:
     kv_cache_gib: int = _f(1, "CPU KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = _f(0.5, "GPU only: fraction of memory vLLM may take")
     max_num_seqs: int = _f(256, "most sequences vLLM batches in one step")
+    # replicas (engine/replicas.py; Ray: engine/ray_replicas.py, docs/scale.md)
+    replicas: int = _f(1, "engines behind the proxy; a session's calls stick to one, one policy version spans all")
+    cluster: str = _f("local", "where replicas run: 'local' (processes of this kernel) or 'ray' (Ray actors)")
+    ray_address: str | None = _f(None, "cluster='ray': None starts a local Ray cluster bound to 127.0.0.1 (stopped "
+                                        "with the Lab); 'auto' or 'host:port' joins a running one")
+    replica_cpus: int = _f(1, "cluster='ray' on CPU: the CPUs each replica's bundle reserves (and its threads)")
+    replica_queue_bound: int = _f(256, "requests in flight on a replica beyond which a session's call moves to a "
+                                       "less loaded one (its prefix cache is lost: the move is recorded)")
     # behaviour
     enforce_eager: bool = _f(True, "skip torch.compile/CUDA graphs: fast start-up, slower steps")
     chunked_prefill: bool | None = _f(None, "split long prefills across steps; None = on for GPU, off for CPU "
@@ -67,6 +75,15 @@ class EngineConfig:
                               f"got {self.max_lora_rank}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.cluster not in ("local", "ray"):
+            raise ConfigError(f"cluster must be 'local' or 'ray', got {self.cluster!r}")
+        if self.replica_cpus < 1 or self.replica_queue_bound < 1:
+            raise ConfigError(f"replica_cpus and replica_queue_bound must be >= 1, got {self.replica_cpus} and "
+                              f"{self.replica_queue_bound}")
+        if self.ray_address is not None and self.cluster != "ray":
+            raise ConfigError(f"ray_address={self.ray_address!r} needs cluster='ray'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

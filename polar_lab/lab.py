@@ -42,7 +42,8 @@ import uvicorn
 
 from polar_lab import sandbox
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
-from polar_lab.engine.layout import check_heads, engine_gpus, visible_gpus
+from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, visible_gpus
+from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.engine.weights import remove_weights, weights_size, write_weights
 from polar_lab.errors import LabError, SandboxError
@@ -119,6 +120,7 @@ class Lab:
                 engine, gate=_LoopGate(self.service.gate, self.loop), factory=None if engine_given else self._new_engine,
                 max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine)
             self.service.engine_status = self.supervisor.status
+            self.registry.on_close.append(self._forget_route)
         except BaseException:
             self.close()
             raise
@@ -143,11 +145,33 @@ class Lab:
         return engine.wait_ready()
 
     def _new_engine(self):
-        """A launched engine process (the supervisor waits for it and sets its on_exit)."""
+        """A launched engine (the supervisor waits for it and sets its on_exit): one engine process, or a
+        ReplicaSet of `replicas` processes (cluster="local") or Ray actors (cluster="ray")."""
         from polar_lab.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(self.config.engine, log_path=self.run_dir / "engine.log",
-                          weights_dir=self._weights_dir).launch()
+        cfg = self.config.engine
+        if cfg.cluster == "ray":
+            from polar_lab.engine.ray_replicas import ray_replica_set  # Ray is an optional extra
+
+            return ray_replica_set(cfg, log_dir=self.run_dir, weights_dir=self._weights_dir)
+        if cfg.replicas == 1:
+            return VLLMEngine(cfg, log_path=self.run_dir / "engine.log", weights_dir=self._weights_dir).launch()
+        layouts = replica_gpus(cfg, visible_gpus())
+
+        def replica(slot: int) -> VLLMEngine:
+            own = dataclasses.replace(cfg, replicas=1, gpus=layouts[slot])
+            return VLLMEngine(own, log_path=self.run_dir / f"engine-{slot}.log").launch()
+
+        engines = []
+        try:
+            for slot in range(cfg.replicas):
+                engines.append(replica(slot))
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        return ReplicaSet(engines, factory=replica, weights_dir=self._weights_dir, max_restarts=cfg.max_restarts,
+                          queue_bound=cfg.replica_queue_bound)
 
     def _swap_engine(self, engine) -> None:
         self.service.engine = engine  # calls read it after the gate lets them in
@@ -419,6 +443,8 @@ class Lab:
             write_weights(path, weights)
             write_s = time.perf_counter() - t0
         size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
+        if isinstance(self.engine, ReplicaSet) and self.engine.ship is not None:
+            kind = "ray-object-store" + ("-adapter" if path.is_dir() else "")  # one put, each replica fetches it
         try:
             result = self.supervisor.sync(path, drain_timeout)
         finally:
@@ -459,6 +485,29 @@ class Lab:
     def engine(self):
         """The live engine (a new object after each restart)."""
         return self.supervisor.engine
+
+    def _forget_route(self, session) -> None:
+        engine = self.supervisor.engine if self.supervisor is not None else None
+        if isinstance(engine, ReplicaSet):
+            engine.forget(session.id)  # a closed session's replica is not remembered
+
+    def replicas(self) -> pd.DataFrame:
+        """One row per engine replica (engine/replicas.py): serving, pid, requests in flight, sessions routed to
+        it, policy version, busy seconds, restarts. A single engine is replica 0."""
+        engine = self.engine
+        if isinstance(engine, ReplicaSet):
+            return pd.DataFrame(engine.replica_status())
+        return pd.DataFrame([{"replica": 0, "serving": engine.alive, "pid": engine.pid, "in_flight": engine.running,
+                              "sessions": None, "policy_version": engine.policy_version,
+                              "busy_s": engine.busy_seconds, "restarts": len(self.engine_restarts),
+                              "failure": engine.failure}])
+
+    def replica_moves(self) -> pd.DataFrame:
+        """Every session moved to another replica (its own was dead, out of rotation or over its queue bound)."""
+        engine = self.engine
+        moves = list(engine.moves) if isinstance(engine, ReplicaSet) else []
+        return pd.DataFrame([dataclasses.asdict(m) for m in moves],
+                            columns=["route", "from_replica", "to_replica", "why", "at"])
 
     @property
     def engine_restarts(self) -> list[Restart]:

@@ -194,6 +194,8 @@ class Generation:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     top_logprobs: list[dict[int, float]] | None = None  # only when SamplingSpec.num_logprobs > 0
     engine_seconds: float = 0.0  # from submission to the final output, queueing included
+    replica: int = 0  # which engine replica sampled it (engine/replicas.py); 0 for a single engine
+    moved_from: int | None = None  # its session's previous replica, when this call moved it (dead, queue full)
 
 
 @dataclass
@@ -305,6 +307,8 @@ class ModelCall:
     render: dict[str, Any]  # how prompt_ids were made: mode, lengths, divergence info
     parse: dict[str, Any]  # tool-call/reasoning parsing outcome
     timings: dict[str, float]  # unix `received`, `responded`; durations `render_s`, `engine_s`, `total_s`
+    replica: int = 0  # the engine replica that served it (0 for a single engine)
+    moved_from: int | None = None  # the session's replica before this call moved it there (None: it did not move)
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> ModelCall:
@@ -345,7 +349,8 @@ class SyncResult:
     sync_s: float  # the whole pause: drain + load + resume
     bytes: int = 0  # size of the weights moved into the engine
     write_s: float = 0.0  # writing them where the engine reads them, before the pause (rollouts go on meanwhile)
-    path: str = ""  # how they travelled: "shm-file" (a safetensors file in shared memory the engine maps)
+    path: str = ""  # how they travelled: "shm-file" (a safetensors file in shared memory the engine maps),
+    # "shm-adapter" (a LoRA adapter's folder), "ray-object-store[-adapter]" (put once, each Ray replica fetches it)
 
 
 @dataclass

@@ -13,7 +13,8 @@ supervisor and the trainer call nothing else, and probe for nothing:
     requests      submit, generate
     weights       load_weights(state_dict, version=), load_weights_file(path, version=)
     lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
-`VLLMEngine` (engine/vllm_engine.py) is the real one; `ScriptedEngine` (engine/fake.py) serves unit tests.
+`VLLMEngine` (engine/vllm_engine.py) is the real one; `ReplicaSet` (engine/replicas.py) puts several behind
+one (local processes, or Ray actors: engine/ray_replicas.py); `ScriptedEngine` (engine/fake.py) serves unit tests.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ class Engine(Protocol):
         """Why it stopped serving (None while it serves)."""
         ...
 
-    def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
+    def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
+               route: str | None = None) -> concurrent.futures.Future[Generation]:
+        """route: a key that keeps related requests on one replica (the proxy passes the session id, so a
+        session's calls find its prefix cache); an engine without replicas ignores it."""
         ...
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
-                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
+                       on_delta: Callable[[TokenDelta], None] | None = None, *,
+                       route: str | None = None) -> Generation:
         ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:

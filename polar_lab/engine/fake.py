@@ -55,7 +55,8 @@ class ScriptedEngine:
     def failure(self) -> str | None:
         return "engine closed" if self._closed else None
 
-    def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
+    def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
+               route: str | None = None) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
         try:
             generation = self._sample(prompt_ids, spec)
@@ -91,7 +92,8 @@ class ScriptedEngine:
         )
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
-                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
+                       on_delta: Callable[[TokenDelta], None] | None = None, *,
+                       route: str | None = None) -> Generation:
         if on_delta is None:
             return await asyncio.wrap_future(self.submit(prompt_ids, spec))
         generation = self._sample(prompt_ids, spec)  # streamed: the delay is spread over the tokens

@@ -25,16 +25,21 @@ def visible_gpus() -> int:
 
 
 def engine_gpus(config: EngineConfig, visible: int) -> list[int]:
-    """The engine's GPU indices; a ConfigError for a layout that cannot run."""
-    tp = config.tensor_parallel_size
+    """The engine's GPU indices on this node (every local replica's, `replica_gpus`); a ConfigError for a
+    layout that cannot run. Replicas on Ray (cluster="ray") take GPUs Ray gives them: none here."""
+    if config.cluster == "ray":
+        return []
+    tp = config.tensor_parallel_size * config.replicas
     if visible == 0:
-        if config.gpus or tp > 1:
-            raise ConfigError(f"the engine is set to GPUs {config.gpus} with tensor_parallel_size={tp}, but no GPU is "
-                              f"visible: on the CPU the engine is one process (tensor_parallel_size=1, gpus=None)")
+        if config.gpus or config.tensor_parallel_size > 1:
+            raise ConfigError(f"the engine is set to GPUs {config.gpus} with tensor_parallel_size="
+                              f"{config.tensor_parallel_size}, but no GPU is visible: on the CPU the engine is one "
+                              f"process (tensor_parallel_size=1, gpus=None)")
         return []
     gpus = list(config.gpus) if config.gpus is not None else list(range(tp))
     if len(gpus) != tp:
-        raise ConfigError(f"the engine's gpus {gpus} must be tensor_parallel_size={tp} GPUs, one per shard")
+        raise ConfigError(f"the engine's gpus {gpus} must be tensor_parallel_size={config.tensor_parallel_size} "
+                          f"x replicas={config.replicas} GPUs, one per shard")
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"the engine's gpus {gpus} name a GPU twice")
     missing = [g for g in gpus if not 0 <= g < visible]
@@ -42,6 +47,18 @@ def engine_gpus(config: EngineConfig, visible: int) -> list[int]:
         raise ConfigError(f"too few GPUs: the engine needs GPUs {gpus} (tensor_parallel_size={tp}) but {visible} "
                           f"are visible (0..{visible - 1})")
     return gpus
+
+
+def replica_gpus(config: EngineConfig, visible: int) -> list[list[int] | None]:
+    """Each local replica's GPUs: consecutive `tensor_parallel_size`-sized slices of `engine_gpus` (None on the CPU).
+
+    >>> replica_gpus(EngineConfig(replicas=2, tensor_parallel_size=2), visible=8)
+    [[0, 1], [2, 3]]
+    """
+    gpus, tp = engine_gpus(config, visible), config.tensor_parallel_size
+    if not gpus:
+        return [None] * config.replicas
+    return [gpus[i * tp:(i + 1) * tp] for i in range(config.replicas)]
 
 
 def check_heads(model_config, tp: int) -> None:

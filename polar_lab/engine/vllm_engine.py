@@ -45,7 +45,7 @@ from polar_lab.types import Generation, SamplingSpec, TokenDelta
 log = logging.getLogger(__name__)
 
 # What the engine process needs in its environment; anything the user has set wins.
-_ENV_DEFAULTS = {
+ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core inside the worker, not a third process
     "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
@@ -85,6 +85,7 @@ class VLLMEngine:
         self._closing = False
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.weights_file: Path | None = None  # the served weights, if they came from a load (not the model folder)
+        self._scratch: str | None = None  # the engine process's temp folder (removed on close)
         self.on_exit = on_exit
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class VLLMEngine:
             return self
         self._t_launch = time.perf_counter()
         ours, theirs = socket.socketpair()
-        env = {**_ENV_DEFAULTS, **os.environ}
+        env = {**ENV_DEFAULTS, **os.environ}
         env.setdefault("VLLM_LOGGING_LEVEL", self.config.vllm_log_level)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         gpus = engine_gpus(self.config, visible_gpus())
@@ -166,10 +167,11 @@ class VLLMEngine:
         self._failure = self._failure or "engine closed"
         if self._reader is None:  # not ready yet: it reads no commands while vLLM builds; end it now
             proc.kill()
-        try:
-            self._send(("stop",))
-        except OSError:
-            pass
+        if self._conn is not None:
+            try:
+                self._send(("stop",))
+            except OSError:
+                pass
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -178,9 +180,11 @@ class VLLMEngine:
             proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=10)
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
         self._fail_all(EngineError("engine closed"))
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
         return self.start()
@@ -202,14 +206,16 @@ class VLLMEngine:
         return self._failure
 
     # ---- public calls (any thread) ---------------------------------------------------------
-    def submit(self, prompt_ids: list[int], spec: SamplingSpec) -> concurrent.futures.Future[Generation]:
+    def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
+               route: str | None = None) -> concurrent.futures.Future[Generation]:
         fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
         rid = self._add(fut, prompt_ids, spec)
         fut.add_done_callback(lambda f: f.cancelled() and self._abort(rid))
         return fut
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
-                       on_delta: Callable[[TokenDelta], None] | None = None) -> Generation:
+                       on_delta: Callable[[TokenDelta], None] | None = None, *,
+                       route: str | None = None) -> Generation:
         """`submit` for a caller on an event loop; cancelling the awaiting task aborts the request.
         on_delta: streams — called on this loop with each engine step's new tokens, every one of them before
         the Generation is returned."""

@@ -144,7 +144,8 @@ class CallService:
             p.timings["paused_s"] = t_engine - t_gate
             try:
                 return list(await asyncio.gather(*(
-                    self.engine.generate(p.rendered.prompt_ids, s, *([on_delta[i]] if on_delta else []))
+                    self.engine.generate(p.rendered.prompt_ids, s, on_delta[i] if on_delta else None,
+                                         route=p.session.id)
                     for i, s in enumerate(p.specs))))
             finally:
                 p.timings["engine_s"] = time.perf_counter() - t_engine

@@ -200,7 +200,7 @@ def calls_frame(calls: list[ModelCall]) -> pd.DataFrame:
             "call_id": c.call_id, "session_id": c.session_id, "call_index": c.call_index,
             "choice_index": c.choice_index, "api": c.api, "model": c.model,
             "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.output_ids),
-            "finish_reason": c.finish_reason, "policy_version": c.policy_version,
+            "finish_reason": c.finish_reason, "policy_version": c.policy_version, "replica": c.replica,
             "tool_calls": c.parse.get("num_tool_calls", 0), "tool_parse_errors": len(c.parse.get("errors", [])),
             "render_mode": c.render.get("mode"), "total_s": t.get("total_s"), "engine_s": t.get("engine_s"),
             "proxy_s": t.get("proxy_s"), "received": t.get("received"),

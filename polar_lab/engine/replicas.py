@@ -1,0 +1,392 @@
+"""Several engines behind one: `ReplicaSet` routes each session to a replica, and keeps one policy version.
+
+The proxy stays the single front door; it calls the set like any `Engine`, passing the session id as the
+request's `route`. The set implements the whole protocol (engine/base.py), so the supervisor, the Lab and the
+trainer see one engine whatever runs behind it: local engine processes (`VLLMEngine`, cluster="local") or Ray
+actors (`RayEngine`, engine/ray_replicas.py).
+
+Routing (`pick`, a dict lookup and a minimum over the replicas, on the proxy's loop):
+    first call of a session  → the replica with the fewest requests in flight (as this set counts them),
+                               then the fewest sessions (sessions that call one at a time still spread)
+    later calls              → the same replica: its prefix cache holds the session's history
+    that replica dead, out of rotation, or `queue_bound` requests in flight while another has fewer
+                             → the least loaded one; the session moves there, and the call records
+                               `moved_from` (its prefix is recomputed once: the cache is cold)
+Every generation says which replica sampled it (`Generation.replica` → `ModelCall.replica`).
+
+One policy version: `load_weights_file` loads the file into every replica in parallel (each at the same
+version); a replica that fails to load is taken out of rotation and replaced — it never serves old weights
+under the new version. Given `ship`, the file is shipped once (into Ray's object store) and every replica
+fetches that one copy.
+
+Faults: a replica that dies fails only its own requests in flight (the proxy answers them 503); the set
+takes it out of rotation, its sessions move on their next call, and a "polar-lab-replica" thread brings a
+replacement (`factory(slot)`: a new process, or the Ray actor Ray restarted) back at the current weights and
+version, at most `max_restarts` times per slot. Only when no replica serves and none can come back does the set
+report its own death (`on_exit`), and the Lab's supervisor replaces the whole set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polar_lab.engine.base import Engine
+from polar_lab.engine.weights import remove_weights, write_weights
+from polar_lab.errors import EngineError
+from polar_lab.types import Generation, SamplingSpec, TokenDelta
+
+log = logging.getLogger(__name__)
+
+MAX_ROUTES = 200_000  # sessions whose replica is remembered (least recently used forgotten: they re-pick)
+
+
+@dataclass
+class Move:
+    """A session sent to another replica than its own."""
+
+    route: str
+    from_replica: int
+    to_replica: int
+    why: str  # "dead" | "out of rotation" | "queue over bound"
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class ReplicaRestart:
+    """One replacement of one replica."""
+
+    replica: int
+    reason: str
+    policy_version: int
+    ok: bool = True
+    error: str | None = None
+    startup_s: float = 0.0
+    at: float = field(default_factory=time.time)
+
+
+class ReplicaSet:
+    """N engines behind one `Engine`; see the module docstring."""
+
+    def __init__(self, replicas: list[Engine], *, factory: Callable[[int], Engine] | None = None,
+                 weights_dir: str | Path | None = None, max_restarts: int = 3, queue_bound: int = 256,
+                 ship: Callable[[Path], Any] | None = None, on_close: Callable[[], None] | None = None):
+        """replicas: launched engines (wait_ready waits for all). factory(slot): a launched replacement for a
+        dead replica; None = dead replicas stay out. weights_dir: keep the served weights' file there (for
+        replacements), as VLLMEngine does. ship(path): put a weights file where every replica can fetch it
+        (Ray's object store); its result is passed to each replica's load as `shipped=`. on_close: called
+        after the replicas are closed (the Ray set removes its actors and placement group)."""
+        if not replicas:
+            raise EngineError("a replica set needs at least one engine")
+        self.engines: list[Engine] = list(replicas)
+        self.factory = factory
+        self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.max_restarts = max_restarts
+        self.queue_bound = queue_bound
+        self.ship = ship
+        self.on_close = on_close
+        self.model_name = replicas[0].model_name
+        self.model_path = replicas[0].model_path
+        self.max_model_len = 0
+        self.pid: int | None = None  # several processes: see `replica_status()`
+        self.weights_file: Path | None = None
+        self.on_exit: Callable[[Engine, str], None] | None = None
+        self.moves: deque[Move] = deque(maxlen=10_000)
+        self.moved = 0  # moves so far (the deque keeps the latest)
+        self.restarts: list[ReplicaRestart] = []
+        self.serving = [True] * len(replicas)  # in rotation
+        self.inflight = [0] * len(replicas)  # requests sent to each and not answered, as this set counts them
+        self.sessions = [0] * len(replicas)  # routes (sessions) that stick to each
+        self._routes: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()  # routing state (pick from the loop, submit from any thread)
+        self._weights_lock = threading.RLock()  # one weight load at a time; a replacement joins between loads
+        self._version = 0
+        self._shipped: Any = None  # the shipped copy of the weights being served (for replacements)
+        self._served: Path | None = None  # the file (or folder) those weights came from
+        self._busy_before = 0.0  # busy seconds of replaced replicas
+        self._healing: set[int] = set()
+        self._closed = False
+        self._stopping = threading.Event()
+        for slot, engine in enumerate(replicas):
+            engine.on_exit = self._exited_callback(slot)
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and any(self._usable(slot) for slot in range(len(self.engines)))
+
+    @property
+    def failure(self) -> str | None:
+        if self.alive:
+            return None
+        if self._closed:
+            return "engine closed"
+        why = "; ".join(f"replica {slot}: {e.failure or 'out of rotation'}" for slot, e in enumerate(self.engines))
+        return f"no engine replica is serving ({why})"
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._busy_before + sum(e.busy_seconds for e in self.engines)
+
+    @property
+    def running(self) -> int:
+        return sum(e.running for e in self.engines)
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """One row per replica: serving (in rotation and alive), its pid, requests in flight, sessions routed
+        to it, busy seconds, restarts."""
+        return [{"replica": slot, "serving": self._usable(slot), "pid": e.pid, "in_flight": self.inflight[slot],
+                 "sessions": self.sessions[slot], "policy_version": e.policy_version, "busy_s": e.busy_seconds,
+                 "restarts": sum(r.ok and r.replica == slot for r in self.restarts),
+                 "failure": e.failure} for slot, e in enumerate(self.engines)]
+
+    def _usable(self, slot: int) -> bool:
+        return self.serving[slot] and self.engines[slot].alive
+
+    # ---- routing ------------------------------------------------------------------------------
+    def pick(self, route: str | None) -> tuple[int, int | None]:
+        """(replica for this request, the replica its session left or None); counts the request in flight."""
+        with self._lock:
+            slots = range(len(self.engines))
+            own = self._routes.get(route) if route is not None else None
+            if own is not None and self._usable(own) and self.inflight[own] < self.queue_bound:
+                self._routes.move_to_end(route)
+                self.inflight[own] += 1
+                return own, None
+            usable = [slot for slot in slots if self._usable(slot)]
+            if not usable:
+                raise EngineError(f"engine is not running ({self.failure})")
+            best = min(usable, key=lambda slot: (self.inflight[slot], self.sessions[slot]))
+            moved = None
+            if own is not None and best != own:
+                why = ("queue over bound" if self._usable(own) else
+                       "dead" if not self.engines[own].alive else "out of rotation")
+                self.moves.append(Move(route, own, best, why))
+                self.moved += 1
+                moved = own
+            if route is not None:
+                if own is not None:
+                    self.sessions[own] -= 1
+                self._routes[route] = best
+                self.sessions[best] += 1
+                self._routes.move_to_end(route)
+                if len(self._routes) > MAX_ROUTES:
+                    self.sessions[self._routes.popitem(last=False)[1]] -= 1
+            self.inflight[best] += 1
+            return best, moved
+
+    def _done(self, slot: int) -> None:
+        with self._lock:
+            self.inflight[slot] -= 1
+
+    def forget(self, route: str) -> None:
+        """A session closed: its next call (if any) picks afresh."""
+        with self._lock:
+            slot = self._routes.pop(route, None)
+            if slot is not None:
+                self.sessions[slot] -= 1
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
+               route: str | None = None) -> concurrent.futures.Future[Generation]:
+        outer: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+        try:
+            slot, moved = self.pick(route)
+        except EngineError as exc:
+            outer.set_exception(exc)
+            return outer
+        inner = self.engines[slot].submit(prompt_ids, spec)
+
+        def settle(f: concurrent.futures.Future) -> None:
+            self._done(slot)
+            if f.cancelled():
+                outer.cancel()
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+            else:
+                gen = f.result()
+                gen.replica, gen.moved_from = slot, moved
+                outer.set_result(gen)
+
+        inner.add_done_callback(settle)
+        outer.add_done_callback(lambda f: f.cancelled() and inner.cancel())
+        return outer
+
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec,
+                       on_delta: Callable[[TokenDelta], None] | None = None, *,
+                       route: str | None = None) -> Generation:
+        slot, moved = self.pick(route)
+        try:
+            gen = await self.engines[slot].generate(prompt_ids, spec, on_delta)
+        finally:
+            self._done(slot)
+        gen.replica, gen.moved_from = slot, moved
+        return gen
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Write the tensors once as a file (shared memory) and load it into every replica."""
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".safetensors", dir=self.weights_dir or shm)
+        os.close(fd)
+        try:
+            write_weights(path, state_dict)
+            return self.load_weights_file(path, version=version)
+        finally:
+            if self.weights_file != Path(path):
+                os.unlink(path)
+
+    def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
+        """Load a weights file (or a LoRA adapter's folder) into every serving replica in parallel, all at one
+        version. Replicas that fail while others succeed are taken out of rotation and replaced; if none
+        succeeds the error is raised and the version does not change."""
+        path = Path(path)
+        with self._weights_lock:
+            target = self._version + 1 if version is None else version
+            slots = [slot for slot in range(len(self.engines)) if self._usable(slot)]
+            if not slots:
+                raise EngineError(f"engine is not running ({self.failure})")
+            shipped = self.ship(path) if self.ship is not None else None
+            with concurrent.futures.ThreadPoolExecutor(len(slots), thread_name_prefix="polar-lab-load") as pool:
+                futures = {slot: pool.submit(self._load_one, self.engines[slot], path, target, shipped)
+                           for slot in slots}
+            errors = {slot: f.exception() for slot, f in futures.items() if f.exception() is not None}
+            if len(errors) == len(slots):
+                first = next(iter(errors.values()))
+                raise first if isinstance(first, EngineError) else EngineError(f"weight load failed: {first!r}")
+            self._version = target
+            self._shipped, self._served = shipped, path
+            previous = self.weights_file
+            self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
+            if previous is not None and previous != self.weights_file:
+                remove_weights(previous)
+            for slot, exc in errors.items():  # never serve the old weights under the new version
+                log.warning("replica %d failed to load policy version %d (%s); replacing it", slot, target, exc)
+                self.serving[slot] = False
+                self._replace(slot, f"failed to load policy version {target}: {exc}")
+        return target
+
+    def _load_one(self, engine: Engine, path: Path, version: int, shipped: Any) -> int:
+        if shipped is None:
+            return engine.load_weights_file(path, version=version)
+        return engine.load_weights_file(path, version=version, shipped=shipped)
+
+    # ---- faults -------------------------------------------------------------------------------
+    def _exited_callback(self, slot: int) -> Callable[[Engine, str], None]:
+        def exited(engine: Engine, reason: str) -> None:
+            if self._closed or self.engines[slot] is not engine:
+                return
+            log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
+            self._replace(slot, reason)
+        return exited
+
+    def _replace(self, slot: int, reason: str) -> None:
+        """Take `slot` out of rotation and bring a replacement in a thread of its own (or report the set's death
+        when nothing serves and nothing can come back)."""
+        self.serving[slot] = False
+        if self._can_replace(slot):
+            self._healing.add(slot)
+            threading.Thread(target=self._heal, args=(slot, reason), name="polar-lab-replica", daemon=True).start()
+            return
+        # out for good: it would serve weights nobody asked for (closed from a thread of its own: this may be
+        # the dying engine's reader thread, which its close() joins)
+        threading.Thread(target=self.engines[slot].close, name="polar-lab-replica", daemon=True).start()
+        if not self.alive and not self._healing:
+            self._set_died(reason)
+
+    def _can_replace(self, slot: int) -> bool:
+        used = sum(r.replica == slot for r in self.restarts)
+        kept = self._version == 0 or self.weights_file is not None or self._shipped is not None
+        return (self.factory is not None and not self._closed and slot not in self._healing
+                and used < self.max_restarts and kept)
+
+    def _heal(self, slot: int, reason: str) -> None:
+        old = self.engines[slot]
+        record = ReplicaRestart(replica=slot, reason=reason, policy_version=self._version)
+        t0 = time.perf_counter()
+        new = None
+        try:
+            old.close()  # fails what it still had in flight (503)
+            new = self.factory(slot)
+            new.wait_ready()
+            with self._weights_lock:  # between two syncs: it joins at the version being served
+                if self._closed:
+                    raise EngineError("the replica set closed while a replica restarted")
+                if self._version > 0:
+                    if self._shipped is not None:  # the one copy in the object store
+                        new.load_weights_file(self._served, version=self._version, shipped=self._shipped)
+                    elif self.weights_file is not None:
+                        new.load_weights_file(self.weights_file, version=self._version)
+                    else:
+                        raise EngineError(f"policy version {self._version}'s weights were not kept")
+                record.policy_version = self._version
+                self._busy_before += old.busy_seconds
+                new.on_exit = self._exited_callback(slot)
+                self.engines[slot] = new
+                self.serving[slot] = new.alive
+            record.startup_s = time.perf_counter() - t0
+            log.warning("engine replica %d is back in %.1f s at policy version %d", slot, record.startup_s,
+                        record.policy_version)
+        except Exception as exc:  # noqa: BLE001 - a thread of our own: the replica stays out, the set goes on
+            record.ok, record.error = False, f"{type(exc).__name__}: {exc}"[:2000]
+            if new is not None and self.engines[slot] is not new:
+                new.close()
+            if not self._closed:
+                log.error("engine replica %d could not be brought back: %s", slot, record.error)
+        finally:
+            self.restarts.append(record)
+            self._healing.discard(slot)
+        if self._closed:
+            return
+        if not record.ok and self._can_replace(slot):  # try again, after a backoff, while the budget lasts
+            failures = sum(not r.ok and r.replica == slot for r in self.restarts)
+            if not self._stopping.wait(min(2.0 ** failures, 30.0)):
+                self._replace(slot, reason)
+        elif not record.ok and not self.alive and not self._healing:
+            self._set_died(f"replica {slot} could not be brought back ({record.error})")
+        elif record.ok and not self.engines[slot].alive:
+            self._replace(slot, self.engines[slot].failure or "died while joining")
+
+    def _set_died(self, reason: str) -> None:
+        if self.on_exit is not None and not self._closed:
+            self.on_exit(self, f"every engine replica is down (last: {reason})")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def wait_ready(self, timeout: float = 900.0) -> ReplicaSet:
+        """Wait for every replica to serve (they start in parallel); one that fails closes them all."""
+        deadline = time.monotonic() + timeout
+        try:
+            for engine in self.engines:
+                engine.wait_ready(max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.close()
+            raise
+        self.max_model_len = min(e.max_model_len for e in self.engines)
+        return self
+
+    def close(self) -> None:
+        """Close every replica (in parallel), then what `on_close` frees. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()  # a replacement's backoff ends
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="polar-lab-close") as pool:
+            list(pool.map(lambda e: e.close(), self.engines))
+        if self.on_close is not None:
+            self.on_close()
+

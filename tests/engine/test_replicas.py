@@ -1,0 +1,188 @@
+"""The replica set's decisions — routing, moves, one policy version, replacements — with scripted engines (the
+real engines, local and on Ray, are in tests/integration/test_replicas.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from polar_lab.engine import ScriptedEngine
+from polar_lab.engine.replicas import ReplicaSet
+from polar_lab.errors import EngineError
+from polar_lab.types import SamplingSpec
+
+SPEC = SamplingSpec(max_tokens=4)
+
+
+class Replica(ScriptedEngine):
+    """A scripted engine that can die as its process would, and can refuse a weight load."""
+
+    def __init__(self, tokenizer, model_path, *, delay_s: float = 0.0, name: str = ""):
+        super().__init__(tokenizer, model_path=model_path, delay_s=delay_s)
+        self.name = name
+        self.refuse_load = False
+        self.loads: list[int] = []
+
+    def die(self) -> None:
+        self._closed = True
+        if self.on_exit is not None:
+            self.on_exit(self, "killed")
+
+    def load_weights_file(self, path, *, version=None):
+        if self.refuse_load:
+            raise EngineError("the load failed")
+        self.loads.append(version)
+        return super().load_weights_file(path, version=version)
+
+
+@pytest.fixture
+def make(tokenizer, model_path):
+    made: list[Replica] = []
+
+    def make(n: int, *, factory: bool = True, delay_s: float = 0.0, **kwargs) -> ReplicaSet:
+        def replica(slot: int) -> Replica:
+            made.append(Replica(tokenizer, model_path, delay_s=delay_s, name=f"new-{slot}"))
+            return made[-1]
+
+        engines = [Replica(tokenizer, model_path, delay_s=delay_s, name=f"first-{i}") for i in range(n)]
+        return ReplicaSet(engines, factory=replica if factory else None, **kwargs).wait_ready()
+
+    make.made = made
+    return make
+
+
+def until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_each_session_sticks_to_one_replica_and_sessions_spread(make):
+    replicas = make(2)
+    seen: dict[str, set[int]] = {}
+    for _ in range(3):
+        for s in range(8):
+            gen = replicas.submit([1, 2, 3], SPEC, route=f"s{s}").result()
+            seen.setdefault(f"s{s}", set()).add(gen.replica)
+            assert gen.moved_from is None
+    assert all(len(used) == 1 for used in seen.values())
+    assert sorted(r for used in seen.values() for r in used) == [0] * 4 + [1] * 4  # one call at a time: by sessions
+    assert [row["sessions"] for row in replicas.replica_status()] == [4, 4]
+
+
+def test_a_new_session_goes_to_the_replica_with_fewest_requests_in_flight(make):
+    replicas = make(3, delay_s=0.5)
+    busy = [replicas.submit([1], SPEC, route="a"), replicas.submit([1], SPEC, route="a")]  # both on replica 0
+    fresh = replicas.submit([1], SPEC, route="b")
+    other = replicas.submit([1], SPEC, route="c")
+    assert [f.result().replica for f in busy] == [0, 0]
+    assert {fresh.result().replica, other.result().replica} == {1, 2}
+    assert replicas.inflight == [0, 0, 0]
+
+
+def test_a_dead_replicas_sessions_move_and_the_move_is_recorded(make):
+    replicas = make(2, factory=False)
+    first = replicas.submit([1], SPEC, route="s").result().replica
+    replicas.engines[first].die()
+    gen = replicas.submit([1], SPEC, route="s").result()
+    assert gen.replica == 1 - first and gen.moved_from == first
+    assert [(m.route, m.from_replica, m.to_replica, m.why) for m in replicas.moves] == [("s", first, 1 - first, "dead")]
+    again = replicas.submit([1], SPEC, route="s").result()
+    assert again.replica == 1 - first and again.moved_from is None  # it sticks to its new replica
+
+
+def test_a_replica_over_its_queue_bound_sends_the_session_elsewhere(make):
+    replicas = make(2, delay_s=0.3, queue_bound=1)
+    held = replicas.submit([1], SPEC, route="s")
+    second = replicas.submit([1], SPEC, route="s")
+    assert second.result().moved_from == held.result().replica
+    assert replicas.moves[-1].why == "queue over bound"
+
+
+def test_a_sync_loads_every_replica_at_one_version(make, tmp_path):
+    replicas = make(3)
+    assert replicas.load_weights_file(tmp_path / "w.safetensors") == 1
+    assert replicas.load_weights_file(tmp_path / "w.safetensors") == 2
+    assert [e.policy_version for e in replicas.engines] == [2, 2, 2]
+    assert [e.loads for e in replicas.engines] == [[1, 2]] * 3
+
+
+def test_a_replica_that_fails_to_load_never_serves_the_old_weights_under_the_new_version(make, tmp_path):
+    replicas = make(2, weights_dir=tmp_path)  # the weights are kept: a replacement can load them
+    bad = replicas.engines[1]
+    bad.refuse_load = True
+    assert replicas.load_weights_file(tmp_path / "w", version=1) == 1
+    assert not replicas.serving[1] or replicas.engines[1] is not bad  # out of rotation at once
+    for s in range(6):  # while it is replaced, every call is served by the replica at version 1
+        gen = replicas.submit([1], SPEC, route=f"s{s}").result()
+        assert gen.output_versions[0] == 1
+        assert replicas.engines[gen.replica] is not bad
+    until(lambda: replicas.serving[1])
+    replacement = replicas.engines[1]
+    assert replacement is not bad and bad.alive is False
+    assert replacement.policy_version == 1 and replacement.loads == [1]  # came back with the new weights
+
+
+def test_without_kept_weights_a_replica_that_failed_to_load_stays_out_of_rotation(make, tmp_path):
+    replicas = make(2)
+    replicas.engines[0].refuse_load = True
+    replicas.load_weights_file(tmp_path / "w")
+    assert replicas.serving == [False, True] and replicas.restarts == []
+    until(lambda: not replicas.engines[0].alive)  # closed: nothing may sample with its old weights
+    assert {replicas.submit([1], SPEC, route=f"s{s}").result().replica for s in range(4)} == {1}
+
+
+def test_when_every_replica_fails_to_load_the_version_does_not_change(make, tmp_path):
+    replicas = make(2)
+    for engine in replicas.engines:
+        engine.refuse_load = True
+    with pytest.raises(EngineError, match="the load failed"):
+        replicas.load_weights_file(tmp_path / "w")
+    assert replicas.policy_version == 0 and all(replicas.serving)
+
+
+def test_a_dead_replica_comes_back_at_the_current_version(make, tmp_path):
+    weights = tmp_path / "kept"
+    weights.mkdir()
+    replicas = make(2, weights_dir=weights)
+    replicas.load_weights_file(weights / "w.safetensors")
+    dead = replicas.engines[0]
+    dead.die()
+    until(lambda: replicas.serving[0] and replicas.engines[0] is not dead)
+    assert replicas.engines[0].policy_version == 1 and replicas.engines[0].loads == [1]
+    assert [(r.replica, r.ok, r.policy_version) for r in replicas.restarts] == [(0, True, 1)]
+
+
+def test_replacements_are_bounded_and_the_set_reports_its_death_when_nothing_serves(make):
+    replicas = make(2, factory=False)
+    deaths: list[str] = []
+    replicas.on_exit = lambda engine, reason: deaths.append(reason)
+    replicas.engines[0].die()
+    assert replicas.alive and deaths == []
+    replicas.engines[1].die()
+    assert not replicas.alive and len(deaths) == 1 and "every engine replica is down" in deaths[0]
+    with pytest.raises(EngineError, match="no engine replica is serving"):
+        replicas.submit([1], SPEC, route="s").result()
+
+
+def test_routing_is_safe_from_many_threads(make):
+    replicas = make(4)
+    errors: list[BaseException] = []
+
+    def caller(t: int) -> None:
+        try:
+            for i in range(200):
+                replicas.submit([1], SPEC, route=f"t{t}-{i % 10}").result()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and replicas.inflight == [0, 0, 0, 0]
+    assert sum(row["sessions"] for row in replicas.replica_status()) == 80
