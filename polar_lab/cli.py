@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--async", dest="async_mode", action="store_true", default=None,
                        help="override grpo.async_mode to true")
     train.add_argument("--world-size", type=int, default=None, help="override grpo.world_size")
+    train.add_argument("--replicas", type=int, default=None, help="override engine.replicas")
+    train.add_argument("--ray-address", default=None,
+                       help="run engine replicas and trainer ranks as actors on Ray: 'auto' or HOST:PORT joins a "
+                            "running cluster, 'local' starts one on 127.0.0.1 for this run (docs/scale.md)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -35,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         return 0 if summary["failed_sessions"] == 0 else 1
     if args.command == "train":
-        from polar_lab.grpo.run import format_train_summary, load_train_config, train_from_config
+        from polar_lab.grpo.run import format_train_summary, load_train_config, on_cluster, train_from_config
 
         lab_config, grpo_config = load_train_config(
             args.config, max_steps=args.max_steps, eval_limit=args.eval_limit, output_dir=args.output_dir,
             async_mode=args.async_mode, world_size=args.world_size)
+        lab_config = on_cluster(lab_config, replicas=args.replicas, ray_address=args.ray_address)
         print(format_train_summary(train_from_config(lab_config, grpo_config)))
         return 0
     return 2

@@ -319,7 +319,12 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
 
 
 def main(fd: int) -> int:
-    conn = Connection(fd)
+    return serve_connection(Connection(fd))
+
+
+def serve_connection(conn: Connection) -> int:
+    """Serve one parent over `conn` until it says "stop" or hangs up; 0 = a clean end, 1 = vLLM failed.
+    A local engine process calls it from `main`; a Ray replica actor from a thread (engine/ray_replicas.py)."""
     try:
         kind, config = conn.recv()
     except EOFError:

@@ -49,35 +49,57 @@ class DistributedPolicy:
     N worker processes."""
 
     def __init__(self, model_path: str, config: GRPOConfig, *, devices: list[str] | None = None,
-                 start_timeout: float = 300.0, step_timeout: float = 1800.0):
-        """devices: one per rank (default: `trainer_devices(config)`)."""
+                 start_timeout: float = 300.0, step_timeout: float = 1800.0, ray_address: str | bool = False):
+        """devices: one per rank (default: `trainer_devices(config)`). ray_address: run the ranks as Ray actors
+        on that cluster (None: this process's local one; see engine/ray_replicas.py); False: local processes."""
         self.config = config
         self.world_size = config.world_size
         self.step_timeout = step_timeout
         self.sharded = config.strategy == "fsdp"
         self._broken = ""  # why the ranks were stopped after answers could not be read (then nothing is sent)
-        self.devices = devices if devices is not None else trainer_devices(config)
+        self._ray = None  # the ranks' Ray actors, when they run there
+        self._conns, self._procs = [], []
+        if ray_address is not False:
+            from polar_lab.engine.ray_replicas import RayRanks  # Ray is an optional extra
+
+            self._ray = RayRanks(self.world_size, ray_address)
+            self.devices = self._ray.devices
+        else:
+            self.devices = devices if devices is not None else trainer_devices(config)
         backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
         if backend == "nccl" and config.cpu_offload:  # offloaded shards and gradients live on the CPU
             backend = "cpu:gloo,cuda:nccl"
-        ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
-        port = _free_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        self._conns, self._procs = [], []
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, name=f"polar-lab-trainer-{rank}", daemon=True,
-                               args=(rank, self.world_size, port, backend, self.devices[rank], threads,
-                                     model_path, config.to_dict(), child))
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
         try:
+            if self._ray is not None:
+                master = self._ray.master_address()
+                for rank in range(self.world_size):
+                    conn, proc = self._ray.start(rank, "polar_lab.grpo.distributed:rank_main", (
+                        rank, self.world_size, master, backend, self.devices[rank], self._ray.threads,
+                        model_path, config.to_dict()))
+                    self._conns.append(conn)
+                    self._procs.append(proc)
+            else:
+                ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
+                master = ("127.0.0.1", _free_port())
+                for rank in range(self.world_size):
+                    parent, child = ctx.Pipe()
+                    proc = ctx.Process(target=_worker, name=f"polar-lab-trainer-{rank}", daemon=True,
+                                       args=(rank, self.world_size, master, backend, self.devices[rank], threads,
+                                             model_path, config.to_dict(), child))
+                    proc.start()
+                    child.close()
+                    self._conns.append(parent)
+                    self._procs.append(proc)
             self._gather(start_timeout)  # each rank says it is ready
         except BaseException:
             self.close()
             raise
+
+    @property
+    def on_ray(self) -> bool:
+        """The ranks are Ray actors (engine/ray_replicas.py RayRanks), not processes of this kernel."""
+        return self._ray is not None
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         shards = shard(samples, self.world_size)
@@ -125,6 +147,9 @@ class DistributedPolicy:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        if self._ray is not None:
+            self._ray.close()  # the actors and their placement group, for good
+            self._ray = None
 
     # ---- internals -------------------------------------------------------------------------------
     def memory(self, *, reset_peak: bool = False) -> list[dict[str, int]]:
@@ -239,9 +264,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, device: str, threads: int, model_path: str,
-            config: dict[str, Any], conn) -> None:
-    """One trainer rank: build the Policy, join the group, answer commands until "stop"."""
+def rank_main(conn, *args: Any) -> int:
+    """A trainer rank in a Ray actor (engine/ray_replicas.py `Host.serve`): `_worker` over `conn`."""
+    _worker(*args, conn)
+    return 0
+
+
+def _worker(rank: int, world_size: int, master: tuple[str, int], backend: str, device: str, threads: int,
+            model_path: str, config: dict[str, Any], conn) -> None:
+    """One trainer rank: build the Policy, join the group (rendezvous at `master`), answer commands until
+    "stop"."""
     import torch.distributed as dist
 
     from polar_lab.grpo.policy import Policy
@@ -251,7 +283,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, device: str, th
 
     try:
         torch.set_num_threads(threads)
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         dist.init_process_group(backend, rank=rank, world_size=world_size)

@@ -36,6 +36,8 @@ def resolve_device(device: str) -> str:
 
 
 class Policy:
+    on_ray = False  # one rank in this process (DistributedPolicy.on_ray: ranks as Ray actors)
+
     def __init__(self, model_path: str, config: GRPOConfig, *, device: str = "cpu", world_size: int = 1):
         """One rank. `world_size` > 1, or strategy "fsdp", means a process group exists (distributed.py's
         worker made it) and the model is wrapped in DDP or sharded with FSDP2 before the optimiser is built."""

@@ -7,6 +7,7 @@ metrics. The same `GRPOTrainer` a notebook drives.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -32,6 +33,17 @@ def load_train_config(path: str | Path, **grpo_overrides: Any) -> tuple[LabConfi
     return lab_config, GRPOConfig.from_dict(grpo)
 
 
+def on_cluster(lab_config: LabConfig, *, replicas: int | None = None, ray_address: str | None = None) -> LabConfig:
+    """The run's Lab config with `polar-lab train`'s --replicas and --ray-address applied ('local': a Ray cluster
+    of its own on 127.0.0.1; anything else is Ray's address, e.g. 'auto')."""
+    engine = lab_config.engine
+    if replicas is not None:
+        engine = dataclasses.replace(engine, replicas=replicas)
+    if ray_address is not None:
+        engine = dataclasses.replace(engine, cluster="ray", ray_address=None if ray_address == "local" else ray_address)
+    return dataclasses.replace(lab_config, engine=engine)
+
+
 def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bool = True) -> dict[str, Any]:
     from polar_lab.lab import Lab
 
@@ -47,7 +59,8 @@ def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bo
         summary = {
             "run_dir": str(lab.run_dir), "output_dir": str(trainer.output_dir),
             "steps": len(metrics), "policy_version": lab.policy_version, "async_mode": config.async_mode,
-            "world_size": config.world_size, "before": before, "after": after,
+            "world_size": config.world_size, "replicas": lab_config.engine.replicas,
+            "cluster": lab_config.engine.cluster, "trainer_on_ray": trainer.policy.on_ray, "before": before, "after": after,
             "eval_gain": after["eval_reward"] - before["eval_reward"] if before and after else None,
             "train_s": train_s, "startup_s": t_ready - t0, "total_s": time.perf_counter() - t0,
             "mean_step_s": float(metrics["step_s"].mean()),
@@ -62,7 +75,8 @@ def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bo
 def format_train_summary(s: dict[str, Any]) -> str:
     lines = [f"run folder        {s['run_dir']}", f"metrics, ckpts    {s['output_dir']}",
              f"steps             {s['steps']} ({'async' if s['async_mode'] else 'sync'}, "
-             f"{s['world_size']} trainer rank{'s' if s['world_size'] > 1 else ''})",
+             f"{s['world_size']} trainer rank{'s' if s['world_size'] > 1 else ''}, {s.get('replicas', 1)} engine "
+             f"replica{'s' if s.get('replicas', 1) > 1 else ''}{' on Ray' if s.get('cluster') == 'ray' else ''})",
              f"train wall        {s['train_s']:.1f} s ({s['mean_step_s']:.2f} s/step, engine busy "
              f"{s['mean_engine_busy_frac']:.2f})",
              f"train reward      {s['reward_first_step']:.3f} (step 1) -> {s['reward_last_step']:.3f} (last step)"]

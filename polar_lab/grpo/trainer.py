@@ -68,7 +68,9 @@ class GRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
         check_lora_engine(config, lab.config.engine.max_lora_rank)
-        self.policy = make_policy(lab.model_path, config, engine_gpus(lab.config.engine, visible_gpus()))
+        engine = lab.config.engine
+        self.policy = make_policy(lab.model_path, config, engine_gpus(engine, visible_gpus()),
+                                  ray_address=engine.ray_address if engine.cluster == "ray" else False)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(config, self._threads_before))
         if lab.policy_version != 0:  # the engine serves other weights: the full model (LoRA: B = 0, so the base)
@@ -272,12 +274,18 @@ def trainer_threads(config: GRPOConfig, current: int) -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def make_policy(model_path: str, config: GRPOConfig, engine_gpus: list[int] | tuple[int, ...] = ()):
+def make_policy(model_path: str, config: GRPOConfig, engine_gpus: list[int] | tuple[int, ...] = (), *,
+                ray_address: str | None | bool = False):
     """One rank in this process, or `world_size` ranks in worker processes (always for FSDP: sharding needs
-    a process group, and the kernel must not join one). Every check that can fail (device layout beside the
+    a process group, and the kernel must not join one), or as Ray actors (`ray_address`, not False: a Lab
+    whose engine replicas run on Ray trains there too). Every check that can fail (device layout beside the
     engine's `engine_gpus`, LoRA targets, offload) runs first, before any process starts."""
     from polar_lab.grpo.distributed import DistributedPolicy
 
+    if ray_address is not False:  # Ray places the ranks on its own GPU bundles: no layout on this node
+        if config.peft_config is not None:
+            check_targets(model_path, config.peft_config)
+        return DistributedPolicy(model_path, config, ray_address=ray_address)
     devices = check_policy(model_path, config, engine_gpus)
     if config.world_size == 1 and config.trainer_devices is None and config.strategy == "ddp":
         return Policy(model_path, config, device=devices[0])
