@@ -79,6 +79,7 @@ bench: setup litellm sandbox-tools
 	$(BIN)/python benchmarks/sandbox_startup.py
 	$(BIN)/python benchmarks/logprob_memory.py
 	$(BIN)/python benchmarks/grpo_step.py
+	$(BIN)/python benchmarks/replicas.py
 	$(MAKE) smollm2
 	$(BIN)/python benchmarks/weight_sync.py
 	$(BIN)/python benchmarks/trainer_memory.py

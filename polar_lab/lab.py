@@ -411,7 +411,10 @@ class Lab:
         return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
                 "sessions_failed": statuses.count("error") + statuses.count("timeout"),
                 "calls": self.store.num_calls, "output_tokens": self.store.num_output_tokens,
-                "policy_version": self.policy_version, "proxy": self.proxy_state, **engine}
+                "policy_version": self.policy_version, "proxy": self.proxy_state, **engine,
+                **({"replicas_serving": sum(r["serving"] for r in self.engine.replica_status()),
+                    "replicas": len(self.engine.engines), "replica_moves": self.engine.moved}
+                   if isinstance(self.engine, ReplicaSet) else {})}
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load new weights into the live engine at once (no pause); returns the new policy version.
@@ -443,8 +446,6 @@ class Lab:
             write_weights(path, weights)
             write_s = time.perf_counter() - t0
         size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
-        if isinstance(self.engine, ReplicaSet) and self.engine.ship is not None:
-            kind = "ray-object-store" + ("-adapter" if path.is_dir() else "")  # one put, each replica fetches it
         try:
             result = self.supervisor.sync(path, drain_timeout)
         finally:
@@ -452,6 +453,9 @@ class Lab:
                 self._weights_paths.discard(path)
                 if self.engine.weights_file != path:
                     remove_weights(path)  # ours, and not the kept copy (not kept, or the load failed)
+        engine = self.engine
+        if isinstance(engine, ReplicaSet) and engine.ship is not None and engine.shipped is not None:
+            kind = "+".join(sorted(engine.shipped.transports)) or kind  # Ray: shm on this node, else object store
         return dataclasses.replace(result, bytes=size, write_s=write_s, path=kind)
 
     def weights_path(self) -> Path:

@@ -4,7 +4,8 @@ the kernel talks to each over one authenticated socket, as it does with a local 
     kernel (Lab)                                   Ray actor `Host` (one per replica, on its bundle)
     RayEngine ── listens on a port (HMAC key) ◀── connects back, then runs engine/worker.py's loop
               ◀──── deltas, generations ────────  in a thread of the actor (vLLM in the actor's process)
-    ReplicaSet.load_weights_file: ray.put(file) once ─▶ each actor's `stage` writes it to its node's
+    ReplicaSet.load_weights_file: a replica on the kernel's node maps the file in /dev/shm itself; for
+              replicas on other nodes ray.put(file) once ─▶ each actor's `stage` writes it to its node's
               /dev/shm, then the usual "weights" command loads it there
 
 Why a socket rather than a Ray call per request: the worker's protocol already batches one engine step's
@@ -118,7 +119,8 @@ class Host:
         return await asyncio.to_thread(_serve_back, target, tuple(address), authkey, args, log_path)
 
     async def stage(self, payload: Any) -> str:
-        """Write shipped weights (`ship_weights`) to this node's shared memory; the path to load."""
+        """Write shipped weights (`ship_weights`; Ray resolves the reference) to this node's shared memory;
+        the path to load."""
         path, folder = await asyncio.to_thread(_write_payload, payload)
         self.staged[path] = folder
         return path
@@ -146,6 +148,27 @@ def _serve_back(target: str, address: tuple[str, int], authkey: bytes, args: tup
         return getattr(importlib.import_module(module), function)(conn, *args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+SHARE_LOCAL_FILES = True  # a replica on the kernel's node reads the weights file itself (tests turn it off)
+
+
+class Shipment:
+    """One weights file (or adapter folder) on its way to every replica of a set: a replica on the kernel's
+    node maps the file itself, from shared memory; the first replica on another node puts it into Ray's
+    object store, once, and every replica there fetches that one copy. `transports` says which were used."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.transports: set[str] = set()
+        self._ref: ray.ObjectRef | None = None
+        self._lock = threading.Lock()
+
+    def ref(self) -> ray.ObjectRef:
+        with self._lock:
+            if self._ref is None:
+                self._ref = ship_weights(self.path)
+            return self._ref
 
 
 def ship_weights(path: str | Path) -> ray.ObjectRef:
@@ -269,6 +292,7 @@ class RayEngine(VLLMEngine):
         self.host = host
         self.target = target
         self.process: ActorProcess | None = None
+        self.node: str | None = None  # the Ray node it runs on (known once ready)
         self._scratch = None  # the actor makes its own temp folder on its node
 
     def launch(self) -> RayEngine:
@@ -293,6 +317,7 @@ class RayEngine(VLLMEngine):
             raise
         info = super()._ready_message(max(1.0, deadline - time.monotonic()))
         self.pid = self._proc.pid = info.get("pid")
+        self.node = ray.get(self.actor.ready.remote(), timeout=60)["node"]
         return info
 
     def close(self) -> None:
@@ -302,14 +327,20 @@ class RayEngine(VLLMEngine):
         super().close()
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0,
-                          shipped: Any = None) -> int:
-        """Load weights shipped through the object store (`ship_weights`; shipped here if not given): the actor
-        writes them to its node's /dev/shm, the engine loads that file, the actor removes it."""
+                          shipped: Shipment | None = None) -> int:
+        """Load a weights file (`shipped`: the set's one Shipment of it): on the kernel's node the engine maps
+        the file itself; elsewhere the actor writes the object store's copy to its node's /dev/shm, the engine
+        loads that, the actor removes it."""
         if not self.alive:
             raise EngineError(f"engine is not running ({self.failure})")
-        shipped = ship_weights(path) if shipped is None else shipped
+        shipped = Shipment(path) if shipped is None else shipped
+        kind = "-adapter" if shipped.path.is_dir() else "-file"
+        if SHARE_LOCAL_FILES and self.node == ray.get_runtime_context().get_node_id() and shipped.path.exists():
+            shipped.transports.add("shm" + kind)
+            return super().load_weights_file(shipped.path, version=version, timeout=timeout)
+        shipped.transports.add("ray-object-store" + kind)
         try:
-            local = ray.get(self.actor.stage.remote(shipped), timeout=timeout)
+            local = ray.get(self.actor.stage.remote(shipped.ref()), timeout=timeout)
         except ray.exceptions.RayError as exc:
             raise EngineError(f"the replica could not stage the weights: {exc}") from None
         try:
@@ -413,7 +444,7 @@ def ray_replica_set(config: EngineConfig, *, log_dir: Path | None, weights_dir: 
 
     engines = [group.engine(slot) for slot in range(config.replicas)]
     return ReplicaSet(engines, factory=group.engine, weights_dir=weights_dir, max_restarts=config.max_restarts,
-                      queue_bound=config.replica_queue_bound, ship=ship_weights, on_close=closed)
+                      queue_bound=config.replica_queue_bound, ship=Shipment, on_close=closed)
 
 
 # ---- trainer ranks ------------------------------------------------------------------------------------

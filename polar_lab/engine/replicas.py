@@ -16,8 +16,8 @@ Every generation says which replica sampled it (`Generation.replica` → `ModelC
 
 One policy version: `load_weights_file` loads the file into every replica in parallel (each at the same
 version); a replica that fails to load is taken out of rotation and replaced — it never serves old weights
-under the new version. Given `ship`, the file is shipped once (into Ray's object store) and every replica
-fetches that one copy.
+under the new version. Given `ship`, the file is wrapped once for all replicas (Ray: replicas on other nodes
+fetch one copy from the object store) and passed to each replica's load as `shipped=`.
 
 Faults: a replica that dies fails only its own requests in flight (the proxy answers them 503); the set
 takes it out of rotation, its sessions move on their next call, and a "polar-lab-replica" thread brings a
@@ -112,7 +112,7 @@ class ReplicaSet:
         self._lock = threading.Lock()  # routing state (pick from the loop, submit from any thread)
         self._weights_lock = threading.RLock()  # one weight load at a time; a replacement joins between loads
         self._version = 0
-        self._shipped: Any = None  # the shipped copy of the weights being served (for replacements)
+        self.shipped: Any = None  # what `ship` made of the weights being served (for replacements)
         self._served: Path | None = None  # the file (or folder) those weights came from
         self._busy_before = 0.0  # busy seconds of replaced replicas
         self._healing: set[int] = set()
@@ -270,7 +270,7 @@ class ReplicaSet:
                 first = next(iter(errors.values()))
                 raise first if isinstance(first, EngineError) else EngineError(f"weight load failed: {first!r}")
             self._version = target
-            self._shipped, self._served = shipped, path
+            self.shipped, self._served = shipped, path
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
@@ -311,7 +311,7 @@ class ReplicaSet:
 
     def _can_replace(self, slot: int) -> bool:
         used = sum(r.replica == slot for r in self.restarts)
-        kept = self._version == 0 or self.weights_file is not None or self._shipped is not None
+        kept = self._version == 0 or self.weights_file is not None or self.shipped is not None
         return (self.factory is not None and not self._closed and slot not in self._healing
                 and used < self.max_restarts and kept)
 
@@ -328,8 +328,8 @@ class ReplicaSet:
                 if self._closed:
                     raise EngineError("the replica set closed while a replica restarted")
                 if self._version > 0:
-                    if self._shipped is not None:  # the one copy in the object store
-                        new.load_weights_file(self._served, version=self._version, shipped=self._shipped)
+                    if self.shipped is not None:  # the one copy in the object store
+                        new.load_weights_file(self._served, version=self._version, shipped=self.shipped)
                     elif self.weights_file is not None:
                         new.load_weights_file(self.weights_file, version=self._version)
                     else:

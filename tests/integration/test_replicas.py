@@ -73,16 +73,21 @@ def test_each_session_sticks_to_one_replica_on_ray(ray_lab):
     assert os.getpid() not in set(replicas["pid"])  # the engines run in Ray's actor processes
 
 
-def test_after_a_sync_both_replicas_sample_the_new_weights(ray_lab, model_path, shipped_weights):
+def test_after_a_sync_both_replicas_sample_the_new_weights(ray_lab, model_path, shipped_weights, monkeypatch):
     from transformers import AutoModelForCausalLM
+
+    from polar_lab.engine import ray_replicas
 
     from polar_lab.trajectory import fidelity
 
     # a flatter output head: a policy the replicas cannot have from disk, with logprobs far from the shipped ones
     flatter = {**shipped_weights, "lm_head.weight": shipped_weights["lm_head.weight"] * 0.5}
+    # both replicas map the file on this node; then, as replicas on other nodes would, through the object store
+    assert ray_lab.sync_weights(shipped_weights).path == "shm-file"
+    monkeypatch.setattr(ray_replicas, "SHARE_LOCAL_FILES", False)
     result = ray_lab.sync_weights(flatter)
     version = ray_lab.policy_version
-    assert result.policy_version == version and result.path == "ray-object-store"
+    assert result.policy_version == version and result.path == "ray-object-store-file"
     assert list(ray_lab.replicas()["policy_version"]) == [version, version]
     sessions = [ray_lab.session(task={"after": i}) for i in range(8)]
     _ask(ray_lab, sessions, rounds=2, max_tokens=16)
@@ -151,6 +156,8 @@ def test_a_replica_killed_mid_rollout_comes_back_and_the_rollout_finishes(ray_la
     while not ray_lab.replicas()["serving"][0]:
         assert time.monotonic() < deadline, ray_lab.replicas().to_dict("records")
         time.sleep(0.5)
+    stats = ray_lab.stats()
+    assert stats["replicas"] == 2 and stats["replicas_serving"] == 2 and stats["replica_moves"] >= len(moved)
     row = ray_lab.replicas().iloc[0]
     assert int(row["pid"]) != victim and not running(victim)
     assert row["policy_version"] == version and row["restarts"] == 1
