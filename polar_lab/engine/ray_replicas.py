@@ -57,6 +57,7 @@ WORKER = "polar_lab.engine.worker:serve_connection"  # what a replica actor runs
 _cluster_lock = threading.Lock()
 _cluster_users = 0
 _cluster_ours = False  # this process started the cluster it is connected to
+_connected_by_us = False  # ray.init was ours (not the user's own, made before any Lab): ours to end
 
 
 class RayCluster:
@@ -64,16 +65,23 @@ class RayCluster:
     `RayCluster`; the last one stops a local cluster this process started."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None):
-        global _cluster_users, _cluster_ours
+        global _cluster_users, _cluster_ours, _connected_by_us
         with _cluster_lock:
             if not ray.is_initialized():
-                if address is None:  # a local cluster of our own, on loopback only
-                    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                if address is None:  # a local cluster of our own, on loopback only (never one RAY_ADDRESS names)
+                    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                              _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
                     _cluster_ours = True
                 else:
-                    ray.init(address=address, log_to_driver=False, configure_logging=False)
+                    try:
+                        ray.init(address=address, log_to_driver=False, configure_logging=False)
+                    except (ConnectionError, RuntimeError) as exc:
+                        raise EngineError(
+                            f"could not join the Ray cluster at {address!r}: {str(exc).splitlines()[0]}. A cluster "
+                            f"started with `ray start` uses token authentication (Ray 2.60): set RAY_AUTH_MODE=token "
+                            f"here, with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from exc
                     _cluster_ours = False
+                _connected_by_us = True
             _cluster_users += 1
         self.started = _cluster_ours
         # where actors connect back: loopback on a cluster of our own, else this node's cluster address
@@ -81,15 +89,16 @@ class RayCluster:
         self._closed = False
 
     def close(self) -> None:
-        global _cluster_users, _cluster_ours
+        global _cluster_users, _cluster_ours, _connected_by_us
         with _cluster_lock:
             if self._closed:
                 return
             self._closed = True
             _cluster_users -= 1
-            if _cluster_users == 0 and ray.is_initialized():
-                ray.shutdown()  # a cluster we started stops with it (its raylet, GCS, workers)
-                _cluster_ours = False
+            if _cluster_users == 0 and _connected_by_us and ray.is_initialized():
+                # a cluster we started stops with it (its raylet, GCS, workers); a joined one is only left
+                ray.shutdown()
+                _cluster_ours = _connected_by_us = False
 
     def has_gpus(self) -> bool:
         return ray.cluster_resources().get("GPU", 0) > 0
@@ -142,11 +151,15 @@ def _serve_back(target: str, address: tuple[str, int], authkey: bytes, args: tup
     scratch = tempfile.mkdtemp(prefix="polar-lab-actor-")  # vLLM's rendezvous files, the worker's adapter copies
     os.environ["TMPDIR"] = scratch
     tempfile.tempdir = None
+    os.environ["POLAR_LAB_IN_RAY_ACTOR"] = "1"  # the engine keeps vLLM's own workers off Ray (worker.py)
+    conn = None
     try:
         conn = Client(address, authkey=authkey)
         module, function = target.split(":")
         return getattr(importlib.import_module(module), function)(conn, *args)
     finally:
+        if conn is not None:
+            conn.close()  # the kernel hears the end now (a local process's exit closes it; a thread must)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -161,6 +174,7 @@ class Shipment:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.transports: set[str] = set()
+        self.file_valid = True  # False once the file may be gone or rewritten: only the copy counts then
         self._ref: ray.ObjectRef | None = None
         self._lock = threading.Lock()
 
@@ -169,6 +183,16 @@ class Shipment:
             if self._ref is None:
                 self._ref = ship_weights(self.path)
             return self._ref
+
+    def keep(self) -> None:
+        """Make the object store's copy now, before the file goes (the Lab deletes weights it does not keep):
+        replacements load that copy."""
+        self.ref()
+        self.file_valid = False
+
+    @property
+    def kept(self) -> bool:
+        return self._ref is not None
 
 
 def ship_weights(path: str | Path) -> ray.ObjectRef:
@@ -183,7 +207,9 @@ def ship_weights(path: str | Path) -> ray.ObjectRef:
 def _mapped(path: Path) -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    # a plain ndarray over the mapping pickles out of band (zero-copy into the object store); a memmap would
+    # pickle its bytes in-band, a full copy in the kernel's heap
+    return np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
 
 
 def _write_payload(payload: Any) -> tuple[str, str]:
@@ -335,7 +361,7 @@ class RayEngine(VLLMEngine):
             raise EngineError(f"engine is not running ({self.failure})")
         shipped = Shipment(path) if shipped is None else shipped
         kind = "-adapter" if shipped.path.is_dir() else "-file"
-        if SHARE_LOCAL_FILES and self.node == ray.get_runtime_context().get_node_id() and shipped.path.exists():
+        if SHARE_LOCAL_FILES and shipped.file_valid and self.node == ray.get_runtime_context().get_node_id():
             shipped.transports.add("shm" + kind)
             return super().load_weights_file(shipped.path, version=version, timeout=timeout)
         shipped.transports.add("ray-object-store" + kind)
@@ -384,11 +410,13 @@ class RayReplicas:
         """A launched engine on `slot`'s actor. An actor whose previous engine stopped normally is restarted
         first (a fresh process: vLLM is not built twice in one); a dead one Ray is restarting already."""
         previous = self.engines[slot]
-        ended = previous.process.poll() if previous is not None and previous.process is not None else None
-        if ended == 0:
-            ActorProcess(self.actors[slot], None).kill()
-        if ended is not None:
-            self._wait_restarted(slot, previous.pid)
+        if previous is not None and previous.process is not None and previous.process.poll() is not None:
+            try:  # the actor still answers: its process held a vLLM (stopped, failed or broken): end it
+                old_pid = ray.get(self.actors[slot].ready.remote(), timeout=10)["pid"]
+                ActorProcess(self.actors[slot], None).kill()
+            except ray.exceptions.RayError:  # dead already: Ray is restarting it
+                old_pid = previous.pid
+            self._wait_restarted(slot, old_pid)
         log_path = self.log_dir / f"engine-{slot}.log" if self.log_dir else None
         engine = RayEngine(self.config, self.actors[slot], host=self.cluster.host, log_path=log_path,
                            target=self.target).launch()
@@ -442,7 +470,15 @@ def ray_replica_set(config: EngineConfig, *, log_dir: Path | None, weights_dir: 
         group.close()
         cluster.close()
 
-    engines = [group.engine(slot) for slot in range(config.replicas)]
+    engines = []
+    try:
+        for slot in range(config.replicas):
+            engines.append(group.engine(slot))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        closed()
+        raise
     return ReplicaSet(engines, factory=group.engine, weights_dir=weights_dir, max_restarts=config.max_restarts,
                       queue_bound=config.replica_queue_bound, ship=Shipment, on_close=closed)
 

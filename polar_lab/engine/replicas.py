@@ -84,8 +84,9 @@ class ReplicaSet:
                  ship: Callable[[Path], Any] | None = None, on_close: Callable[[], None] | None = None):
         """replicas: launched engines (wait_ready waits for all). factory(slot): a launched replacement for a
         dead replica; None = dead replicas stay out. weights_dir: keep the served weights' file there (for
-        replacements), as VLLMEngine does. ship(path): put a weights file where every replica can fetch it
-        (Ray's object store); its result is passed to each replica's load as `shipped=`. on_close: called
+        replacements), as VLLMEngine does. ship(path): wraps a weights file for every replica (Ray: a Shipment,
+        engine/ray_replicas.py), passed to each replica's load as `shipped=`; its `keep()` makes a copy that
+        outlives the file, and `kept` says there is one (then a replacement can load it). on_close: called
         after the replicas are closed (the Ray set removes its actors and placement group)."""
         if not replicas:
             raise EngineError("a replica set needs at least one engine")
@@ -115,7 +116,8 @@ class ReplicaSet:
         self.shipped: Any = None  # what `ship` made of the weights being served (for replacements)
         self._served: Path | None = None  # the file (or folder) those weights came from
         self._busy_before = 0.0  # busy seconds of replaced replicas
-        self._healing: set[int] = set()
+        self._healing: set[int] = set()  # slots a replacement thread owns
+        self._starting: dict[int, Engine] = {}  # replacements being started
         self._closed = False
         self._stopping = threading.Event()
         for slot, engine in enumerate(replicas):
@@ -210,7 +212,11 @@ class ReplicaSet:
         except EngineError as exc:
             outer.set_exception(exc)
             return outer
-        inner = self.engines[slot].submit(prompt_ids, spec)
+        try:
+            inner = self.engines[slot].submit(prompt_ids, spec)
+        except BaseException:
+            self._done(slot)
+            raise
 
         def settle(f: concurrent.futures.Future) -> None:
             self._done(slot)
@@ -269,15 +275,18 @@ class ReplicaSet:
             if len(errors) == len(slots):
                 first = next(iter(errors.values()))
                 raise first if isinstance(first, EngineError) else EngineError(f"weight load failed: {first!r}")
+            for slot in errors:  # out of rotation before the version moves: none serves old weights under it
+                self.serving[slot] = False
             self._version = target
             self.shipped, self._served = shipped, path
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
                 remove_weights(previous)
-            for slot, exc in errors.items():  # never serve the old weights under the new version
+            if self.weights_file is None and shipped is not None:
+                shipped.keep()  # the file may go once this returns: replacements need their own copy
+            for slot, exc in errors.items():
                 log.warning("replica %d failed to load policy version %d (%s); replacing it", slot, target, exc)
-                self.serving[slot] = False
                 self._replace(slot, f"failed to load policy version {target}: {exc}")
         return target
 
@@ -289,7 +298,7 @@ class ReplicaSet:
     # ---- faults -------------------------------------------------------------------------------
     def _exited_callback(self, slot: int) -> Callable[[Engine, str], None]:
         def exited(engine: Engine, reason: str) -> None:
-            if self._closed or self.engines[slot] is not engine:
+            if self._closed or self.engines[slot] is not engine or slot in self._healing:
                 return
             log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
             self._replace(slot, reason)
@@ -297,10 +306,15 @@ class ReplicaSet:
 
     def _replace(self, slot: int, reason: str) -> None:
         """Take `slot` out of rotation and bring a replacement in a thread of its own (or report the set's death
-        when nothing serves and nothing can come back)."""
-        self.serving[slot] = False
-        if self._can_replace(slot):
-            self._healing.add(slot)
+        when nothing serves and nothing can come back). A slot already being replaced is left to that thread."""
+        with self._lock:  # check and claim at once: two deaths heard together start one replacement
+            if slot in self._healing:
+                return
+            self.serving[slot] = False
+            replace = self._can_replace(slot)
+            if replace:
+                self._healing.add(slot)
+        if replace:
             threading.Thread(target=self._heal, args=(slot, reason), name="polar-lab-replica", daemon=True).start()
             return
         # out for good: it would serve weights nobody asked for (closed from a thread of its own: this may be
@@ -311,7 +325,9 @@ class ReplicaSet:
 
     def _can_replace(self, slot: int) -> bool:
         used = sum(r.replica == slot for r in self.restarts)
-        kept = self._version == 0 or self.weights_file is not None or self.shipped is not None
+        # the served weights can be loaded again: the model folder, the kept file, or a shipped copy that
+        # outlives the file (a user's path may be gone or rewritten by now)
+        kept = self._version == 0 or self.weights_file is not None or bool(getattr(self.shipped, "kept", False))
         return (self.factory is not None and not self._closed and slot not in self._healing
                 and used < self.max_restarts and kept)
 
@@ -323,15 +339,18 @@ class ReplicaSet:
         try:
             old.close()  # fails what it still had in flight (503)
             new = self.factory(slot)
+            self._starting[slot] = new  # close() closes it: a closing set does not wait out a start-up
+            if self._closed:
+                raise EngineError("the replica set closed while a replica restarted")
             new.wait_ready()
             with self._weights_lock:  # between two syncs: it joins at the version being served
-                if self._closed:
+                if self._closed:  # close() takes this lock after it sets _closed: no swap after a close
                     raise EngineError("the replica set closed while a replica restarted")
                 if self._version > 0:
-                    if self.shipped is not None:  # the one copy in the object store
-                        new.load_weights_file(self._served, version=self._version, shipped=self.shipped)
-                    elif self.weights_file is not None:
+                    if self.weights_file is not None:  # the kept file
                         new.load_weights_file(self.weights_file, version=self._version)
+                    elif getattr(self.shipped, "kept", False):  # the copy that outlives the file
+                        new.load_weights_file(self._served, version=self._version, shipped=self.shipped)
                     else:
                         raise EngineError(f"policy version {self._version}'s weights were not kept")
                 record.policy_version = self._version
@@ -349,8 +368,10 @@ class ReplicaSet:
             if not self._closed:
                 log.error("engine replica %d could not be brought back: %s", slot, record.error)
         finally:
+            self._starting.pop(slot, None)
             self.restarts.append(record)
-            self._healing.discard(slot)
+            with self._lock:
+                self._healing.discard(slot)
         if self._closed:
             return
         if not record.ok and self._can_replace(slot):  # try again, after a backoff, while the budget lasts
@@ -385,8 +406,12 @@ class ReplicaSet:
             return
         self._closed = True
         self._stopping.set()  # a replacement's backoff ends
-        with concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="polar-lab-close") as pool:
-            list(pool.map(lambda e: e.close(), self.engines))
+        for engine in list(self._starting.values()):
+            engine.close()  # a replacement starting: its wait_ready fails at once
+        with self._weights_lock:  # a replacement past its start-up either swapped in already or sees _closed
+            engines = list(self.engines)
+        with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="polar-lab-close") as pool:
+            list(pool.map(lambda e: e.close(), engines))
         if self.on_close is not None:
             self.on_close()
 

@@ -83,6 +83,7 @@ class Worker:
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
             **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c), **_lora_args(c),
+            **_executor_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
@@ -299,6 +300,14 @@ def _reasoning_args(c: EngineConfig) -> dict[str, Any]:
             from vllm.config.reasoning import ReasoningConfig
 
             return {"reasoning_config": ReasoningConfig(reasoning_start_str=start, reasoning_end_str=end)}
+    return {}
+
+
+def _executor_args(c: EngineConfig) -> dict[str, Any]:
+    """Inside a Ray replica actor, tensor-parallel workers are this process's children on the GPUs Ray gave the
+    actor (vLLM would otherwise place them on Ray itself, outside the actor's bundle). Not run on a GPU yet."""
+    if c.tensor_parallel_size > 1 and os.environ.get("POLAR_LAB_IN_RAY_ACTOR"):
+        return {"distributed_executor_backend": "mp"}
     return {}
 
 

@@ -49,7 +49,7 @@ def make(tokenizer, model_path):
         engines = [Replica(tokenizer, model_path, delay_s=delay_s, name=f"first-{i}") for i in range(n)]
         return ReplicaSet(engines, factory=replica if factory else None, **kwargs).wait_ready()
 
-    make.made = made
+    make.made, make.tokenizer, make.model_path = made, tokenizer, model_path
     return make
 
 
@@ -74,13 +74,13 @@ def test_each_session_sticks_to_one_replica_and_sessions_spread(make):
 
 
 def test_a_new_session_goes_to_the_replica_with_fewest_requests_in_flight(make):
-    replicas = make(3, delay_s=0.5)
-    busy = [replicas.submit([1], SPEC, route="a"), replicas.submit([1], SPEC, route="a")]  # both on replica 0
-    fresh = replicas.submit([1], SPEC, route="b")
-    other = replicas.submit([1], SPEC, route="c")
-    assert [f.result().replica for f in busy] == [0, 0]
-    assert {fresh.result().replica, other.result().replica} == {1, 2}
-    assert replicas.inflight == [0, 0, 0]
+    replicas = make(2, delay_s=0.5)
+    a1 = replicas.submit([1], SPEC, route="a")  # replica 0
+    b = replicas.submit([1], SPEC, route="b")  # replica 1: nothing in flight there
+    a2 = replicas.submit([1], SPEC, route="a")  # replica 0 again: 2 in flight there, 1 on replica 1
+    c = replicas.submit([1], SPEC, route="c")  # sessions tie (1 and 1): the requests in flight decide
+    assert [f.result().replica for f in (a1, b, a2, c)] == [0, 1, 0, 1]
+    assert replicas.inflight == [0, 0]
 
 
 def test_a_dead_replicas_sessions_move_and_the_move_is_recorded(make):
@@ -186,3 +186,114 @@ def test_routing_is_safe_from_many_threads(make):
         t.join()
     assert errors == [] and replicas.inflight == [0, 0, 0, 0]
     assert sum(row["sessions"] for row in replicas.replica_status()) == 80
+
+
+class Slow(Replica):
+    """A replacement that takes its time to start (or never does)."""
+
+    def __init__(self, tokenizer, model_path, *, start_s: float = 0.0, fails: bool = False):
+        super().__init__(tokenizer, model_path)
+        self.start_s, self.fails = start_s, fails
+        self.stopped = threading.Event()
+
+    def wait_ready(self, timeout: float = 900.0):
+        if self.stopped.wait(self.start_s) or self.fails:
+            raise EngineError("start-up failed")
+        return self
+
+    def close(self) -> None:
+        super().close()
+        self.stopped.set()
+
+
+def test_a_failed_replacement_is_tried_again_within_the_budget(tokenizer, model_path):
+    attempts: list[Slow] = []
+
+    def factory(slot: int) -> Slow:
+        attempts.append(Slow(tokenizer, model_path, fails=len(attempts) == 0))  # the first start fails
+        return attempts[-1]
+
+    replicas = ReplicaSet([Replica(tokenizer, model_path) for _ in range(2)], factory=factory,
+                          max_restarts=3).wait_ready()
+    replicas.engines[0].die()
+    until(lambda: replicas.serving[0], timeout=10)
+    assert replicas.engines[0] is attempts[1]
+    assert [(r.ok, r.replica) for r in replicas.restarts] == [(False, 0), (True, 0)]
+
+
+def test_replacements_stop_at_max_restarts_and_then_the_set_reports_its_death(tokenizer, model_path):
+    deaths: list[str] = []
+    replicas = ReplicaSet([Replica(tokenizer, model_path)],
+                          factory=lambda slot: Slow(tokenizer, model_path, fails=True), max_restarts=2).wait_ready()
+    replicas.on_exit = lambda engine, reason: deaths.append(reason)
+    replicas.engines[0].die()
+    until(lambda: deaths, timeout=15)  # 2 failed attempts (1 s backoff between), then the set gives up
+    assert [r.ok for r in replicas.restarts] == [False, False] and not replicas.alive
+    assert "could not be brought back" in deaths[0]
+
+
+def test_closing_the_set_ends_a_replacement_that_is_starting(tokenizer, model_path):
+    starting: list[Slow] = []
+
+    def factory(slot: int) -> Slow:
+        starting.append(Slow(tokenizer, model_path, start_s=60))
+        return starting[-1]
+
+    replicas = ReplicaSet([Replica(tokenizer, model_path) for _ in range(2)], factory=factory).wait_ready()
+    replicas.engines[0].die()
+    until(lambda: starting)
+    t0 = time.monotonic()
+    replicas.close()
+    until(lambda: not replicas._healing)
+    assert time.monotonic() - t0 < 5 and not starting[0].alive  # closed, not waited out
+    assert starting[0] not in replicas.engines  # never swapped in after the close
+
+
+def test_two_deaths_heard_together_start_one_replacement(make):
+    replicas = make(2)
+    dead = replicas.engines[0]
+    dead._closed = True
+    threads = [threading.Thread(target=dead.on_exit, args=(dead, "killed")) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    until(lambda: replicas.serving[0])
+    assert len(replicas.restarts) == 1 and len(make.made) == 1
+
+
+class Shipped:
+    """What a Ray set's `ship` makes of a weights file (a Shipment), without Ray."""
+
+    def __init__(self, path):
+        self.path, self.kept = path, False
+
+    def keep(self) -> None:
+        self.kept = True
+
+
+def test_weights_not_kept_as_a_file_are_kept_by_the_shipment_for_replacements(make, tmp_path):
+    shipments: list[Shipped] = []
+
+    def ship(path):
+        shipments.append(Shipped(path))
+        return shipments[-1]
+
+    class Loads(Replica):
+        def load_weights_file(self, path, *, version=None, shipped=None):
+            self.shipped_with = shipped
+            return super().load_weights_file(path, version=version)
+
+    made: list[Loads] = []
+
+    def factory(slot: int) -> Loads:
+        made.append(Loads(make.tokenizer, make.model_path))
+        return made[-1]
+
+    first = [Loads(make.tokenizer, make.model_path) for _ in range(2)]
+    replicas = ReplicaSet(first, factory=factory, ship=ship).wait_ready()  # no weights_dir: nothing kept
+    replicas.load_weights_file(tmp_path / "w.safetensors")
+    assert shipments[0].kept  # the file is the caller's to delete: the shipment made its own copy
+    first[0].die()
+    until(lambda: replicas.serving[0] and made)
+    assert made[0].shipped_with is shipments[0] and made[0].policy_version == 1

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +22,7 @@ import torch
 
 from polar_lab import Lab
 from polar_lab.store import load_calls
-from tests.conftest import ROOT, running
+from tests.conftest import ROOT, free_port, running
 
 pytest.importorskip("ray", reason="Ray is the optional extra .[ray] (make setup installs it)")
 
@@ -167,8 +168,9 @@ def test_a_replica_killed_mid_rollout_comes_back_and_the_rollout_finishes(ray_la
 
 
 def test_close_stops_every_ray_process_the_lab_started(ray_lab):
-    started = ray_lab.ray_started
-    assert started, "the Lab started no Ray cluster of its own"
+    actors = {int(pid) for pid in ray_lab.replicas()["pid"]}  # a replica Ray restarted earlier included
+    started = ray_lab.ray_started | actors
+    assert ray_lab.ray_started, "the Lab started no Ray cluster of its own"
     ray_lab.close()
     deadline = time.monotonic() + 30
     while any(running(pid) for pid in started):
@@ -189,22 +191,49 @@ def test_local_replicas_route_sticky_and_sync_together(model_path, shipped_weigh
     assert not any(running(pid) for pid in pids)
 
 
-def test_train_on_a_ray_cluster_learns_and_leaves_no_ray_process(tmp_path):
-    before = ray_processes()
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "polar_lab.cli", "train", "configs/tiny_calc_grpo.yaml", "--max-steps", "3",
-         "--replicas", "2", "--ray-address", "local", "--eval-limit", "64", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["cluster"] == "ray" and summary["replicas"] == 2 and summary["steps"] == 3
-    assert summary["trainer_on_ray"]  # the trainer rank ran as a Ray actor too
-    assert summary["eval_gain"] > 0, summary
-    calls = load_calls(summary["run_dir"])
-    assert {c.replica for c in calls} == {0, 1}
-    assert "1 trainer rank, 2 engine replicas on Ray" in proc.stdout
+def actor_processes(name: str) -> set[int]:
+    """Processes of Ray actors of class `name` (Ray titles them `ray::<class>`)."""
+    return {p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if (p.info["cmdline"] or [""])[0].startswith(f"ray::{name}")}
+
+
+def test_train_on_a_running_ray_cluster_learns_and_leaves_no_actor_behind(tmp_path):
+    """`polar-lab train --ray-address HOST:PORT` on a cluster someone else started (`ray start --head`): engine
+    replicas and the trainer rank run as its actors, held-out accuracy goes up, and when the run ends its actors
+    are gone while the cluster keeps running."""
+    port = free_port()
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", "6", "--include-dashboard", "false",
+         "--disable-usage-stats"], stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "Ray runtime started" not in (tmp_path / "head.log").read_text():
+            assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-2000:]
+            time.sleep(0.5)
+        cluster = {p.pid for p in psutil.Process(head.pid).children(recursive=True)}
+        out = tmp_path / "out"
+        proc = subprocess.run(
+            [sys.executable, "-m", "polar_lab.cli", "train", "configs/tiny_calc_grpo.yaml", "--max-steps", "3",
+             "--replicas", "2", "--ray-address", f"127.0.0.1:{port}", "--eval-limit", "64", "--output-dir", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=900,
+            env={**os.environ, "RAY_AUTH_MODE": "token"})  # the cluster checks the token in ~/.ray/auth_token
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["cluster"] == "ray" and summary["replicas"] == 2 and summary["steps"] == 3
+        assert summary["trainer_on_ray"]  # the trainer rank ran as a Ray actor too
+        assert summary["eval_gain"] > 0, summary
+        assert {c.replica for c in load_calls(summary["run_dir"])} == {0, 1}
+        assert "1 trainer rank, 2 engine replicas on Ray" in proc.stdout
+        deadline = time.monotonic() + 30
+        while actor_processes("Host"):
+            assert time.monotonic() < deadline, "the run's actors outlived it"
+            time.sleep(0.5)
+        assert head.poll() is None and all(running(pid) for pid in cluster)  # the cluster is not the run's to stop
+    finally:
+        head.terminate()  # the test's own `ray start --block`: it stops the processes it started
+        head.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while ray_processes() - before:
-        assert time.monotonic() < deadline, ray_processes() - before
+    while any(running(pid) for pid in cluster):
+        assert time.monotonic() < deadline, [pid for pid in cluster if running(pid)]
         time.sleep(0.5)
