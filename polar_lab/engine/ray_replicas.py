@@ -387,13 +387,7 @@ class RayReplicas:
         n = config.replicas
         gpu = cluster.has_gpus()
         bundle = {"GPU": config.tensor_parallel_size, "CPU": 1} if gpu else {"CPU": config.replica_cpus}
-        self.pg = placement_group([bundle] * n, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            raise EngineError(f"the Ray cluster cannot place {n} engine replicas of {bundle} within "
-                              f"{PLACEMENT_TIMEOUT_S:.0f} s; it has {ray.available_resources()}") from None
+        self.pg = _placed(bundle, n, "engine replicas")
         threads = config.replica_cpus if not gpu else 1
         env = {**ENV_DEFAULTS, "VLLM_LOGGING_LEVEL": config.vllm_log_level,
                "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
@@ -443,15 +437,32 @@ class RayReplicas:
                 raise EngineError(f"Ray did not restart replica {slot}'s actor within {timeout:.0f} s") from None
 
     def close(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except ValueError:
-                pass
+        _end(self.actors, self.pg)
+
+
+def _placed(bundle: dict[str, float], n: int, what: str):
+    """A placement group of `n` `bundle`s, packed on as few nodes as fit, ready; a clear error if it cannot be."""
+    pg = placement_group([bundle] * n, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise EngineError(f"the Ray cluster cannot place {n} {what} of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                          f"it has {ray.available_resources()}") from None
+    return pg
+
+
+def _end(actors: list, pg) -> None:
+    """End `actors` for good (no restart) and free their placement group."""
+    for actor in actors:
         try:
-            remove_placement_group(self.pg)
-        except Exception:  # noqa: BLE001 - the cluster may be gone already
-            pass
+            ray.kill(actor, no_restart=True)
+        except ValueError:
+            pass  # already gone
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - the cluster may be gone already
+        pass
 
 
 def ray_replica_set(config: EngineConfig, *, log_dir: Path | None, weights_dir: Path | None, target: str = WORKER,
@@ -493,13 +504,7 @@ class RayRanks:
         try:
             gpu = self.cluster.has_gpus()
             bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-            self.pg = placement_group([bundle] * world_size, strategy="PACK")
-            try:
-                ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                remove_placement_group(self.pg)
-                raise EngineError(f"the Ray cluster cannot place {world_size} trainer ranks of {bundle} within "
-                                  f"{PLACEMENT_TIMEOUT_S:.0f} s; it has {ray.available_resources()}") from None
+            self.pg = _placed(bundle, world_size, "trainer ranks")
         except BaseException:
             self.cluster.close()
             raise
@@ -525,13 +530,5 @@ class RayRanks:
         return connect_back(listener, authkey, proc, time.monotonic() + timeout), proc
 
     def close(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except ValueError:
-                pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:  # noqa: BLE001 - the cluster may be gone already
-            pass
+        _end(self.actors, self.pg)
         self.cluster.close()
