@@ -82,10 +82,10 @@ class RayCluster:
                             f"here, with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from exc
                     _cluster_ours = False
                 _connected_by_us = True
+            self.started = _cluster_ours
+            # where actors connect back: loopback on a cluster of our own, else this node's cluster address
+            self.host = "127.0.0.1" if _cluster_ours else ray.util.get_node_ip_address()
             _cluster_users += 1
-        self.started = _cluster_ours
-        # where actors connect back: loopback on a cluster of our own, else this node's cluster address
-        self.host = "127.0.0.1" if _cluster_ours else ray.util.get_node_ip_address()
         self._closed = False
 
     def close(self) -> None:
@@ -112,6 +112,11 @@ class Host:
 
     def __init__(self) -> None:
         self.staged: dict[str, str] = {}  # staged path → the folder to remove
+        # what an earlier process of this actor staged and could not remove (it was killed): remove it now
+        self.prefix = f"polar-lab-staged-{ray.get_runtime_context().get_actor_id()}-"
+        shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+        for folder in shm.glob(self.prefix + "*"):
+            shutil.rmtree(folder, ignore_errors=True)
 
     async def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
@@ -130,7 +135,7 @@ class Host:
     async def stage(self, payload: Any) -> str:
         """Write shipped weights (`ship_weights`; Ray resolves the reference) to this node's shared memory;
         the path to load."""
-        path, folder = await asyncio.to_thread(_write_payload, payload)
+        path, folder = await asyncio.to_thread(_write_payload, payload, self.prefix)
         self.staged[path] = folder
         return path
 
@@ -212,9 +217,9 @@ def _mapped(path: Path) -> np.ndarray:
     return np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
 
 
-def _write_payload(payload: Any) -> tuple[str, str]:
+def _write_payload(payload: Any, prefix: str) -> tuple[str, str]:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = tempfile.mkdtemp(prefix="polar-lab-staged-", dir=shm)
+    folder = tempfile.mkdtemp(prefix=prefix, dir=shm)
     if isinstance(payload, dict):  # an adapter's folder
         for name, data in payload.items():
             target = Path(folder) / name
@@ -242,8 +247,10 @@ class ActorProcess:
             if ready:
                 try:
                     self.returncode = int(ray.get(self.ref))
-                except ray.exceptions.RayError:
+                except ray.exceptions.RayActorError:
                     self.returncode = -9  # the actor died (killed, out of memory) or could not start
+                except ray.exceptions.RayError:
+                    self.returncode = 1  # the call raised; the actor's process lives on
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -328,8 +335,12 @@ class RayEngine(VLLMEngine):
         self._authkey = secrets.token_bytes(32)
         self._listener = listen(self.host)
         address = self._listener.getsockname()[:2]
-        ref = self.actor.serve.remote(self.target, address, self._authkey,
-                                      log_path=str(self.log_path) if self.log_path else None)
+        try:
+            ref = self.actor.serve.remote(self.target, address, self._authkey,
+                                          log_path=str(self.log_path) if self.log_path else None)
+        except BaseException:
+            self._listener.close()
+            raise
         self._proc = self.process = ActorProcess(self.actor, ref)  # `process` outlives close()
         return self
 
@@ -404,13 +415,16 @@ class RayReplicas:
         """A launched engine on `slot`'s actor. An actor whose previous engine stopped normally is restarted
         first (a fresh process: vLLM is not built twice in one); a dead one Ray is restarting already."""
         previous = self.engines[slot]
-        if previous is not None and previous.process is not None and previous.process.poll() is not None:
-            try:  # the actor still answers: its process held a vLLM (stopped, failed or broken): end it
+        ended = previous.process.poll() if previous is not None and previous.process is not None else None
+        if ended in (0, 1):  # its loop ended and the process lives on, holding a vLLM: a fresh process instead
+            try:
                 old_pid = ray.get(self.actors[slot].ready.remote(), timeout=10)["pid"]
                 ActorProcess(self.actors[slot], None).kill()
-            except ray.exceptions.RayError:  # dead already: Ray is restarting it
+            except ray.exceptions.RayError:  # it died meanwhile: Ray is restarting it
                 old_pid = previous.pid
             self._wait_restarted(slot, old_pid)
+        elif ended is not None:  # the process died: Ray restarts it; wait for the new one
+            self._wait_restarted(slot, previous.pid)
         log_path = self.log_dir / f"engine-{slot}.log" if self.log_dir else None
         engine = RayEngine(self.config, self.actors[slot], host=self.cluster.host, log_path=log_path,
                            target=self.target).launch()

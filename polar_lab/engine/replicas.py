@@ -283,11 +283,14 @@ class ReplicaSet:
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
                 remove_weights(previous)
-            if self.weights_file is None and shipped is not None:
-                shipped.keep()  # the file may go once this returns: replacements need their own copy
+            if self.weights_file is None and shipped is not None and self.factory is not None and self.max_restarts:
+                try:
+                    shipped.keep()  # the file may go once this returns: replacements need their own copy
+                except Exception:  # noqa: BLE001 - the load succeeded; only later replacements lack the weights
+                    log.exception("the weights could not be kept for replacements; a replica that dies stays out")
             for slot, exc in errors.items():
                 log.warning("replica %d failed to load policy version %d (%s); replacing it", slot, target, exc)
-                self._replace(slot, f"failed to load policy version {target}: {exc}")
+                self._replace(slot, f"failed to load policy version {target}: {exc}", self.engines[slot])
         return target
 
     def _load_one(self, engine: Engine, path: Path, version: int, shipped: Any) -> int:
@@ -298,17 +301,17 @@ class ReplicaSet:
     # ---- faults -------------------------------------------------------------------------------
     def _exited_callback(self, slot: int) -> Callable[[Engine, str], None]:
         def exited(engine: Engine, reason: str) -> None:
-            if self._closed or self.engines[slot] is not engine or slot in self._healing:
-                return
-            log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
-            self._replace(slot, reason)
+            if not self._closed:
+                log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
+                self._replace(slot, reason, engine)
         return exited
 
-    def _replace(self, slot: int, reason: str) -> None:
-        """Take `slot` out of rotation and bring a replacement in a thread of its own (or report the set's death
-        when nothing serves and nothing can come back). A slot already being replaced is left to that thread."""
+    def _replace(self, slot: int, reason: str, engine: Engine) -> None:
+        """`engine` (the slot's engine) failed: take the slot out of rotation and bring a replacement in a thread
+        of its own, or close it for good and report the set's death when nothing serves and nothing can come
+        back. A stale report (the slot holds another engine by now) and a slot being replaced are left alone."""
         with self._lock:  # check and claim at once: two deaths heard together start one replacement
-            if slot in self._healing:
+            if self._closed or self.engines[slot] is not engine or slot in self._healing:
                 return
             self.serving[slot] = False
             replace = self._can_replace(slot)
@@ -319,19 +322,44 @@ class ReplicaSet:
             return
         # out for good: it would serve weights nobody asked for (closed from a thread of its own: this may be
         # the dying engine's reader thread, which its close() joins)
-        threading.Thread(target=self.engines[slot].close, name="polar-lab-replica", daemon=True).start()
+        threading.Thread(target=engine.close, name="polar-lab-replica", daemon=True).start()
         if not self.alive and not self._healing:
             self._set_died(reason)
 
     def _can_replace(self, slot: int) -> bool:
         used = sum(r.replica == slot for r in self.restarts)
-        # the served weights can be loaded again: the model folder, the kept file, or a shipped copy that
-        # outlives the file (a user's path may be gone or rewritten by now)
-        kept = self._version == 0 or self.weights_file is not None or bool(getattr(self.shipped, "kept", False))
-        return (self.factory is not None and not self._closed and slot not in self._healing
-                and used < self.max_restarts and kept)
+        return self.factory is not None and not self._closed and used < self.max_restarts and self._kept()
+
+    def _kept(self) -> bool:
+        """The served weights can be loaded again: the model folder, the kept file, or a shipped copy that
+        outlives the file (a user's path may be gone or rewritten by now)."""
+        return self._version == 0 or self.weights_file is not None or bool(getattr(self.shipped, "kept", False))
 
     def _heal(self, slot: int, reason: str) -> None:
+        """The slot's replacement thread: attempts with a backoff while the budget lasts (the slot stays
+        claimed throughout), then either the replacement serves or the slot is out for good."""
+        ok = False
+        try:
+            while not self._closed:
+                ok = self._attempt(slot, reason)
+                if ok or not self._can_replace(slot):
+                    break
+                failures = sum(not r.ok and r.replica == slot for r in self.restarts)
+                if self._stopping.wait(min(2.0 ** failures, 30.0)):
+                    break
+        finally:
+            with self._lock:
+                self._healing.discard(slot)
+        if self._closed:
+            return
+        engine = self.engines[slot]
+        if not ok and not self.alive and not self._healing:
+            self._set_died(f"replica {slot} could not be brought back ({self.restarts[-1].error})")
+        elif ok and not engine.alive:  # it died while joining, unheard: its exit came before its on_exit was set
+            self._replace(slot, engine.failure or "died while joining", engine)
+
+    def _attempt(self, slot: int, reason: str) -> bool:
+        """One replacement: close the old engine, start a new one, load the served weights, swap it in."""
         old = self.engines[slot]
         record = ReplicaRestart(replica=slot, reason=reason, policy_version=self._version)
         t0 = time.perf_counter()
@@ -344,7 +372,7 @@ class ReplicaSet:
                 raise EngineError("the replica set closed while a replica restarted")
             new.wait_ready()
             with self._weights_lock:  # between two syncs: it joins at the version being served
-                if self._closed:  # close() takes this lock after it sets _closed: no swap after a close
+                if self._closed:  # no swap after close() began (it looks for late swaps under this lock)
                     raise EngineError("the replica set closed while a replica restarted")
                 if self._version > 0:
                     if self.weights_file is not None:  # the kept file
@@ -354,34 +382,25 @@ class ReplicaSet:
                     else:
                         raise EngineError(f"policy version {self._version}'s weights were not kept")
                 record.policy_version = self._version
+                record.startup_s = time.perf_counter() - t0
+                self.restarts.append(record)  # before the swap: a serving slot's restart is on record
                 self._busy_before += old.busy_seconds
                 new.on_exit = self._exited_callback(slot)
                 self.engines[slot] = new
                 self.serving[slot] = new.alive
-            record.startup_s = time.perf_counter() - t0
             log.warning("engine replica %d is back in %.1f s at policy version %d", slot, record.startup_s,
                         record.policy_version)
+            return True
         except Exception as exc:  # noqa: BLE001 - a thread of our own: the replica stays out, the set goes on
             record.ok, record.error = False, f"{type(exc).__name__}: {exc}"[:2000]
+            self.restarts.append(record)
             if new is not None and self.engines[slot] is not new:
                 new.close()
             if not self._closed:
                 log.error("engine replica %d could not be brought back: %s", slot, record.error)
+            return False
         finally:
             self._starting.pop(slot, None)
-            self.restarts.append(record)
-            with self._lock:
-                self._healing.discard(slot)
-        if self._closed:
-            return
-        if not record.ok and self._can_replace(slot):  # try again, after a backoff, while the budget lasts
-            failures = sum(not r.ok and r.replica == slot for r in self.restarts)
-            if not self._stopping.wait(min(2.0 ** failures, 30.0)):
-                self._replace(slot, reason)
-        elif not record.ok and not self.alive and not self._healing:
-            self._set_died(f"replica {slot} could not be brought back ({record.error})")
-        elif record.ok and not self.engines[slot].alive:
-            self._replace(slot, self.engines[slot].failure or "died while joining")
 
     def _set_died(self, reason: str) -> None:
         if self.on_exit is not None and not self._closed:
@@ -408,10 +427,13 @@ class ReplicaSet:
         self._stopping.set()  # a replacement's backoff ends
         for engine in list(self._starting.values()):
             engine.close()  # a replacement starting: its wait_ready fails at once
-        with self._weights_lock:  # a replacement past its start-up either swapped in already or sees _closed
-            engines = list(self.engines)
+        engines = list(self.engines)
         with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="polar-lab-close") as pool:
-            list(pool.map(lambda e: e.close(), engines))
+            list(pool.map(lambda e: e.close(), engines))  # a load in progress fails now instead of being waited out
+        with self._weights_lock:  # a replacement that swapped in meanwhile (it checked _closed just before)
+            late = [e for e in self.engines if all(e is not seen for seen in engines)]
+        for engine in late:
+            engine.close()
         if self.on_close is not None:
             self.on_close()
 

@@ -144,6 +144,16 @@ def test_when_every_replica_fails_to_load_the_version_does_not_change(make, tmp_
     assert replicas.policy_version == 0 and all(replicas.serving)
 
 
+def test_a_stale_death_report_leaves_the_replacement_alone(make):
+    replicas = make(2)
+    dead = replicas.engines[0]
+    dead.die()
+    until(lambda: replicas.serving[0] and replicas.engines[0] is not dead)
+    dead.on_exit(dead, "heard late")  # the old engine's report, after its replacement took the slot
+    time.sleep(0.2)
+    assert replicas.serving[0] and replicas.engines[0].alive and len(replicas.restarts) == 1
+
+
 def test_a_dead_replica_comes_back_at_the_current_version(make, tmp_path):
     weights = tmp_path / "kept"
     weights.mkdir()
@@ -156,7 +166,7 @@ def test_a_dead_replica_comes_back_at_the_current_version(make, tmp_path):
     assert [(r.replica, r.ok, r.policy_version) for r in replicas.restarts] == [(0, True, 1)]
 
 
-def test_replacements_are_bounded_and_the_set_reports_its_death_when_nothing_serves(make):
+def test_a_set_that_cannot_replace_reports_its_death_when_nothing_serves(make):
     replicas = make(2, factory=False)
     deaths: list[str] = []
     replicas.on_exit = lambda engine, reason: deaths.append(reason)
@@ -189,15 +199,18 @@ def test_routing_is_safe_from_many_threads(make):
 
 
 class Slow(Replica):
-    """A replacement that takes its time to start (or never does)."""
+    """A replacement that takes its time to start (or never does); `deaf`: closing it does not cut its
+    start-up short (a process that was already past the point of no return)."""
 
-    def __init__(self, tokenizer, model_path, *, start_s: float = 0.0, fails: bool = False):
+    def __init__(self, tokenizer, model_path, *, start_s: float = 0.0, fails: bool = False, deaf: bool = False):
         super().__init__(tokenizer, model_path)
-        self.start_s, self.fails = start_s, fails
+        self.start_s, self.fails, self.deaf = start_s, fails, deaf
         self.stopped = threading.Event()
 
     def wait_ready(self, timeout: float = 900.0):
-        if self.stopped.wait(self.start_s) or self.fails:
+        if self.deaf:
+            time.sleep(self.start_s)
+        elif self.stopped.wait(self.start_s) or self.fails:
             raise EngineError("start-up failed")
         return self
 
@@ -227,7 +240,7 @@ def test_replacements_stop_at_max_restarts_and_then_the_set_reports_its_death(to
                           factory=lambda slot: Slow(tokenizer, model_path, fails=True), max_restarts=2).wait_ready()
     replicas.on_exit = lambda engine, reason: deaths.append(reason)
     replicas.engines[0].die()
-    until(lambda: deaths, timeout=15)  # 2 failed attempts (1 s backoff between), then the set gives up
+    until(lambda: deaths, timeout=15)  # 2 failed attempts (2 s backoff between), then the set gives up
     assert [r.ok for r in replicas.restarts] == [False, False] and not replicas.alive
     assert "could not be brought back" in deaths[0]
 
@@ -246,13 +259,34 @@ def test_closing_the_set_ends_a_replacement_that_is_starting(tokenizer, model_pa
     replicas.close()
     until(lambda: not replicas._healing)
     assert time.monotonic() - t0 < 5 and not starting[0].alive  # closed, not waited out
-    assert starting[0] not in replicas.engines  # never swapped in after the close
 
 
-def test_two_deaths_heard_together_start_one_replacement(make):
+def test_a_replacement_that_finishes_starting_after_close_is_never_swapped_in(tokenizer, model_path):
+    starting: list[Slow] = []
+
+    def factory(slot: int) -> Slow:
+        starting.append(Slow(tokenizer, model_path, start_s=1.0, deaf=True))
+        return starting[-1]
+
+    replicas = ReplicaSet([Replica(tokenizer, model_path) for _ in range(2)], factory=factory).wait_ready()
+    replicas.engines[0].die()
+    until(lambda: starting)
+    replicas.close()  # while the replacement is still starting; it comes up a moment later
+    until(lambda: not replicas._healing)
+    assert all(e is not starting[0] for e in replicas.engines) and not starting[0].alive
+
+
+def test_two_deaths_heard_together_start_one_replacement(make, monkeypatch):
     replicas = make(2)
     dead = replicas.engines[0]
     dead._closed = True
+    decide = replicas._can_replace
+
+    def slowly(slot: int) -> bool:  # a slow decision: any thread that checks before another claims would slip in
+        time.sleep(0.05)
+        return decide(slot)
+
+    monkeypatch.setattr(replicas, "_can_replace", slowly)
     threads = [threading.Thread(target=dead.on_exit, args=(dead, "killed")) for _ in range(8)]
     for t in threads:
         t.start()
