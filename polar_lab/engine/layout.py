@@ -38,8 +38,9 @@ def engine_gpus(config: EngineConfig, visible: int) -> list[int]:
         return []
     gpus = list(config.gpus) if config.gpus is not None else list(range(tp))
     if len(gpus) != tp:
+        each = f" for each of replicas={config.replicas} ({tp} in all)" if config.replicas > 1 else ""
         raise ConfigError(f"the engine's gpus {gpus} must be tensor_parallel_size={config.tensor_parallel_size} "
-                          f"x replicas={config.replicas} GPUs, one per shard")
+                          f"GPUs{each}, one per shard")
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"the engine's gpus {gpus} name a GPU twice")
     missing = [g for g in gpus if not 0 <= g < visible]

@@ -7,7 +7,7 @@ from transformers import AutoConfig
 
 from polar_lab import Lab
 from polar_lab.config import EngineConfig, LabConfig
-from polar_lab.engine.layout import check_heads, engine_gpus, trainer_gpus
+from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, trainer_gpus
 from polar_lab.errors import ConfigError
 from polar_lab.grpo import GRPOConfig
 from polar_lab.grpo.trainer import check_run
@@ -37,6 +37,13 @@ def test_layouts_that_cannot_run_are_clear_errors():
         engine_gpus(EngineConfig(tensor_parallel_size=4), 2)
     with pytest.raises(ConfigError, match="must be tensor_parallel_size=2 GPUs"):
         engine_gpus(EngineConfig(tensor_parallel_size=2, gpus=[3]), 8)
+    with pytest.raises(ConfigError, match="must be tensor_parallel_size=2 GPUs for each of replicas=2 \\(4 in all\\)"):
+        engine_gpus(EngineConfig(tensor_parallel_size=2, replicas=2, gpus=[0, 1]), 8)
+    with pytest.raises(ConfigError, match="too few GPUs: the engine needs GPUs \\[0, 1, 2, 3\\]"):
+        engine_gpus(EngineConfig(tensor_parallel_size=2, replicas=2), 2)  # local replicas take GPUs of their own
+    assert replica_gpus(EngineConfig(replicas=3), 4) == [[0], [1], [2]]
+    assert replica_gpus(EngineConfig(replicas=2), 0) == [None, None]  # CPU engines
+    assert engine_gpus(EngineConfig(replicas=8, cluster="ray"), 1) == []  # Ray gives replicas their GPUs
     with pytest.raises(ConfigError, match="not one of the 2 visible GPUs"):
         trainer_gpus(["cuda:5"], 1, [0], 2, colocate=False)
     with pytest.raises(ConfigError, match="name a GPU twice"):

@@ -205,7 +205,7 @@ def test_the_calls_frame_has_one_row_of_scalar_facts_and_token_lists_per_call():
     (row,) = calls_frame([call]).to_dict("records")
     assert row == {"call_id": "a-2", "session_id": "a", "call_index": 2, "choice_index": 1, "api": "x.api",
                    "model": "mm", "prompt_tokens": 2, "completion_tokens": 3, "finish_reason": "length",
-                   "policy_version": 4, "tool_calls": 2, "tool_parse_errors": 1, "render_mode": "continued",
+                   "policy_version": 4, "replica": 0, "tool_calls": 2, "tool_parse_errors": 1, "render_mode": "continued",
                    "total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "received": 10.0, "prompt_ids": [1, 2],
                    "output_ids": [0, 1, 2], "output_logprobs": [-1.0, -1.0, -1.0]}
     bare = _call(0)
