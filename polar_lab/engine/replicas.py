@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -43,7 +41,7 @@ from typing import Any
 import torch
 
 from polar_lab.engine.base import Engine
-from polar_lab.engine.weights import remove_weights, write_weights
+from polar_lab.engine.weights import load_through_file, remove_weights
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -247,15 +245,7 @@ class ReplicaSet:
     # ---- weights ------------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
         """Write the tensors once as a file (shared memory) and load it into every replica."""
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".safetensors", dir=self.weights_dir or shm)
-        os.close(fd)
-        try:
-            write_weights(path, state_dict)
-            return self.load_weights_file(path, version=version)
-        finally:
-            if self.weights_file != Path(path):
-                os.unlink(path)
+        return load_through_file(self, state_dict, version=version)
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
         """Load a weights file (or a LoRA adapter's folder) into every serving replica in parallel, all at one

@@ -38,7 +38,7 @@ import torch
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection
 from polar_lab.engine.layout import engine_gpus, visible_gpus
-from polar_lab.engine.weights import remove_weights, write_weights
+from polar_lab.engine.weights import load_through_file, remove_weights
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -254,15 +254,7 @@ class VLLMEngine:
         """
         if not self.alive:
             raise EngineError(f"engine is not running ({self._failure})")
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
-        fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".safetensors", dir=self.weights_dir or shm)
-        os.close(fd)
-        try:
-            write_weights(path, state_dict)
-            return self.load_weights_file(path, version=version, timeout=timeout)
-        finally:
-            if self.weights_file != Path(path):
-                os.unlink(path)
+        return load_through_file(self, state_dict, version=version, timeout=timeout)
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0) -> int:
         """Load a safetensors file of HF-named tensors (engine/weights.py) from `path`, as `load_weights` does,

@@ -21,7 +21,9 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -97,6 +99,21 @@ def write_weights(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> i
         for name, tensor in state_dict.items():
             out.write(name, tensor)
     return out.bytes
+
+
+def load_through_file(engine, state_dict: Mapping[str, torch.Tensor], **load: Any) -> int:
+    """`load_weights` for an engine that loads files (a VLLMEngine, a ReplicaSet): write the tensors once as a
+    file in the engine's `weights_dir` (else shared memory), `engine.load_weights_file` it with `load`, and
+    delete it unless the engine kept it as its `weights_file`."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, not disk
+    fd, path = tempfile.mkstemp(prefix="polar-lab-weights-", suffix=".safetensors", dir=engine.weights_dir or shm)
+    os.close(fd)
+    try:
+        write_weights(path, state_dict)
+        return engine.load_weights_file(path, **load)
+    finally:
+        if engine.weights_file != Path(path):
+            os.unlink(path)
 
 
 def read_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

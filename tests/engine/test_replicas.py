@@ -178,26 +178,6 @@ def test_a_set_that_cannot_replace_reports_its_death_when_nothing_serves(make):
         replicas.submit([1], SPEC, route="s").result()
 
 
-def test_routing_is_safe_from_many_threads(make):
-    replicas = make(4)
-    errors: list[BaseException] = []
-
-    def caller(t: int) -> None:
-        try:
-            for i in range(200):
-                replicas.submit([1], SPEC, route=f"t{t}-{i % 10}").result()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and replicas.inflight == [0, 0, 0, 0]
-    assert sum(row["sessions"] for row in replicas.replica_status()) == 80
-
-
 class Slow(Replica):
     """A replacement that takes its time to start (or never does); `deaf`: closing it does not cut its
     start-up short (a process that was already past the point of no return)."""
