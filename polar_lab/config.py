@@ -101,6 +101,14 @@ class ProxyConfig:
                                 "returns the running Lab and a JupyterLab on a fixed port never collides; "
                                 "0: a new free port (and a new Lab) every time; N: that port")
     auto_sessions: bool = _f(False, "unknown keys create a session instead of getting 401")
+    shared_key: str | None = _f(None, "one key for frameworks that share a client among rollouts: a request under "
+                                      "it names its session (session_header / session_field). 'auto': a random "
+                                      "one (lab.shared_key); None: off")
+    session_header: str = _f("X-Session-ID", "the header that names a request's session under the shared key")
+    session_field: str | None = _f(None, "a body field that names the session under the shared key when the "
+                                         "header is absent, dotted for nested fields (e.g. 'metadata.session_id')")
+    create_named_sessions: bool = _f(False, "a name under the shared key that no session has creates a session "
+                                            "(else 401)")
     default_max_tokens: int = _f(1024, "max_tokens when a request sets none (clipped to the context)")
     max_body_bytes: int = _f(32 * 1024 * 1024, "larger request bodies get 413")
     inline_render_bytes: int = _f(8 * 1024, "bodies up to this size are rendered and tokenised on the proxy's "
@@ -118,6 +126,10 @@ class ProxyConfig:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.continuity not in CONTINUITY:
             raise ConfigError(f"continuity must be one of {CONTINUITY}, got {self.continuity!r}")
+        if self.shared_key is not None and self.shared_key != "auto" and len(self.shared_key) < 16:
+            raise ConfigError("shared_key must be 'auto' or a secret of at least 16 characters")
+        if not self.session_header:
+            raise ConfigError("session_header must name a header")
 
 
 @dataclass

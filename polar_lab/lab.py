@@ -24,6 +24,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -192,13 +193,17 @@ class Lab:
         self.port = sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
         unix = self._proxy_socket()
+        shared = "pl-shared-" + secrets.token_urlsafe(32) if cfg.shared_key == "auto" else cfg.shared_key
         self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions,
-                                        proxy_socket=unix.getsockname())
+                                        proxy_socket=unix.getsockname(), shared_key=shared,
+                                        create_named=cfg.create_named_sessions)
         tool, reasoning = resolve_parsers(self.config.engine.tool_parser, self.config.engine.reasoning_parser,
                                           self.tokenizer.chat_template or "")
         self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
-        self.store.write_json("config.json", {**self.config.to_dict(), "parsers": self.parsers,
-                                              "sandbox_level": self.sandbox_level})
+        written = self.config.to_dict()
+        if cfg.shared_key not in (None, "auto"):  # a secret: the run folder says only that there was one
+            written["proxy"]["shared_key"] = "(set)"
+        self.store.write_json("config.json", {**written, "parsers": self.parsers, "sandbox_level": self.sandbox_level})
         renderer = Renderer(self.tokenizer, tool_format(tool, self.tokenizer.chat_template or ""))
         self.service = CallService(engine, renderer, self.registry, self.store, cfg,
                                    parser=OutputParser(self.tokenizer, tool, reasoning))
@@ -324,7 +329,7 @@ class Lab:
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                 chat_template: str | None = None, sampling: dict[str, Any] | None = None,
-                continuity: str | None = None, **info: Any) -> Session:
+                continuity: str | None = None, name: str | None = None, **info: Any) -> Session:
         """A new session (one harness run) with its own secret key.
 
         chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
@@ -333,11 +338,19 @@ class Lab:
             max_tokens (a cap). RL rollouts and evaluations use it to fix the sampling distribution.
         continuity: "splice" (echoed turns the proxy produced go back as their sampled ids) or "template"
             (re-rendered by the chat template); None: the Lab's `ProxyConfig.continuity`. See proxy/splice.py.
+        name: what a request under the Lab's shared key (`ProxyConfig.shared_key`) calls this session in its
+            `X-Session-ID` header (or `session_field`); its id works as well. Unique in the Lab.
         info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
         """
         self._check_open()
         return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template,
-                                    sampling=sampling, continuity=continuity)
+                                    sampling=sampling, continuity=continuity, name=name)
+
+    @property
+    def shared_key(self) -> str | None:
+        """The key shared-client frameworks send, each request naming its session (`ProxyConfig.shared_key`);
+        None when the Lab has none."""
+        return self.registry.shared_key
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""

@@ -237,6 +237,7 @@ class Session:
     last_call_error: str | None = None  # the kind of the last call's failure; None once a later call is served
     waited_s: float = 0.0  # time its calls waited for the proxy (a weight sync, a replacement engine)
     waiting: int = field(default=0, repr=False)  # its calls waiting for the proxy right now
+    name: str | None = None  # what requests under the Lab's shared key call it (proxy/sessions.py); its id works too
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     def close(self, reward: float | None = None, *, status: str = "closed",

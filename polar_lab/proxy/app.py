@@ -43,7 +43,7 @@ def create_app(service: CallService) -> FastAPI:
     @app.get("/s/{key}/v1beta/models")
     async def models(request: Request) -> dict[str, Any]:
         """The served model, in the caller's provider's list shape (every model name is served by it)."""
-        service.registry.resolve(session_key(request))
+        service.registry.resolve(session_key(request), shared=True)
         kind = provider(request)
         model = model_object(kind, service.engine.model_name, service.engine)
         if kind == "google":
@@ -58,7 +58,7 @@ def create_app(service: CallService) -> FastAPI:
     @app.get("/s/{key}/v1beta/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         """Any model name, as the model that serves it (the proxy answers every name with its one model)."""
-        service.registry.resolve(session_key(request))
+        service.registry.resolve(session_key(request), shared=True)
         return model_object(provider(request), model_id.removeprefix("models/"), service.engine)
 
     for api in apis.SURFACES:

@@ -3,7 +3,8 @@
 `serve` is the one path: session key → body (size-capped JSON object) → the surface's pydantic model →
 canonical request → `CallService.complete` → record → the surface's response, or its SSE stream.
 Session keys come from the URL path (`/s/{key}/...`), `Authorization: Bearer`, `x-api-key`,
-`x-goog-api-key` or `?key=`. The surfaces themselves live in `proxy/apis/`.
+`x-goog-api-key` or `?key=`; under the Lab's shared key the request names its session instead (`session_of`).
+The surfaces themselves live in `proxy/apis/`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from polar_lab.errors import ContextLengthError, EngineError, RequestError
 from polar_lab.proxy import streaming
 from polar_lab.proxy.service import CallService
+from polar_lab.proxy.sessions import SHARED
 from polar_lab.types import Session
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -85,8 +87,9 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
     build(call, req, body) → the response body; stream(prepared, body) → the API's stream Writer (a streamed
     request is served by proxy/streaming.py, token by token); expand(session, body) → the body with what the
     session keeps for it filled in (a stored previous response), before its conversion."""
-    session = service.registry.resolve(session_key(request))
+    owner = service.registry.resolve(session_key(request), shared=True)
     raw, size = await json_body(request, service.config.max_body_bytes)
+    session = owner if owner is not SHARED else session_of(request, service, raw)
     body = validate(schema, raw)
     if expand is not None:
         body = expand(session, body)
@@ -103,6 +106,34 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
         note_call_error(session, exc)  # why a run failed decides its reward (rollout.failure_cause)
         raise
     return Response(orjson.dumps(response), media_type="application/json")
+
+
+def session_of(request: Request, service: CallService, raw: dict[str, Any] | None = None, *,
+               required: bool = True) -> Session | None:
+    """The session a request under the shared key names: the session header, else the configured body field.
+    Naming none is a 400, or None when not `required`."""
+    cfg = service.config
+    name, where = request.headers.get(cfg.session_header), f"header {cfg.session_header}"
+    if not name and cfg.session_field and raw is not None:
+        name, where = body_field(raw, cfg.session_field), f"body field '{cfg.session_field}'"
+    if name is not None and not isinstance(name, str | int):
+        raise RequestError(f"the {where} names a session by a string, got {type(name).__name__}",
+                           param=cfg.session_field)
+    if name in (None, "") and not required:
+        return None
+    if name in (None, ""):
+        also = f" or the body field '{cfg.session_field}'" if cfg.session_field else ""
+        raise RequestError(f"a request under the shared key must name its session: send the {cfg.session_header} "
+                           f"header{also} with the session's name or id", code="missing_session_id")
+    return service.registry.named(str(name), where=where)
+
+
+def body_field(raw: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path in the body; None where any step is missing."""
+    value: Any = raw
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def note_call_error(session: Session, exc: Exception) -> None:

@@ -27,6 +27,7 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
     total_s = responded - call.timings["received"]
     timings = {**call.timings, "responded": responded, "total_s": total_s,
                "proxy_s": total_s - call.timings["engine_s"] - call.timings.get("paused_s", 0.0)}
+    response = _without_ids(response)
     records = []
     for choice in call.choices:
         gen = choice.generation
@@ -42,3 +43,18 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
             timings=timings, replica=gen.replica, moved_from=gen.moved_from))
     return records
 
+
+
+def _without_ids(response: dict[str, Any]) -> dict[str, Any]:
+    """The response as recorded: the token ids vLLM's `return_token_ids` adds to it (`prompt_token_ids`, each
+    choice's `token_ids`) are left out — they are the record's own `prompt_ids` and `output_ids`, and a second
+    copy of every prompt would double what a session writes.
+
+    >>> _without_ids({"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2]}]})
+    {'choices': [{'index': 0}]}
+    """
+    if "prompt_token_ids" not in response:
+        return response
+    out = {k: v for k, v in response.items() if k != "prompt_token_ids"}
+    out["choices"] = [{k: v for k, v in c.items() if k != "token_ids"} for c in response.get("choices", [])]
+    return out

@@ -107,15 +107,7 @@ class CallService:
         """Everything before the engine: the prompt (spliced, rendered) and the sampling of each choice. A request
         the proxy refuses is refused here, before a streamed response has begun."""
         received = time.time()
-        self._check_tool_choice(req)
-        constraint = self._constraint(req)
-        prefill = self._forced_prefill(session, req, call=constraint != "tool_call")
-        splicing = (session.continuity or self.config.continuity) == "splice"
-        histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
-        rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
-                                     chat_template=session.chat_template, splices=splices, session=session.id)
-        if edited:
-            rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
+        rendered, prefill, constraint, splicing, histories = await self.prompt(session, req, inline=inline)
         requested = self._sampling(req, len(rendered.prompt_ids), constraint, rendered.info,
                                    cap=session.sampling.get("max_tokens"))
         call_index = self.registry.next_call_index(session)
@@ -126,6 +118,22 @@ class CallService:
                         rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs,
                         splicing=splicing,
                         histories=histories, in_thought=in_thought, timings={"received": received})
+
+    async def prompt(self, session: Session, req: CanonicalRequest, *, inline: bool = False
+                     ) -> tuple[Rendered, str, str | None, bool, list[str]]:
+        """The prompt the engine gets for `req` in `session` now (spliced turns, a continued tip, a forced call's
+        prefill): (rendered, prefill, constraint, splicing, history keys). Changes no session state beyond caches
+        (`/tokenize` asks this too)."""
+        self._check_tool_choice(req)
+        constraint = self._constraint(req)
+        prefill = self._forced_prefill(session, req, call=constraint != "tool_call")
+        splicing = (session.continuity or self.config.continuity) == "splice"
+        histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
+        rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
+                                     chat_template=session.chat_template, splices=splices, session=session.id)
+        if edited:
+            rendered.info["edited"] = edited  # echoed turns the harness changed: rendered by the template
+        return rendered, prefill, constraint, splicing, histories
 
     async def generate(self, p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None = None
                        ) -> list[Generation]:

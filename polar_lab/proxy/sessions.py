@@ -2,6 +2,11 @@
 
 A session's key is a 32-byte random secret. Keys are looked up by their SHA-256 digest, so a lookup's
 timing depends on the digest, not on how many leading characters of a guess match a real key.
+
+Frameworks that hold one client for all their rollouts (verifiers, NeMo Gym's model server) cannot give each
+rollout its own key. For them a Lab may have one *shared key*: a request under it names its session (by the
+session's name or id, in a header or a body field: proxy/http.py), and the registry finds it, or — only when
+configured — creates it. Off by default: without a shared key nothing but a session's own key is accepted.
 """
 
 from __future__ import annotations
@@ -33,17 +38,29 @@ def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
     return dict(sampling or {})
 
 
+MAX_NAME = 256  # characters in a session name
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+SHARED = object()  # resolve(..., shared=True): the key is the Lab's shared key; the request names its session
+
+
 class SessionRegistry:
-    def __init__(self, store: RunStore, *, base_url: str = "", auto_sessions: bool = False, proxy_socket: str = ""):
+    def __init__(self, store: RunStore, *, base_url: str = "", auto_sessions: bool = False, proxy_socket: str = "",
+                 shared_key: str | None = None, create_named: bool = False):
+        """shared_key: the key under which requests name their session (None: no such key); create_named: a name
+        no session has creates one (else 401)."""
         self.store = store
         self.base_url, self.proxy_socket = base_url, proxy_socket
         self.auto_sessions = auto_sessions
+        self.shared_key, self.create_named = shared_key, create_named
+        self._shared = _digest(shared_key) if shared_key else None
         self._by_digest: dict[bytes, Session] = {}
         self._by_id: dict[str, Session] = {}
+        self._by_name: dict[str, Session] = {}
         self._call_counts: dict[str, int] = {}
         self._lock = threading.Lock()  # notebook thread creates, loop thread resolves
         self.on_close: list[Callable[[Session], None]] = []  # called after a session is closed (the proxy's caches)
@@ -51,31 +68,59 @@ class SessionRegistry:
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                key: str | None = None, info: dict[str, Any] | None = None,
                chat_template: str | None = None, sampling: dict[str, Any] | None = None,
-               continuity: str | None = None) -> Session:
+               continuity: str | None = None, name: str | None = None) -> Session:
+        """name: what a request under the shared key calls this session (its id works too); unique in the Lab."""
         if continuity not in (None, *CONTINUITY):
             raise ConfigError(f"continuity must be one of {CONTINUITY} or None, got {continuity!r}")
-        session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32),
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
+            raise ConfigError(f"a session name is a string of 1 to {MAX_NAME} characters, got {name!r}")
+        session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32), name=name,
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
                           proxy_socket=self.proxy_socket,
                           chat_template=chat_template, sampling=_check_sampling(sampling), continuity=continuity,
                           _closer=self.close)
         with self._lock:
+            if name is not None and name in self._by_name:
+                raise ConfigError(f"a session named {name!r} exists already (session {self._by_name[name].id})")
+            if name is not None:
+                self._by_name[name] = session
             self._by_digest[_digest(session.key)] = session
             self._by_id[session.id] = session
             self._call_counts[session.id] = 0
         self.store.append_session(session, "opened")
         return session
 
-    def resolve(self, key: str | None) -> Session:
-        """The session a key belongs to; unknown keys get AuthError unless auto-sessions are on."""
+    def resolve(self, key: str | None, *, shared: bool = False) -> Session | object:
+        """The session a key belongs to; unknown keys get AuthError unless auto-sessions are on. shared: the Lab's
+        shared key is accepted too, and answered with SHARED (the caller then finds the session by `named`)."""
         if not key:
             raise AuthError("missing API key: send the session key as a Bearer token or in the /s/{key}/ path")
-        session = self._by_digest.get(_digest(key))
+        digest = _digest(key)
+        session = self._by_digest.get(digest)
         if session is not None:
             return session
+        if shared and self._shared is not None and secrets.compare_digest(digest, self._shared):
+            return SHARED
         if self.auto_sessions:
             return self.create(key=key, info={"auto": True})
         raise AuthError("unknown API key: create a session with lab.session() and use its key")
+
+    def named(self, name: str, *, where: str) -> Session:
+        """The session a request under the shared key names (by name, else by id); a name no session has creates
+        one when `create_named`, else AuthError. where: what carried the name, for the error."""
+        with self._lock:
+            session = self._by_name.get(name) or self._by_id.get(name)
+        if session is not None:
+            return session
+        if not self.create_named:
+            raise AuthError(f"no session is named {name!r} ({where}): create it with lab.session(name=...), or "
+                            f"let the Lab create named sessions (ProxyConfig.create_named_sessions)")
+        if len(name) > MAX_NAME:
+            raise AuthError(f"a session name has at most {MAX_NAME} characters ({where})")
+        try:
+            return self.create(name=name, info={"auto": True, "named_by": where})
+        except ConfigError:  # two first calls of one new name at once: the other created it
+            return self._by_name[name]
 
     def get(self, session_id: str) -> Session:
         return self._by_id[session_id]

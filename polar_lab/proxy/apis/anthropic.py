@@ -318,7 +318,7 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.post("/v1/messages/count_tokens")
     @app.post("/s/{key}/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, int]:
-        service.registry.resolve(session_key(request))
+        service.registry.resolve(session_key(request), shared=True)
         check_version(request)
         raw, size = await json_body(request, service.config.max_body_bytes)
         validate(CountTokensRequest, raw)

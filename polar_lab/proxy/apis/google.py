@@ -266,7 +266,7 @@ def register(app: FastAPI, service: CallService) -> None:
     async def count_tokens(request: Request, model: str) -> Response:
         """`countTokens`: the prompt's tokens as this model renders it (`contents`, or a whole
         `generateContentRequest` with its system instruction and tools). Nothing is generated or recorded."""
-        service.registry.resolve(session_key(request))
+        service.registry.resolve(session_key(request), shared=True)
         raw, size = await json_body(request, service.config.max_body_bytes)
         inner = raw.get("generateContentRequest", raw)
         if not isinstance(inner, dict):

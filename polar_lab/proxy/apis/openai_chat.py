@@ -107,6 +107,8 @@ class ChatCompletionRequest(Lenient):
     top_k: TopK | None = None
     ignore_eos: Flag | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # only `enable_thinking`: the rest could rewrite the template
+    return_token_ids: Flag | None = None  # `prompt_token_ids` and each choice's `token_ids`: the recorded ids
+    return_tokens_as_token_ids: Flag | None = None  # logprob tokens as "token_id:N" (ids that are not text)
 
 
 API = "openai.chat"
@@ -193,7 +195,12 @@ def _text(content: str | list | None) -> str | None:
     return "".join(parts)
 
 
-def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dict[str, Any]:
+def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer,
+                   body: ChatCompletionRequest | None = None) -> dict[str, Any]:
+    """The response body; with vLLM's `return_token_ids`, the prompt's and each choice's token ids as recorded
+    (the recorded prompt ids are the ones the engine was given, spliced turns and forced prefill included)."""
+    with_ids = bool(body and body.return_token_ids)
+    as_ids = bool(body and body.return_tokens_as_token_ids)
     choices = []
     for c in call.choices:
         message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content}
@@ -205,10 +212,12 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
                 for tc in c.parsed.tool_calls]
         choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
         if req.logprobs:
-            choice["logprobs"] = {"content": token_logprobs(c.generation, tokenizer, req.top_logprobs)}
+            choice["logprobs"] = {"content": token_logprobs(c.generation, tokenizer, req.top_logprobs, as_ids=as_ids)}
+        if with_ids:
+            choice["token_ids"] = list(c.generation.output_ids)
         choices.append(choice)
     prompt_tokens = len(call.prompt_ids)
-    return {
+    response = {
         "id": "chatcmpl-" + call.request_id, "object": "chat.completion", "created": int(time.time()),
         "model": req.model or call.model, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": call.completion_tokens,
@@ -216,13 +225,17 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer) -> dic
         "system_fingerprint": f"polar_lab-v{call.choices[0].generation.output_versions[-1]}"
         if call.choices[0].generation.output_versions else None,
     }
+    if with_ids:
+        response["prompt_token_ids"] = list(call.prompt_ids)
+    return response
 
 
-def token_logprobs(gen, tokenizer, top_k: int) -> list[dict[str, Any]]:
+def token_logprobs(gen, tokenizer, top_k: int, *, as_ids: bool = False) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content`: each sampled token with its logprob and the `top_k` most likely tokens at
-    that position (the sampled one among them when it is one of the k; vLLM adds it to its top k otherwise)."""
+    that position (the sampled one among them when it is one of the k; vLLM adds it to its top k otherwise).
+    as_ids: each token written "token_id:N" (vLLM's `return_tokens_as_token_ids`)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
+        text = f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     out = []
@@ -240,6 +253,9 @@ class ChatStream:
 
     def __init__(self, p: Prepared, body: ChatCompletionRequest, model: str, version: int):
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's return_token_ids in a stream: the prompt's ids in the first chunk; each choice's ids, all of them,
+        # in its finishing chunk (vLLM spreads them over the chunks; joined, the two are the same list)
+        self.prompt_ids = p.rendered.prompt_ids if body.return_token_ids else None
         self.n = p.req.n
         self.base = {"id": "chatcmpl-" + p.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": p.req.model or model, "system_fingerprint": f"polar_lab-v{version}"}
@@ -248,8 +264,9 @@ class ChatStream:
         return b"data: " + orjson.dumps({**self.base, "choices": choices, **extra}) + b"\n\n"
 
     def start(self) -> bytes:
+        first = {} if self.prompt_ids is None else {"prompt_token_ids": self.prompt_ids}
         return b"".join(self.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]) for i in range(self.n))
+                                     "finish_reason": None}], **(first if i == 0 else {})) for i in range(self.n))
 
     def delta(self, choice: int, d: Delta) -> bytes:
         if d.kind == "call":
@@ -263,7 +280,9 @@ class ChatStream:
     def finish(self, response: dict[str, Any]) -> bytes:
         self.base["system_fingerprint"] = response["system_fingerprint"]
         out = [self.event([{"index": ch["index"], "delta": {}, "logprobs": ch["logprobs"],
-                            "finish_reason": ch["finish_reason"]}]) for ch in response["choices"]]
+                            "finish_reason": ch["finish_reason"],
+                            **({"token_ids": ch["token_ids"]} if "token_ids" in ch else {})}])
+               for ch in response["choices"]]
         if self.include_usage:
             out.append(self.event([], usage=response["usage"]))
         return b"".join(out) + b"data: [DONE]\n\n"
@@ -281,5 +300,5 @@ def register(app: FastAPI, service: CallService) -> None:
     async def chat_completions(request: Request) -> Response:
         return await serve(
             request, service, ChatCompletionRequest, API, to_canonical,
-            build=lambda call, req, body: build_response(call, req, tokenizer),
+            build=lambda call, req, body: build_response(call, req, tokenizer, body),
             stream=lambda p, body: ChatStream(p, body, service.engine.model_name, service.engine.policy_version))

@@ -26,9 +26,10 @@ from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.apis.openai_chat import token_logprobs
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner
 from polar_lab.proxy.deltas import Delta
-from polar_lab.proxy.http import openai_error, serve, session_key
+from polar_lab.proxy.http import openai_error, serve, session_key, session_of
 from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 from polar_lab.proxy.service import CallService, Prepared
+from polar_lab.proxy.sessions import SHARED
 from polar_lab.types import Session
 
 
@@ -408,5 +409,6 @@ def register(app: FastAPI, service: CallService) -> None:
     @app.get("/v1/responses/{response_id}")
     @app.get("/s/{key}/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str) -> Response:
-        session = service.registry.resolve(session_key(request))
+        owner = service.registry.resolve(session_key(request), shared=True)
+        session = owner if owner is not SHARED else session_of(request, service)
         return Response(orjson.dumps(stored.get(session, response_id)["response"]), media_type="application/json")
