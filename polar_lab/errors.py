@@ -5,7 +5,9 @@
     ├── LabError               Lab lifecycle: start-up failed, used after close, port taken
     │   └── TrainerError       a trainer rank process failed, died or did not answer in time
     ├── HarnessError           a harness program failed (non-zero exit); `output` holds what it printed
-    │   └── SandboxError       the sandbox cannot run code under its limits (and the caller did not opt out)
+    │   ├── SandboxError       the sandbox cannot run code under its limits (and the caller did not opt out)
+    │   └── MaskedRunError     the environment says the run must not be trained (its server failed, or it
+    │                          asked: NeMo Gym's `mask_sample`); the run fails and is always masked
     ├── EngineError            the engine failed or is gone (HTTP 503)
     ├── StoreError             a run folder cannot be written or read
     └── RequestError           the caller's request is bad (HTTP 4xx, carries status/code/param)
@@ -44,6 +46,11 @@ class HarnessError(PolarLabError, RuntimeError):
 
 class SandboxError(HarnessError):
     """Code cannot be run under the sandbox's limits (polar_lab.sandbox)."""
+
+
+class MaskedRunError(HarnessError):
+    """The run's environment failed or asked that the run not be trained (polar_lab.envs): the run is failed and
+    masked whatever the rollout's failure rewards (rollout.run_one)."""
 
 
 class EngineError(PolarLabError, RuntimeError):

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from polar_lab.errors import HarnessError, SandboxError
+from polar_lab.errors import HarnessError, MaskedRunError, SandboxError
 from polar_lab.types import Evaluator, Group, Harness, Session, Trajectory, derived_seed
 
 
@@ -68,7 +68,8 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
 
     A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`):
     timeout_reward, overflow_reward, failed_reward (a crash); None (the default of each) masks the run out of
-    training. Infrastructure failures, and an evaluator that fails, are always masked.
+    training. Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError)
+    are always masked.
     sampling: forced on every call of the run (see Lab.session).
     """
     session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
@@ -88,6 +89,8 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
     except SandboxError as exc:  # the machine cannot sandbox any program: stop the rollout, not just this run
         fail("error", "infrastructure", error=repr(exc))
         raise
+    except MaskedRunError as exc:  # the environment failed, or asked: never trained, whatever failed_reward says
+        return fail("error", "infrastructure", error=repr(exc), output=exc.output[-8000:])
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
         limit = {"limit": exc.limit} if isinstance(exc, HarnessError) and exc.limit else {}  # the sandbox's reason
