@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents sandbox-tools litellm demo test mutants bench train model smollm2 clean-runs
+.PHONY: setup agents sandbox-tools litellm nemo-gym verifiers demo test mutants bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -48,11 +48,43 @@ $(LITELLM_STAMP):
 	.cache/litellm/bin/pip install --quiet "litellm[proxy]==1.108.7"
 	touch $(LITELLM_STAMP)
 
+# NeMo Gym 0.7.0 in its own venv (polar_lab/envs/nemo_gym.py drives its servers over HTTP). Gym requires Python
+# >= 3.13 and this machine has 3.11: its wheel is fetched for 3.13, its requirements (extras left out) resolved
+# for this Python, then the wheel installed without them and without the version check. Its code ran here on
+# 3.11 (one 3.12-only call, in an MLflow exporter polar_lab does not use). Pinned: the integration reads its
+# servers' configs and routes. Without it the NeMo Gym tests skip with the reason.
+GYM_STAMP := .cache/nemo_gym/.polar_lab-nemo-gym
+nemo-gym: $(GYM_STAMP)
+$(GYM_STAMP):
+	rm -rf .cache/nemo_gym .cache/nemo_gym_wheel
+	$(PYTHON) -m venv .cache/nemo_gym
+	.cache/nemo_gym/bin/pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+	.cache/nemo_gym/bin/pip download --quiet --no-deps --python-version 3.13.14 --only-binary=:all: \
+		-d .cache/nemo_gym_wheel "nemo-gym==0.7.0" 2>&1 | grep -v "is ignored" || true
+	.cache/nemo_gym/bin/python scripts/wheel_requirements.py .cache/nemo_gym_wheel/nemo_gym-0.7.0-*.whl \
+		> .cache/nemo_gym_wheel/requirements.txt
+	.cache/nemo_gym/bin/pip install --quiet -r .cache/nemo_gym_wheel/requirements.txt 2>&1 | grep -v "is ignored" || true
+	.cache/nemo_gym/bin/pip install --quiet --no-deps --ignore-requires-python \
+		.cache/nemo_gym_wheel/nemo_gym-0.7.0-*.whl 2>&1 | grep -v "is ignored" || true
+	.cache/nemo_gym/bin/python -c "import nemo_gym, resources_servers.example_single_tool_call.app"
+	touch $(GYM_STAMP)
+
+# verifiers 0.4.0 in its own venv (its pins differ from the Lab's and from Gym's); polar_lab/envs/verifiers.py
+# runs its environments there through a worker process. Without it the verifiers tests skip with the reason.
+VF_STAMP := .cache/verifiers/.polar_lab-verifiers
+verifiers: $(VF_STAMP)
+$(VF_STAMP):
+	$(PYTHON) -m venv .cache/verifiers
+	.cache/verifiers/bin/pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+	.cache/verifiers/bin/pip install --quiet "verifiers==0.4.0" 2>&1 | grep -v "is ignored" || true
+	.cache/verifiers/bin/python -c "import verifiers.v1"
+	touch $(VF_STAMP)
+
 demo: setup
 	$(BIN)/polar-lab demo
 
 # lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
-test: setup agents sandbox-tools
+test: setup agents sandbox-tools nemo-gym verifiers
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 

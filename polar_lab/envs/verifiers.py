@@ -1,0 +1,193 @@
+"""A verifiers environment's rollouts as `lab.rollout` runs (docs/ecosystem.md).
+
+verifiers (0.4, `verifiers.v1`): an environment is a taskset (tasks and their rewards), a harness (the program
+that talks to the model: by default its `null` harness, a chat-and-tools loop) and a runtime (where the harness
+runs: here a local subprocess). It lives in its own venv (`make verifiers`); one worker process there
+(polar_lab/envs/verifiers_worker.py) loads the environment and runs its episodes. Each polar_lab run asks the
+worker for one episode whose client is the run's own session (`session.openai_base_url` and key), so every model
+call of it is recorded in that session, and the run's reward is the taskset's (the sum of its weighted rewards,
+each part in `reward_parts`). The environment's harness is verifiers' own, unmodified.
+
+    with VerifiersEnv("polar_calc", path="data/envs/verifiers") as env:
+        groups = lab.rollout(env.tasks(8), env.harness, evaluator=env.evaluator, num_generations=8)
+
+An episode verifiers reports failed (its harness errored) is a failed run (`HarnessError`); a worker that dies
+fails its runs masked (`MaskedRunError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from polar_lab.errors import ConfigError, HarnessError, LabError, MaskedRunError
+from polar_lab.types import Session
+
+# $POLAR_LAB_VERIFIERS_VENV, else this checkout's .cache/verifiers (made by `make verifiers`)
+VF_VENV = os.environ.get("POLAR_LAB_VERIFIERS_VENV") or str(
+    Path(__file__).resolve().parents[2] / ".cache" / "verifiers")
+WORKER = Path(__file__).with_name("verifiers_worker.py")
+MARK = "@@polar_lab "
+
+
+def vf_python(venv: str | None = None) -> Path:
+    return Path(venv or VF_VENV).absolute() / "bin" / "python"
+
+
+def missing(venv: str | None = None) -> str | None:
+    """Why verifiers cannot run here (None: it can)."""
+    python = vf_python(venv)
+    if not python.exists():
+        return f"no verifiers venv at {venv or VF_VENV} (make verifiers)"
+    return None
+
+
+class VerifiersEnv:
+    """One verifiers environment, served by a worker process in verifiers' venv for as long as this is open.
+
+    taskset: the taskset's id (a module on `path`, or an installed verifiers environment); path: a folder put on
+    the worker's PYTHONPATH; max_turns: the harness's turn limit; sampling: verifiers' `SamplingConfig` for every
+    episode (e.g. max_tokens; a polar_lab session's forced sampling still wins); offline: run the harness's chat
+    program with the venv's own Python instead of `uv` (verifiers_worker.py says why).
+    """
+
+    def __init__(self, taskset: str, *, path: str | Path | None = None, venv: str | None = None, max_turns: int = 4,
+                 sampling: dict[str, Any] | None = None, offline: bool = True, start_timeout_s: float = 180.0,
+                 taskset_config: dict[str, Any] | None = None):
+        if (reason := missing(venv)) is not None:
+            raise ConfigError(reason)
+        self.settings = {"taskset": taskset, "max_turns": max_turns, "offline": offline,
+                         "taskset_config": taskset_config or {}}
+        self.path, self.venv, self.start_timeout_s = path, venv, start_timeout_s
+        self.sampling = {"max_tokens": 128, **(sampling or {})}
+        self.process: subprocess.Popen | None = None
+        self._tasks: list[dict[str, Any]] = []
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._log: list[str] = []  # the worker's other output (its last lines explain a failed start)
+
+    def start(self) -> VerifiersEnv:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.path is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(self.path).absolute()),
+                                                              env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            # -P: the worker's own folder is not put on sys.path, where this module would shadow verifiers
+            [str(vf_python(self.venv)), "-P", str(WORKER), json.dumps(self.settings)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            start_new_session=True)
+        threading.Thread(target=self._read, name="verifiers-worker", daemon=True).start()
+        if not self._ready.wait(self.start_timeout_s) or not self._tasks and self.process.poll() is not None:
+            self.close()
+            raise LabError(f"the verifiers worker did not start: {''.join(self._log[-20:])[-3000:]}")
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            if not line.startswith(MARK):
+                self._log = (self._log + [line])[-200:]
+                continue
+            message = json.loads(line[len(MARK):])
+            if message["op"] == "ready":
+                self._tasks = message["tasks"]
+                self._ready.set()
+            elif message["op"] == "done":
+                with self._lock:
+                    waiter = self._pending.pop(message["id"], None)
+                if waiter is not None:
+                    loop, future = waiter
+                    loop.call_soon_threadsafe(_settle, future, message)
+        self._ready.set()  # the worker is gone: nothing more will come
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        gone = MaskedRunError(f"the verifiers worker exited ({self.process.poll()})",
+                              output="".join(self._log[-20:]))
+        for loop, future in pending.values():
+            loop.call_soon_threadsafe(_settle, future, gone)
+
+    def tasks(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The taskset's tasks as polar_lab tasks: each its verifiers data, plus `vf_index`."""
+        if not self._ready.is_set():
+            raise LabError("start the VerifiersEnv first (with VerifiersEnv(...) as env: ...)")
+        return [{**data, "vf_index": i} for i, data in enumerate(self._tasks[:limit])]
+
+    async def harness(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
+        """One verifiers episode of `task`, its client the session's own endpoint and key."""
+        if self.process is None or self.process.poll() is not None:
+            raise MaskedRunError("the verifiers worker is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        request_id = next(self._ids)
+        with self._lock:
+            self._pending[request_id] = (loop, future)
+        request = {"op": "run", "id": request_id, "index": task["vf_index"], "base_url": session.openai_base_url,
+                   "api_key": session.api_key, "model": "policy", "sampling": self.sampling}
+        try:
+            await asyncio.to_thread(self._send, request)
+            result = await future
+        finally:
+            with self._lock:
+                self._pending.pop(request_id, None)
+        if not result["ok"]:
+            raise HarnessError(f"the verifiers episode failed ({result['stop']}): {'; '.join(result['errors'])[:500]}",
+                               output="\n".join(result["errors"]))
+        return result
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:
+            raise MaskedRunError(f"the verifiers worker is gone: {exc!r}") from None
+
+    @staticmethod
+    def evaluator(task: dict[str, Any], result: dict[str, Any]) -> dict[str, float]:
+        """The taskset's reward (the weighted sum) and each of its rewards."""
+        parts = {name: float(score) for name, score in result["rewards"].items() if score is not None}
+        return {**parts, "total": float(result["reward"])}
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(Exception):
+            self._send({"op": "close"})
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, 9)
+                self.process.wait(5)
+
+    def __enter__(self) -> VerifiersEnv:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _settle(future: asyncio.Future, outcome: dict[str, Any] | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+__all__ = ["VerifiersEnv", "missing"]

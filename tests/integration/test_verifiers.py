@@ -1,0 +1,64 @@
+"""A verifiers (0.4) taskset run through polar_lab, against the real engine: verifiers' own harness and rubric in
+its own venv (`make verifiers`), each rollout in its own polar_lab session; then 2 GRPO steps on it."""
+
+import pytest
+
+from polar_lab.envs import verifiers as vf_env
+from polar_lab.envs.verifiers import VerifiersEnv
+from polar_lab.errors import MaskedRunError
+from polar_lab.grpo import GRPOConfig, GRPOTrainer
+from tests.conftest import session_calls
+
+pytestmark = pytest.mark.skipif(vf_env.missing() is not None, reason=f"verifiers: {vf_env.missing()}")
+
+TASKSETS = "data/envs/verifiers"
+
+
+@pytest.fixture(scope="module")
+def calc_env():
+    with VerifiersEnv("polar_calc", path=TASKSETS, max_turns=3, sampling={"max_tokens": 64}) as env:
+        yield env
+
+
+def test_a_verifiers_rollout_gives_rewarded_sessions_and_trainable_groups(lab, calc_env):
+    tasks = calc_env.tasks(2)
+    assert tasks[0]["prompt"] and "answer" in tasks[0]
+    groups = lab.rollout(tasks, calc_env.harness, evaluator=calc_env.evaluator, num_generations=4, progress=False,
+                         sampling={"temperature": 1.0}, seed=5)
+    sessions = [s for g in groups for s in g.sessions]
+    assert len(sessions) == 8 and all(s.status == "closed" for s in sessions), [s.info for s in sessions]
+    for s in sessions:
+        calls = session_calls(lab, s)
+        assert calls and all(c.api == "openai.chat" for c in calls)  # its own session got every call
+        assert s.reward in (0.0, 1.0) and s.reward_parts["correct"] == s.reward  # the taskset's rubric
+        assert calls[0].request["stream"] is True  # verifiers' harness streams; unmodified
+    assert any(s.reward == 1.0 for s in sessions)  # tiny-calc solves some of its own questions
+    assert all(t.reward is not None and sum(t.loss_mask) > 0 for g in groups for t in g.trajectories)
+    multi_turn = [s for s in sessions if len(session_calls(lab, s)) > 1]
+    for s in multi_turn:  # a tool call and its answer: one chain, not one per call
+        assert len([t for g in groups for t in g.trajectories if t.session_id == s.id]) == 1
+
+
+def test_two_grpo_steps_train_on_the_verifiers_taskset(lab, calc_env, tmp_path, restore_weights):
+    config = GRPOConfig(tasks_per_step=2, num_generations=4, learning_rate=1e-3, output_dir=str(tmp_path),
+                        concurrency=8)
+    with GRPOTrainer(lab, config, harness=calc_env.harness, evaluator=calc_env.evaluator,
+                     tasks=calc_env.tasks(8)) as trainer:
+        version = lab.policy_version
+        history = trainer.train(2, progress=False)
+    assert list(history["policy_version"]) == [version + 1, version + 2]
+    assert (history["tokens"] > 0).all()
+
+
+def test_a_worker_that_dies_fails_its_runs_masked(lab):
+    env = VerifiersEnv("polar_calc", path=TASKSETS, max_turns=2).start()
+    tasks = env.tasks(1)
+    env.process.kill()
+    env.process.wait(10)
+    try:
+        (group,) = lab.rollout(tasks, env.harness, evaluator=env.evaluator, num_generations=2, failed_reward=0.0,
+                               progress=False)
+    finally:
+        env.close()
+    assert [(s.status, s.reward, s.info["failure"]) for s in group.sessions] == [("error", None, "infrastructure")] * 2
+    assert all(MaskedRunError.__name__ in s.info["error"] for s in group.sessions)
