@@ -45,16 +45,21 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
 
 
 
+_ID_FIELDS = ("prompt_token_ids", "input_messages", "output_messages")
+
+
 def _without_ids(response: dict[str, Any]) -> dict[str, Any]:
-    """The response as recorded: the token ids vLLM's `return_token_ids` adds to it (`prompt_token_ids`, each
-    choice's `token_ids`) are left out — they are the record's own `prompt_ids` and `output_ids`, and a second
-    copy of every prompt would double what a session writes.
+    """The response as recorded: the token ids vLLM's extensions add to it (`return_token_ids`: `prompt_token_ids`
+    and each choice's `token_ids`; the Responses API's `enable_response_messages`: `input_messages`,
+    `output_messages`) are left out — they are the record's own `prompt_ids` and `output_ids`, and a second copy
+    of every prompt would double what a session writes.
 
     >>> _without_ids({"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2]}]})
     {'choices': [{'index': 0}]}
     """
-    if "prompt_token_ids" not in response:
+    if not any(name in response for name in _ID_FIELDS):
         return response
-    out = {k: v for k, v in response.items() if k != "prompt_token_ids"}
-    out["choices"] = [{k: v for k, v in c.items() if k != "token_ids"} for c in response.get("choices", [])]
+    out = {k: v for k, v in response.items() if k not in _ID_FIELDS}
+    if "choices" in response:
+        out["choices"] = [{k: v for k, v in c.items() if k != "token_ids"} for c in response["choices"]]
     return out

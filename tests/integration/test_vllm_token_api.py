@@ -102,3 +102,14 @@ def test_bad_tokenizer_requests_are_400_in_openai_shape(lab, path, body, status,
 def test_tokenizer_routes_need_a_key(lab):
     r = httpx.post(lab.url + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer pl-nope"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_responses_enable_response_messages_gives_the_recorded_ids(lab, tokenizer):
+    s = lab.session()
+    r = _post(lab, s, "/v1/responses", {"input": QUESTION[1]["content"], "instructions": SYSTEM_PROMPT,
+                                        "max_output_tokens": 16, "enable_response_messages": True}).json()
+    (call,) = session_calls(lab, s)
+    (given,), (sampled,) = r["input_messages"], r["output_messages"]
+    assert given["tokens"] == call.prompt_ids and sampled["tokens"] == call.output_ids
+    assert given["message"] == tokenizer.decode(call.prompt_ids) and sampled["type"] == "raw_message_tokens"
+    assert "input_messages" not in call.response

@@ -55,6 +55,7 @@ class ResponsesRequest(Lenient):
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
     seed: Seed | None = None
+    enable_response_messages: bool | None = None  # `input_messages` / `output_messages`: the recorded ids, as text
 
 
 API = "openai.responses"
@@ -281,10 +282,17 @@ def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRe
     usage = {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens,
              "total_tokens": len(call.prompt_ids) + call.completion_tokens,
              "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {**_envelope(call.request_id, req, body, call.model),
-            "status": "incomplete" if truncated else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-            "output": output, "usage": usage}
+    response = {**_envelope(call.request_id, req, body, call.model),
+                "status": "incomplete" if truncated else "completed",
+                "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+                "output": output, "usage": usage}
+    if body.enable_response_messages and tokenizer is not None:  # vLLM's shape: the raw prompt and output, with ids
+        raw = {"type": "raw_message_tokens"}
+        response["input_messages"] = [{**raw, "message": tokenizer.decode(call.prompt_ids, skip_special_tokens=False),
+                                       "tokens": list(call.prompt_ids)}]
+        response["output_messages"] = [{**raw, "message": choice.generation.text,
+                                        "tokens": list(choice.generation.output_ids)}]
+    return response
 
 
 def _reasoning_item(request_id: str, text: str, body: ResponsesRequest, signer: ThoughtSigner | None,
