@@ -188,3 +188,11 @@ class LabConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_record(self) -> dict[str, Any]:
+        """What the run folder keeps (`config.json`): everything but secrets — a shared key given as a string is
+        written "(set)"."""
+        out = self.to_dict()
+        if out["proxy"]["shared_key"] not in (None, "auto"):
+            out["proxy"]["shared_key"] = "(set)"
+        return out

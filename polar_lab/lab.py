@@ -110,7 +110,7 @@ class Lab:
         run_name = check_run_name(cfg.store.run_name or new_run_name())
         self.run_dir = Path(cfg.store.runs_dir) / run_name
         self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
-        self.store.write_json("config.json", cfg.to_dict())
+        self.store.write_json("config.json", cfg.to_record())
         self.recorded = None  # the Run over this folder, once the tokenizer is loaded
         self.sandbox_level = self._start_sandbox()
         try:
@@ -200,10 +200,8 @@ class Lab:
         tool, reasoning = resolve_parsers(self.config.engine.tool_parser, self.config.engine.reasoning_parser,
                                           self.tokenizer.chat_template or "")
         self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
-        written = self.config.to_dict()
-        if cfg.shared_key not in (None, "auto"):  # a secret: the run folder says only that there was one
-            written["proxy"]["shared_key"] = "(set)"
-        self.store.write_json("config.json", {**written, "parsers": self.parsers, "sandbox_level": self.sandbox_level})
+        self.store.write_json("config.json", {**self.config.to_record(), "parsers": self.parsers,
+                                              "sandbox_level": self.sandbox_level})
         renderer = Renderer(self.tokenizer, tool_format(tool, self.tokenizer.chat_template or ""))
         self.service = CallService(engine, renderer, self.registry, self.store, cfg,
                                    parser=OutputParser(self.tokenizer, tool, reasoning))

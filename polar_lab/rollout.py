@@ -44,6 +44,7 @@ def failure_cause(session: Session, status: str) -> str | None:
     overflow        its last call was refused as too long for the model's context, and the run then failed
     timeout         it was still going at the deadline (looping, never finishing)
     crash           the harness raised after the model answered, for no reason seen here
+    (masked         its environment failed or asked that it not be trained: `MaskedRunError`, set by `run_one`)
 
     >>> failure_cause(Session(id="s", key="", calls=3), "timeout")
     'timeout'
@@ -68,13 +69,13 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
 
     A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`):
     timeout_reward, overflow_reward, failed_reward (a crash); None (the default of each) masks the run out of
-    training. Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError)
-    are always masked.
+    training. Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError,
+    cause "masked"; "overflow" when its last call overflowed the context, the policy's doing) are always masked.
     sampling: forced on every call of the run (see Lab.session).
     """
     session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
     rewards = {"timeout": timeout_reward, "overflow": overflow_reward, "crash": failed_reward,
-               "infrastructure": None}
+               "infrastructure": None, "masked": None}
     t0 = time.perf_counter()
 
     def fail(status: str, cause: str | None = None, **info: Any) -> Session:
@@ -90,7 +91,8 @@ async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_i
         fail("error", "infrastructure", error=repr(exc))
         raise
     except MaskedRunError as exc:  # the environment failed, or asked: never trained, whatever failed_reward says
-        return fail("error", "infrastructure", error=repr(exc), output=exc.output[-8000:])
+        cause = "overflow" if session.last_call_error == "context_length" else "masked"  # unless the policy overflowed
+        return fail("error", cause, error=repr(exc), output=exc.output[-8000:])
     except Exception as exc:  # noqa: BLE001 - a crashed run is data, not a crashed rollout
         output = exc.output[-8000:] if isinstance(exc, HarnessError) else ""  # a program harness's own words
         limit = {"limit": exc.limit} if isinstance(exc, HarnessError) and exc.limit else {}  # the sandbox's reason

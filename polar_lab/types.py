@@ -210,7 +210,8 @@ class TokenDelta:
 
 
 CONTINUITY = ("splice", "template")  # how an echoed turn goes back into the prompt (proxy/splice.py)
-FAILURE_CAUSES = ("timeout", "overflow", "crash", "infrastructure")  # why a run failed (rollout.failure_cause)
+# why a run failed (rollout.failure_cause); "masked": its environment failed or asked not to train it (MaskedRunError)
+FAILURE_CAUSES = ("timeout", "overflow", "crash", "infrastructure", "masked")
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Session:
     waited_s: float = 0.0  # time its calls waited for the proxy (a weight sync, a replacement engine)
     waiting: int = field(default=0, repr=False)  # its calls waiting for the proxy right now
     name: str | None = None  # what requests under the Lab's shared key call it (proxy/sessions.py); its id works too
+    shared: bool = False  # requests under the Lab's shared key may name it (by name or id); True when it has a name
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
 
     def close(self, reward: float | None = None, *, status: str = "closed",

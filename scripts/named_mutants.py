@@ -244,6 +244,23 @@ MUTANTS = [
     Mutant("ray: a local cluster is left running when the Lab closes", "polar_lab/engine/ray_replicas.py",
            [("                ray.shutdown()\n", "                pass\n")],
            ["tests/integration/test_replicas.py::test_close_stops_every_ray_process_the_lab_started"]),
+    # issue 22: vLLM's token-id API, the shared key, environments that mask their runs
+    Mutant("vllm ids: /tokenize renders as a first call, not in the session", "polar_lab/proxy/apis/tokenize.py",
+           [("        ids = (await service.prompt(session, req, inline=inline))[0].prompt_ids\n",
+             "        ids = (await service.render(req, inline=inline)).prompt_ids\n")],
+           ["tests/integration/test_vllm_token_api.py::test_tokenize_of_a_chat_is_what_the_engine_is_sent_for_those_messages_turn_after_turn"]),
+    Mutant("vllm ids: a stream's first chunk without the prompt ids", "polar_lab/proxy/apis/openai_chat.py",
+           [('first = {} if self.prompt_ids is None else {"prompt_token_ids": self.prompt_ids}', "first = {}")],
+           ["tests/integration/test_vllm_token_api.py::test_return_token_ids_in_a_stream_join_to_the_recorded_ids"]),
+    Mutant("vllm ids: the stored response keeps a second copy of the ids", "polar_lab/proxy/service.py",
+           [("        response = without_ids(response)\n", "")],
+           ["tests/integration/test_vllm_token_api.py::test_return_token_ids_are_the_recorded_ids_through_the_openai_client"]),
+    Mutant("shared key: an unknown name opens a session although creation is off", "polar_lab/proxy/sessions.py",
+           [("        if not self.create_named:\n", "        if False:\n")],
+           ["tests/proxy/test_shared_key.py"]),
+    Mutant("envs: a run its environment masks is scored as a crash", "polar_lab/rollout.py",
+           [("    except MaskedRunError as exc:", "    except ZeroDivisionError as exc:")],
+           ["tests/integration/test_nemo_gym.py::test_a_gym_server_that_dies_mid_rollout_fails_and_masks_its_runs_and_the_lab_serves_on"]),
 ]
 
 

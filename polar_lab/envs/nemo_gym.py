@@ -13,9 +13,7 @@ Gym needs Python ≥ 3.13; it lives in its own venv (`make nemo-gym`, `.cache/ne
 - `GymAgent` (polar_lab under Gym): Gym's own `simple_agent` and `vllm_model`, the model server pointed at the
   Lab under its shared key; each run names its polar_lab session through the request's `metadata.extra_body`
   (which `vllm_model` merges into the backend body), so the Lab records it token-exact in that session.
-- `gym_rows` (polar_lab → NeMo RL): `prefix_merging` chains as Gym rollout rows — create params, output items
-  carrying `prompt_token_ids` / `generation_token_ids` / `generation_log_probs`, reward — each satisfying NeMo
-  RL's contiguity rule (`contiguous`).
+- polar_lab → NeMo RL: chains as Gym rollout rows (`polar_lab.envs.gym_rows`).
 
 A Gym server that fails (unreachable, a 5xx) or masks a sample fails its run as `MaskedRunError`: masked, never
 trained; a malformed `/verify` answer is a `HarnessError` on that run.
@@ -39,7 +37,7 @@ import httpx
 import openai
 
 from polar_lab.errors import ConfigError, HarnessError, LabError, MaskedRunError
-from polar_lab.types import ModelCall, Session
+from polar_lab.types import Session
 
 # $POLAR_LAB_GYM_VENV, else this checkout's .cache/nemo_gym (made by `make nemo-gym`)
 GYM_VENV = os.environ.get("POLAR_LAB_GYM_VENV") or str(Path(__file__).resolve().parents[2] / ".cache" / "nemo_gym")
@@ -89,6 +87,13 @@ def gym_reward(task: dict[str, Any], result: dict[str, Any]) -> dict[str, float]
     return {"total": float(result["reward"])}
 
 
+def _without_secrets(spec: Any) -> Any:
+    """An instance's config as the other servers see it: its `api_key`s blanked."""
+    if isinstance(spec, dict):
+        return {k: ("(hidden)" if k == "api_key" else _without_secrets(v)) for k, v in spec.items()}
+    return spec
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -121,26 +126,33 @@ class GymServers:
         return f"http://{HOST}:{spec['port']}"
 
     def start(self) -> GymServers:
-        settings = json.dumps(self.config)  # YAML's superset: Gym reads it with OmegaConf
-        for instance, module in self.modules.items():
-            env = {**os.environ, "NEMO_GYM_CONFIG_DICT": settings, "NEMO_GYM_CONFIG_PATH": instance,
-                   "PYTHONUNBUFFERED": "1"}
-            out = open(self.log_dir / f"{instance}.log", "wb") if self.log_dir else subprocess.DEVNULL
-            cwd = site_packages(self.venv) / module.rsplit(".", 1)[0].replace(".", "/")
-            try:
-                self.processes[instance] = subprocess.Popen(
-                    [str(gym_python(self.venv)), "-c", _LAUNCH, module], cwd=cwd, env=env, stdout=out,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            finally:
-                if out is not subprocess.DEVNULL:
-                    out.close()
+        """Start every server added (again: nothing) and wait until each answers `/health`; a failure stops them."""
+        if self.processes:
+            return self
         try:
+            for instance, module in self.modules.items():
+                self.processes[instance] = self._launch(instance, module)
             for instance in self.modules:
                 self._wait_up(instance)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _launch(self, instance: str, module: str) -> subprocess.Popen:
+        # each process sees the others' addresses, not their secrets (vllm_model's api_key: the Lab's shared key)
+        settings = {name: spec if name == instance else _without_secrets(spec) for name, spec in self.config.items()}
+        env = {**os.environ, "NEMO_GYM_CONFIG_DICT": json.dumps(settings),  # JSON is YAML: Gym reads it as such
+               "NEMO_GYM_CONFIG_PATH": instance, "PYTHONUNBUFFERED": "1"}
+        cwd = site_packages(self.venv) / module.rsplit(".", 1)[0].replace(".", "/")
+        out = open(self.log_dir / f"{instance}.log", "wb") if self.log_dir else subprocess.DEVNULL
+        try:
+            return subprocess.Popen([str(gym_python(self.venv)), "-c", _LAUNCH, module], cwd=cwd, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
 
     def _wait_up(self, instance: str) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -240,7 +252,7 @@ class GymEnvironment:
                 calls = message.tool_calls or []
                 messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
                 if message.content or not calls:
-                    output.append(_output_message(message.content or ""))
+                    output.append(output_message(message.content or ""))
                 for call in calls:
                     output.append({"type": "function_call", "name": call.function.name, "call_id": call.id,
                                    "id": call.id, "arguments": call.function.arguments, "status": "completed"})
@@ -327,7 +339,7 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
                                              "parameters": tool.get("parameters") or {"type": "object"}}}
 
 
-def _output_message(text: str) -> dict[str, Any]:
+def output_message(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "assistant", "id": "msg_" + uuid.uuid4().hex, "status": "completed",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
@@ -343,8 +355,9 @@ class GymAgent:
             groups = lab.rollout(agent.tasks(), agent.harness, evaluator=agent.evaluator)
 
     `vllm_model` sends one key for every rollout — the Lab's shared key — and each run names its session in the
-    backend body: `harness` puts `{session_field: session.id}` into the row's `metadata.extra_body`, which
-    `vllm_model` merges into every call it makes for that run. The run's result is Gym's own rollout row
+    backend body: `harness` lets the session be named (`session.shared`) and puts `{session_field: session.id}`
+    into the row's `metadata.extra_body`, which `vllm_model` merges into every call it makes for that run. The
+    shared key reaches only the `vllm_model` process (the other servers see it blanked). The run's result is Gym's own rollout row
     (`/run`'s answer: the reward, and the output items with the token ids the Lab recorded), also kept in
     `results` by session id.
     """
@@ -385,6 +398,7 @@ class GymAgent:
         return example_rows(self.name, limit=limit, venv=self.venv)
 
     async def harness(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
+        session.shared = True  # requests under the shared key may now name this session (by its id)
         params = dict(task["responses_create_params"])
         metadata = dict(params.get("metadata") or {})
         metadata["extra_body"] = json.dumps(_nested(self.field, session.id))
@@ -405,103 +419,4 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
     return out
 
 
-# ---- polar_lab → NeMo RL: chains as Gym rollout rows ------------------------------------------------------
-
-def gym_rows(source, *, builder: str = "prefix_merging", session_ids: list[str] | None = None
-             ) -> list[dict[str, Any]]:
-    """Each chain of `source` (a Lab or a Run) as a Gym rollout row: `responses_create_params` (the chain's first
-    request: input messages, tools), `response.output` (per call: the new input items — tool results, user turns
-    — then its generated items, the first of them carrying `prompt_token_ids`, `generation_token_ids`,
-    `generation_log_probs`), `reward`, and where it came from. Items are read from Chat Completions calls' bodies;
-    a call through another API gives one assistant message item (its tokens exact, its text not parsed)."""
-    chains = source.trajectories(builder, session_ids=session_ids)
-    calls = {c.call_id: c for c in source.call_records(session_ids)}
-    rows = []
-    for chain in chains:
-        members = [calls[i] for i in chain.call_ids]
-        first = members[0].request
-        output: list[dict[str, Any]] = []
-        seen = len(first.get("messages") or [])
-        for k, call in enumerate(members):
-            messages = call.request.get("messages") or []
-            if k:
-                output += [_input_item(m) for m in messages[seen + 1:]]  # after the echoed assistant turn
-            seen = len(messages)
-            output += _generated_items(call)
-        rows.append({"responses_create_params": {"input": list(first.get("messages") or []),
-                                                 "tools": [_responses_tool(t) for t in first.get("tools") or []]},
-                     "response": {"id": f"resp_{chain.session_id}_{chain.chain_index}", "object": "response",
-                                  "model": members[0].model, "output": output},
-                     "reward": chain.reward,
-                     "polar_lab": {"session_id": chain.session_id, "chain_index": chain.chain_index,
-                                   "call_ids": list(chain.call_ids)}})
-    return rows
-
-
-def _generated_items(call: ModelCall) -> list[dict[str, Any]]:
-    tokens = {"prompt_token_ids": list(call.prompt_ids), "generation_token_ids": list(call.output_ids),
-              "generation_log_probs": list(call.output_logprobs)}
-    choices = call.response.get("choices") if call.api == "openai.chat" else None
-    message = choices[call.choice_index]["message"] if choices else {"content": None}
-    items = [{"type": "function_call", "name": tc["function"]["name"], "arguments": tc["function"]["arguments"],
-              "call_id": tc["id"], "id": tc["id"], "status": "completed"} for tc in message.get("tool_calls") or []]
-    if message.get("content") or not items:
-        items.insert(0, _output_message(message.get("content") or ""))
-    items[0].update(tokens)  # the tokens once per generation: NeMo RL reads each generated item as one turn
-    return items
-
-
-def _input_item(message: dict[str, Any]) -> dict[str, Any]:
-    if message.get("role") == "tool":
-        return {"type": "function_call_output", "call_id": message.get("tool_call_id"),
-                "output": message.get("content") or ""}
-    return {"type": "message", "role": message.get("role", "user"), "content": message.get("content") or ""}
-
-
-def _responses_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function", tool)
-    return {"type": "function", "name": fn.get("name"), "description": fn.get("description") or "",
-            "parameters": fn.get("parameters") or {"type": "object"}, "strict": False}
-
-
-def contiguous(row: dict[str, Any]) -> bool:
-    """NeMo RL's rule for a rollout row: every item with generated tokens has a prompt that extends all the tokens
-    before it (the previous prompt and generation); items without are skipped.
-
-    >>> item = lambda p, g: {"prompt_token_ids": p, "generation_token_ids": g}
-    >>> contiguous({"response": {"output": [item([1, 2], [3]), {"type": "x"}, item([1, 2, 3, 4], [5])]}})
-    True
-    >>> contiguous({"response": {"output": [item([1, 2], [3]), item([1, 9], [5])]}})
-    False
-    """
-    seen: list[int] = []
-    for item in row["response"]["output"]:
-        if item.get("generation_token_ids") is None:
-            continue
-        prompt = item.get("prompt_token_ids") or []
-        if prompt[:len(seen)] != seen:
-            return False
-        seen = list(prompt) + list(item["generation_token_ids"])
-    return True
-
-
-def check_rows_with_gym(rows: list[dict[str, Any]], venv: str | None = None) -> list[str | None]:
-    """Each row checked by Gym's own `assert_prefix_contiguity` (in Gym's venv): None where it passes, else why."""
-    code = ("import json, sys\n"
-            "from nemo_gym.token_id_capture.builder import assert_prefix_contiguity\n"
-            "out = []\n"
-            "for line in sys.stdin:\n"
-            "    try:\n"
-            "        assert_prefix_contiguity(json.loads(line)['response']); out.append(None)\n"
-            "    except AssertionError as exc:\n"
-            "        out.append(str(exc))\n"
-            "print(json.dumps(out))\n")
-    done = subprocess.run([str(gym_python(venv)), "-c", code], input="".join(json.dumps(r) + "\n" for r in rows),
-                          capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        raise LabError(f"Gym's contiguity check failed to run: {done.stderr[-2000:]}")
-    return json.loads(done.stdout)
-
-
-__all__ = ["GymAgent", "GymEnvironment", "GymServers", "check_rows_with_gym", "contiguous", "example_rows",
-           "gym_rows", "missing"]
+__all__ = ["GymAgent", "GymEnvironment", "GymServers", "example_rows", "gym_reward", "missing"]

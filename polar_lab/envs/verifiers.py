@@ -21,8 +21,10 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from polar_lab.types import Session
 VF_VENV = os.environ.get("POLAR_LAB_VERIFIERS_VENV") or str(
     Path(__file__).resolve().parents[2] / ".cache" / "verifiers")
 WORKER = Path(__file__).with_name("verifiers_worker.py")
-MARK = "@@polar_lab "
+log = logging.getLogger(__name__)
 
 
 def vf_python(venv: str | None = None) -> Path:
@@ -68,56 +70,81 @@ class VerifiersEnv:
         self.path, self.venv, self.start_timeout_s = path, venv, start_timeout_s
         self.sampling = {"max_tokens": 128, **(sampling or {})}
         self.process: subprocess.Popen | None = None
-        self._tasks: list[dict[str, Any]] = []
+        self._tasks: list[dict[str, Any]] | None = None  # set by the worker's "ready"
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._log: list[str] = []  # the worker's other output (its last lines explain a failed start)
+        self._send_lock = threading.Lock()
+        self._ready = threading.Event()  # "ready" came, or the worker is gone
+        self._output = tempfile.TemporaryFile()  # what the worker and verifiers print (a failed start's reason)
 
     def start(self) -> VerifiersEnv:
+        """Start the worker (again: nothing) and wait for its tasks; a worker that cannot load is a LabError with
+        what it printed."""
+        if self.process is not None:
+            return self
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.path is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(self.path).absolute()),
                                                               env.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(
-            # -P: the worker's own folder is not put on sys.path, where this module would shadow verifiers
-            [str(vf_python(self.venv)), "-P", str(WORKER), json.dumps(self.settings)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-            start_new_session=True)
-        threading.Thread(target=self._read, name="verifiers-worker", daemon=True).start()
-        if not self._ready.wait(self.start_timeout_s) or not self._tasks and self.process.poll() is not None:
+        theirs, ours = os.pipe()[::-1]  # (write end for the worker, read end for us)
+        try:
+            self.process = subprocess.Popen(
+                # -P: the worker's own folder is not put on sys.path, where this module would shadow verifiers
+                [str(vf_python(self.venv)), "-P", str(WORKER), json.dumps({**self.settings, "fd": theirs})],
+                stdin=subprocess.PIPE, stdout=self._output, stderr=subprocess.STDOUT, text=True, env=env,
+                pass_fds=(theirs,), start_new_session=True)
+        except BaseException:
+            os.close(ours)
+            raise
+        finally:
+            os.close(theirs)
+        threading.Thread(target=self._read, args=(os.fdopen(ours, "r"),), name="verifiers-worker",
+                         daemon=True).start()
+        if not self._ready.wait(self.start_timeout_s) or self._tasks is None:
             self.close()
-            raise LabError(f"the verifiers worker did not start: {''.join(self._log[-20:])[-3000:]}")
+            raise LabError(f"the verifiers worker did not start: {self.printed()[-3000:]}")
         return self
 
-    def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            if not line.startswith(MARK):
-                self._log = (self._log + [line])[-200:]
-                continue
-            message = json.loads(line[len(MARK):])
-            if message["op"] == "ready":
-                self._tasks = message["tasks"]
-                self._ready.set()
-            elif message["op"] == "done":
-                with self._lock:
-                    waiter = self._pending.pop(message["id"], None)
-                if waiter is not None:
-                    loop, future = waiter
-                    loop.call_soon_threadsafe(_settle, future, message)
-        self._ready.set()  # the worker is gone: nothing more will come
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        gone = MaskedRunError(f"the verifiers worker exited ({self.process.poll()})",
-                              output="".join(self._log[-20:]))
-        for loop, future in pending.values():
-            loop.call_soon_threadsafe(_settle, future, gone)
+    def printed(self) -> str:
+        """The last of what the worker printed."""
+        self._output.seek(0, os.SEEK_END)
+        size = self._output.tell()
+        self._output.seek(max(0, size - 8000))
+        return self._output.read().decode(errors="replace")
+
+    def _read(self, pipe) -> None:
+        """The worker's messages → the waiting runs; when the pipe ends (the worker is gone), every run still
+        waiting fails masked. A line that is not a message is logged and skipped."""
+        try:
+            for line in pipe:
+                try:
+                    message = json.loads(line)
+                    op = message["op"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("the verifiers worker sent a line that is no message: %r", line[:200])
+                    continue
+                if op == "ready":
+                    self._tasks = list(message.get("tasks") or [])
+                    self._ready.set()
+                elif op == "done":
+                    with self._lock:
+                        waiter = self._pending.pop(message.get("id"), None)
+                    if waiter is not None:
+                        loop, future = waiter
+                        loop.call_soon_threadsafe(_settle, future, message)
+        finally:
+            pipe.close()
+            self._ready.set()  # nothing more will come
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            gone = MaskedRunError("the verifiers worker exited", output=self.printed()[-2000:])
+            for loop, future in pending.values():
+                loop.call_soon_threadsafe(_settle, future, gone)
 
     def tasks(self, limit: int | None = None) -> list[dict[str, Any]]:
         """The taskset's tasks as polar_lab tasks: each its verifiers data, plus `vf_index`."""
-        if not self._ready.is_set():
+        if self._tasks is None:
             raise LabError("start the VerifiersEnv first (with VerifiersEnv(...) as env: ...)")
         return [{**data, "vf_index": i} for i, data in enumerate(self._tasks[:limit])]
 
@@ -135,6 +162,10 @@ class VerifiersEnv:
         try:
             await asyncio.to_thread(self._send, request)
             result = await future
+        except asyncio.CancelledError:  # the run's deadline: the episode must not go on calling the session
+            with contextlib.suppress(MaskedRunError):
+                self._send({"op": "cancel", "id": request_id})
+            raise
         finally:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -146,9 +177,10 @@ class VerifiersEnv:
     def _send(self, message: dict[str, Any]) -> None:
         assert self.process is not None and self.process.stdin is not None
         try:
-            self.process.stdin.write(json.dumps(message) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, ValueError) as exc:
+            with self._send_lock:  # runs send from worker threads, a cancel from the loop: one line at a time
+                self.process.stdin.write(json.dumps(message) + "\n")
+                self.process.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
             raise MaskedRunError(f"the verifiers worker is gone: {exc!r}") from None
 
     @staticmethod
@@ -158,10 +190,13 @@ class VerifiersEnv:
         return {**parts, "total": float(result["reward"])}
 
     def close(self) -> None:
+        """Stop the worker (it closes its servers), then whatever of its process group is left (its episodes'
+        chat programs and tool servers, when the worker itself was killed)."""
         if self.process is None:
             return
-        with contextlib.suppress(Exception):
-            self._send({"op": "close"})
+        if self.process.poll() is None:
+            with contextlib.suppress(Exception):
+                self._send({"op": "close"})
         try:
             self.process.wait(20)
         except subprocess.TimeoutExpired:
@@ -173,6 +208,8 @@ class VerifiersEnv:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, 9)
                 self.process.wait(5)
+        with contextlib.suppress(ProcessLookupError):  # what the episodes started (chat programs, tool servers)
+            os.killpg(self.process.pid, 9)
 
     def __enter__(self) -> VerifiersEnv:
         return self.start()

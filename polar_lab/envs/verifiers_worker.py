@@ -1,16 +1,17 @@
 """The verifiers side of polar_lab.envs.verifiers: run by verifiers' own venv's Python (`make verifiers`), never
 imported by the Lab (verifiers is not installed there; this file imports nothing of polar_lab).
 
-    python verifiers_worker.py '{"taskset": "polar_calc", "max_turns": 4, "offline": true}'
+    python -P verifiers_worker.py '{"taskset": "polar_calc", "max_turns": 4, "offline": true, "fd": 5}'
 
 It loads the environment (the taskset, verifiers' `null` harness — its own chat-and-tools loop — and a local
 subprocess runtime), opens its servers (`env.serving()`: the interception proxy, the taskset's tool servers) and
-then runs episodes as asked, concurrently. Protocol: one JSON object per line; the worker's lines on stdout start
-with `@@polar_lab ` (anything else there is verifiers' own output, ignored by the Lab):
+then runs episodes as asked, concurrently. Protocol: one JSON object per line, the Lab's on stdin, the worker's on
+its own pipe (`fd`, so that nothing verifiers or its children print can split a message):
 
     → {"op": "ready", "tasks": [task data, ...]}                       once loaded
     ← {"op": "run", "id": 7, "index": 3, "base_url": ..., "api_key": ..., "model": ..., "sampling": {...}}
     → {"op": "done", "id": 7, "ok": true, "reward": 1.0, "rewards": {"correct": 1.0}, "errors": [], ...}
+    ← {"op": "cancel", "id": 7}  (the run's deadline passed: the episode stops, nothing is sent for it)
     ← {"op": "close"}  (or the end of stdin)
 
 offline: verifiers prepares its harness's chat program with `uv sync --script` in every process, which asks the
@@ -28,12 +29,12 @@ import os
 import sys
 from pathlib import Path
 
-MARK = "@@polar_lab "
+OUT = None  # the protocol's pipe (settings["fd"])
 
 
 def emit(message: dict) -> None:
-    sys.stdout.write(MARK + json.dumps(message, default=str) + "\n")
-    sys.stdout.flush()
+    OUT.write(json.dumps(message, default=str) + "\n")
+    OUT.flush()
 
 
 def run_offline() -> None:
@@ -71,6 +72,8 @@ async def episode(env, tasks, request: dict) -> dict:
 
 
 async def serve(settings: dict) -> None:
+    global OUT
+    OUT = os.fdopen(settings["fd"], "w", buffering=1)
     import verifiers.v1 as vf
 
     if settings.get("offline", True):
@@ -81,11 +84,13 @@ async def serve(settings: dict) -> None:
                   "max_turns": settings.get("max_turns", 4)}}))
     tasks = list(env.taskset)
     loop = asyncio.get_running_loop()
-    running: set[asyncio.Task] = set()
+    running: dict[int, asyncio.Task] = {}
 
     async def one(request: dict) -> None:
         try:
             emit(await episode(env, tasks, request))
+        except asyncio.CancelledError:
+            pass  # the Lab cancelled it: it waits for nothing
         except Exception as exc:  # noqa: BLE001 - reported to the Lab as that run's failure
             emit({"op": "done", "id": request["id"], "ok": False, "reward": None, "rewards": {},
                   "errors": [f"{type(exc).__name__}: {exc}"[:2000]], "turns": 0, "stop": "worker_error"})
@@ -99,11 +104,16 @@ async def serve(settings: dict) -> None:
             request = json.loads(line)
             if request.get("op") == "close":
                 break
+            if request.get("op") == "cancel":
+                if (job := running.get(request["id"])) is not None:
+                    job.cancel()
+                continue
             job = asyncio.create_task(one(request))
-            running.add(job)
-            job.add_done_callback(running.discard)
-        for job in list(running):
+            running[request["id"]] = job
+            job.add_done_callback(lambda _, key=request["id"]: running.pop(key, None))
+        for job in list(running.values()):
             job.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
 
 
 if __name__ == "__main__":

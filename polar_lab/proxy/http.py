@@ -23,11 +23,13 @@ from polar_lab.proxy.sessions import SHARED
 from polar_lab.types import Session
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+                 405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                 503: "server_error"}
 _GOOGLE_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "INVALID_ARGUMENT",
-                  413: "INVALID_ARGUMENT", 503: "UNAVAILABLE"}
+                  409: "FAILED_PRECONDITION", 413: "INVALID_ARGUMENT", 503: "UNAVAILABLE"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
+                    405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large",
+                    503: "overloaded_error"}
 
 
 def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -109,9 +111,11 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
 
 
 def session_of(request: Request, service: CallService, raw: dict[str, Any] | None = None, *,
-               required: bool = True) -> Session | None:
+               required: bool = True, create: bool = True) -> Session | None:
     """The session a request under the shared key names: the session header, else the configured body field.
-    Naming none is a 400, or None when not `required`."""
+    Naming none is a 400, or None when not `required`; naming a closed one is a 409 (a framework still running a
+    rollout whose run ended: nothing more goes into it). create: a new name may open a session (when the Lab
+    allows it)."""
     cfg = service.config
     name, where = request.headers.get(cfg.session_header), f"header {cfg.session_header}"
     if not name and cfg.session_field and raw is not None:
@@ -125,7 +129,11 @@ def session_of(request: Request, service: CallService, raw: dict[str, Any] | Non
         also = f" or the body field '{cfg.session_field}'" if cfg.session_field else ""
         raise RequestError(f"a request under the shared key must name its session: send the {cfg.session_header} "
                            f"header{also} with the session's name or id", code="missing_session_id")
-    return service.registry.named(str(name), where=where)
+    session = service.registry.named(str(name), where=where, create=create)
+    if session.closed_at is not None:
+        raise RequestError(f"session {str(name)!r} is closed ({session.status}): its run is over", status=409,
+                           code="session_closed")
+    return session
 
 
 def body_field(raw: dict[str, Any], path: str) -> Any:

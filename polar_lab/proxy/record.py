@@ -27,7 +27,6 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
     total_s = responded - call.timings["received"]
     timings = {**call.timings, "responded": responded, "total_s": total_s,
                "proxy_s": total_s - call.timings["engine_s"] - call.timings.get("paused_s", 0.0)}
-    response = _without_ids(response)
     records = []
     for choice in call.choices:
         gen = choice.generation
@@ -48,13 +47,13 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
 _ID_FIELDS = ("prompt_token_ids", "input_messages", "output_messages")
 
 
-def _without_ids(response: dict[str, Any]) -> dict[str, Any]:
-    """The response as recorded: the token ids vLLM's extensions add to it (`return_token_ids`: `prompt_token_ids`
+def without_ids(response: dict[str, Any]) -> dict[str, Any]:
+    """The response as recorded and kept (CallService.record): the token ids vLLM's extensions add to it (`return_token_ids`: `prompt_token_ids`
     and each choice's `token_ids`; the Responses API's `enable_response_messages`: `input_messages`,
     `output_messages`) are left out — they are the record's own `prompt_ids` and `output_ids`, and a second copy
     of every prompt would double what a session writes.
 
-    >>> _without_ids({"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2]}]})
+    >>> without_ids({"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2]}]})
     {'choices': [{'index': 0}]}
     """
     if not any(name in response for name in _ID_FIELDS):

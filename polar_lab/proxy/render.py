@@ -229,6 +229,13 @@ class Renderer:
         """Exact text of ids, special tokens included (what the template would have rendered)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def template_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                      chat_template: str | None = None, *, generation_prompt: bool = True,
+                      thinking: bool | None = None) -> str:
+        """The chat template's text of messages (+ tools), rendered whole (what `/tokenize` shows without the
+        generation prompt)."""
+        return self._template(messages, tools, chat_template, generation_prompt=generation_prompt, thinking=thinking)
+
     def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                   chat_template: str | None, *, generation_prompt: bool = True, thinking: bool | None = None) -> str:
         if self.tool_format is not None and self.tool_format.arguments_as_objects:

@@ -26,7 +26,7 @@ from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
-from polar_lab.proxy.record import call_id, model_calls
+from polar_lab.proxy.record import call_id, model_calls, without_ids
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.proxy.splice import HistoryDigests, Turn, TurnLedger, pick
@@ -299,7 +299,9 @@ class CallService:
                                f"{type(exc).__name__}: {exc}", param="messages") from None
 
     def record(self, call: CompletedCall, request: dict[str, Any], response: dict[str, Any]) -> None:
-        """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded."""
+        """Append one ModelCall per choice. Called before the response is sent: nothing served is unrecorded. The
+        token ids vLLM's extensions put in the response are not kept twice (record.without_ids)."""
+        response = without_ids(response)
         for record in model_calls(call, request, response, responded=time.time(),
                                   engine_version=self.engine.policy_version):
             self.store.append_call(record)

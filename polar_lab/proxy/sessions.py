@@ -6,7 +6,9 @@ timing depends on the digest, not on how many leading characters of a guess matc
 Frameworks that hold one client for all their rollouts (verifiers, NeMo Gym's model server) cannot give each
 rollout its own key. For them a Lab may have one *shared key*: a request under it names its session (by the
 session's name or id, in a header or a body field: proxy/http.py), and the registry finds it, or — only when
-configured — creates it. Off by default: without a shared key nothing but a session's own key is accepted.
+configured — creates it. Only sessions that opted in can be named: those with a name, and those whose `shared`
+flag their owner set (a harness that hands its session's id to such a framework). Off by default: without a
+shared key nothing but a session's own key is accepted.
 """
 
 from __future__ import annotations
@@ -75,13 +77,15 @@ class SessionRegistry:
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
             raise ConfigError(f"a session name is a string of 1 to {MAX_NAME} characters, got {name!r}")
         session = Session(id=uuid.uuid4().hex[:12], key=key or "pl-" + secrets.token_urlsafe(32), name=name,
+                          shared=name is not None,
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
                           proxy_socket=self.proxy_socket,
                           chat_template=chat_template, sampling=_check_sampling(sampling), continuity=continuity,
                           _closer=self.close)
         with self._lock:
-            if name is not None and name in self._by_name:
-                raise ConfigError(f"a session named {name!r} exists already (session {self._by_name[name].id})")
+            if name is not None and (name in self._by_name or name in self._by_id):
+                taken = self._by_name.get(name) or self._by_id[name]
+                raise ConfigError(f"a session named {name!r} exists already (session {taken.id})")
             if name is not None:
                 self._by_name[name] = session
             self._by_digest[_digest(session.key)] = session
@@ -105,14 +109,15 @@ class SessionRegistry:
             return self.create(key=key, info={"auto": True})
         raise AuthError("unknown API key: create a session with lab.session() and use its key")
 
-    def named(self, name: str, *, where: str) -> Session:
-        """The session a request under the shared key names (by name, else by id); a name no session has creates
-        one when `create_named`, else AuthError. where: what carried the name, for the error."""
+    def named(self, name: str, *, where: str, create: bool = True) -> Session:
+        """The session a request under the shared key names (by name, else by id, of the sessions that opted in); a
+        name no such session has creates one when `create_named` (and `create`), else AuthError. where: what
+        carried the name, for the error."""
         with self._lock:
             session = self._by_name.get(name) or self._by_id.get(name)
-        if session is not None:
+        if session is not None and session.shared:
             return session
-        if not self.create_named:
+        if not (self.create_named and create) or session is not None:
             raise AuthError(f"no session is named {name!r} ({where}): create it with lab.session(name=...), or "
                             f"let the Lab create named sessions (ProxyConfig.create_named_sessions)")
         if len(name) > MAX_NAME:

@@ -122,7 +122,7 @@ def test_the_batch_statistics_by_hand():
         "staleness_mean": 1.0, "staleness_max": 1, "run_tokens_mean": 4.0,  # 7 fresh runs of 4 tokens each
         # 9 runs, one crashed, in a group of 3
         "fail_crash_frac": 1 / 9, "fail_timeout_frac": 0.0, "fail_overflow_frac": 0.0,
-        "fail_infrastructure_frac": 0.0, "group_fail_frac_max": 1 / 3})
+        "fail_infrastructure_frac": 0.0, "fail_masked_frac": 0.0, "group_fail_frac_max": 1 / 3})
     sample = batch.samples[0]
     assert (sample.input_ids.dtype, sample.versions.dtype) == (torch.long, torch.long)
     assert (sample.weights.dtype, sample.behavior_logprobs.dtype) == (torch.float32, torch.float32)
@@ -214,6 +214,6 @@ def test_failure_fractions_by_cause_and_the_worst_group():
     alone = Group(task={}, sessions=[Session(id="x", key="", status="timeout", info={"failure": "timeout"})])
     stats = failure_stats([alone, _group([1.0, 0.0, None, None])])  # 5 runs: 1 timeout, 2 crashes
     assert stats == pytest.approx({"fail_timeout_frac": 1 / 5, "fail_crash_frac": 2 / 5, "fail_overflow_frac": 0.0,
-                                   "fail_infrastructure_frac": 0.0, "group_fail_frac_max": 1.0})
+                                   "fail_infrastructure_frac": 0.0, "fail_masked_frac": 0.0, "group_fail_frac_max": 1.0})
     assert failure_stats([alone])["fail_timeout_frac"] == 1.0  # one run, and it failed
     assert failure_stats([]) == dict.fromkeys(stats, 0.0)  # a step without runs: no failures, not NaN

@@ -15,7 +15,8 @@ import pytest
 
 from polar_lab import Lab
 from polar_lab.envs import nemo_gym
-from polar_lab.envs.nemo_gym import GymAgent, GymEnvironment, check_rows_with_gym, contiguous, gym_rows
+from polar_lab.envs.gym_rows import check_rows_with_gym, contiguous, gym_rows
+from polar_lab.envs.nemo_gym import GymAgent, GymEnvironment
 from polar_lab.errors import ConfigError
 from tests.conftest import free_port, session_calls
 
@@ -91,24 +92,30 @@ def test_chains_export_as_gym_rows_that_satisfy_nemo_rls_contiguity_rule(gym_lab
 
 def test_a_gym_server_that_dies_mid_rollout_fails_and_masks_its_runs_and_the_lab_serves_on(gym_lab, tmp_path):
     env = GymEnvironment("example_single_tool_call", first_tool_choice="required", log_dir=tmp_path).start()
-    runs = 0
+    runs, doomed = [], set()
 
     async def harness(session, task):
-        nonlocal runs
-        runs += 1
-        if runs == 3:
-            env.servers.stop("example_single_tool_call")  # gone for the third and fourth runs
+        runs.append(session.id)
+        if len(runs) >= 3:
+            doomed.add(session.id)
         return await env.harness(session, task)
 
+    def kill_after_the_first_call(call, request, response):  # the record is written before the model answers
+        if call.session.id in doomed:
+            env.servers.stop("example_single_tool_call")
+
+    gym_lab.service.on_record.append(kill_after_the_first_call)
     try:
         (group,) = gym_lab.rollout(env.tasks(limit=1), harness, evaluator=env.evaluator, num_generations=4,
                                    concurrency=1, failed_reward=0.0, progress=False)
     finally:
+        gym_lab.service.on_record.remove(kill_after_the_first_call)
         env.close()
     statuses = [(s.status, s.reward, s.info.get("failure")) for s in group.sessions]
     assert statuses[:2] == [("closed", 1.0, None)] * 2
-    assert statuses[2:] == [("error", None, "infrastructure")] * 2  # masked although failed_reward is 0.0
-    assert "unreachable" in group.sessions[2].info["error"]
+    assert statuses[2:] == [("error", None, "masked")] * 2  # masked although failed_reward is 0.0
+    third = group.sessions[2]
+    assert third.calls == 1 and "unreachable" in third.info["error"]  # the model had answered: not a no-call run
     s = gym_lab.session()
     r = httpx.post(s.openai_base_url + "/chat/completions", headers={"Authorization": f"Bearer {s.key}"},
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
@@ -134,7 +141,7 @@ class _BadVerify(http.server.BaseHTTPRequestHandler):
 @pytest.mark.parametrize("verdict, status, failure, words", [
     ({"reward": "lots"}, "error", "crash", "without a numeric reward"),
     ({"mask_sample": True, "reward": 1.0, "failure_kind": "judge", "failure_reason": "timeout"}, "error",
-     "infrastructure", "masked this sample"),
+     "masked", "masked this sample"),
 ])
 def test_a_malformed_or_masking_verify_fails_that_run_with_a_clear_error(scripted_lab, verdict, status, failure,
                                                                          words):
@@ -151,7 +158,7 @@ def test_a_malformed_or_masking_verify_fails_that_run_with_a_clear_error(scripte
         server.shutdown()
     for s in group.sessions:
         assert (s.status, s.info["failure"]) == (status, failure) and words in s.info["error"]
-        assert s.reward == (None if failure == "infrastructure" else 0.0)
+        assert s.reward == (None if failure == "masked" else 0.0)
 
 
 def test_gym_agent_says_what_the_lab_lacks(lab):

@@ -5,7 +5,6 @@ import pytest
 
 from polar_lab.envs import verifiers as vf_env
 from polar_lab.envs.verifiers import VerifiersEnv
-from polar_lab.errors import MaskedRunError
 from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from tests.conftest import session_calls
 
@@ -50,15 +49,25 @@ def test_two_grpo_steps_train_on_the_verifiers_taskset(lab, calc_env, tmp_path, 
     assert (history["tokens"] > 0).all()
 
 
-def test_a_worker_that_dies_fails_its_runs_masked(lab):
+def test_a_worker_that_dies_mid_episode_fails_its_runs_masked(lab):
     env = VerifiersEnv("polar_calc", path=TASKSETS, max_turns=2).start()
-    tasks = env.tasks(1)
-    env.process.kill()
-    env.process.wait(10)
+    ids = set()
+
+    async def harness(session, task):
+        ids.add(session.id)
+        return await env.harness(session, task)
+
+    def kill_at_the_first_call(call, request, response):  # recorded before the model's answer leaves
+        if call.session.id in ids and env.process.poll() is None:
+            env.process.kill()
+
+    lab.service.on_record.append(kill_at_the_first_call)
     try:
-        (group,) = lab.rollout(tasks, env.harness, evaluator=env.evaluator, num_generations=2, failed_reward=0.0,
+        (group,) = lab.rollout(env.tasks(1), harness, evaluator=env.evaluator, num_generations=2, failed_reward=0.0,
                                progress=False)
     finally:
+        lab.service.on_record.remove(kill_at_the_first_call)
         env.close()
-    assert [(s.status, s.reward, s.info["failure"]) for s in group.sessions] == [("error", None, "infrastructure")] * 2
-    assert all(MaskedRunError.__name__ in s.info["error"] for s in group.sessions)
+    assert [(s.status, s.reward, s.info["failure"]) for s in group.sessions] == [("error", None, "masked")] * 2
+    assert max(s.calls for s in group.sessions) >= 1  # mid-episode: the model had answered
+    assert all("worker exited" in s.info["error"] for s in group.sessions)

@@ -32,15 +32,41 @@ def test_return_token_ids_are_the_recorded_ids_through_the_openai_client(lab):
     assert "prompt_token_ids" not in calls[0].response  # one copy of the ids is kept: the record's own
 
 
-def test_return_token_ids_in_a_stream_join_to_the_recorded_ids(lab):
+@pytest.mark.parametrize("n", [1, 2])
+def test_return_token_ids_in_a_stream_join_to_the_recorded_ids(lab, n):
     s = lab.session()
-    body = {"messages": QUESTION, "max_tokens": 24, "seed": 4, "stream": True, **IDS}
+    body = {"messages": QUESTION, "max_tokens": 24, "seed": 4, "stream": True, "n": n, **IDS}
     with httpx.stream("POST", f"{lab.url}/s/{s.key}/v1/chat/completions", json=body, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    calls = session_calls(lab, s)
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [calls[0].prompt_ids]
+    for call in calls:
+        streamed = [t for c in chunks for ch in c["choices"] if ch["index"] == call.choice_index
+                    for t in ch.get("token_ids") or []]
+        assert streamed == call.output_ids and streamed
+
+
+def test_a_forced_calls_prefill_is_in_the_prompt_ids_not_the_generated_ones(lab):
+    s = lab.session()
+    r = _post(lab, s, "/v1/chat/completions", {"messages": QUESTION, "tools": [CALC_TOOL], "max_tokens": 40, **IDS,
+                                               "tool_choice": {"type": "function", "function": {"name": "calculator"}}})
     (call,) = session_calls(lab, s)
-    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [call.prompt_ids]
-    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
-    assert streamed == call.output_ids
+    assert r.json()["prompt_token_ids"] == call.prompt_ids and r.json()["choices"][0]["token_ids"] == call.output_ids
+
+
+def test_tokenize_changes_nothing_a_later_call_sees(lab):
+    """The same two calls with and without a /tokenize between them: the same call indices and the same prompts."""
+    def two_calls(tokenize_between: bool):
+        s = lab.session()
+        body = {"messages": QUESTION, "max_tokens": 12, "seed": 9, **IDS}
+        first = _post(lab, s, "/v1/chat/completions", body).json()
+        follow = QUESTION + [first["choices"][0]["message"], {"role": "user", "content": "Thanks."}]
+        if tokenize_between:
+            _post(lab, s, "/tokenize", {"messages": follow})
+        _post(lab, s, "/v1/chat/completions", {**body, "messages": follow})
+        return [(c.call_index, c.prompt_ids, c.render["mode"]) for c in session_calls(lab, s)]
+
+    assert two_calls(True) == two_calls(False)
 
 
 def test_tokens_as_token_ids_name_each_sampled_id(lab):
@@ -53,8 +79,9 @@ def test_tokens_as_token_ids_name_each_sampled_id(lab):
 
 
 def test_tokenize_of_a_chat_is_what_the_engine_is_sent_for_those_messages_turn_after_turn(lab, tokenizer):
-    """Turn 1 from the template; turn 2 with the echoed assistant turn spliced back as sampled: /tokenize must
-    give the very ids the next chat completion is recorded with, tools and the developer role included."""
+    """Turn 1 from the template; turn 2 continues turn 1's recorded ids (the echoed assistant turn as sampled):
+    /tokenize must give the very ids the next chat completion is recorded with, tools and the developer role
+    included."""
     s = lab.session()
     messages = [{"role": "developer", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 6*7?"}]
     for turn in range(2):

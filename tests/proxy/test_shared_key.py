@@ -30,11 +30,41 @@ def _chat(lab, headers=None, body=None, key=None, path="/v1/chat/completions"):
 
 def test_a_request_under_the_shared_key_lands_in_the_session_its_header_names(shared_lab):
     a, b = shared_lab.session(name="rollout-a"), shared_lab.session()
+    b.shared = True  # its owner lets the shared key name it (by id): what GymAgent does for its runs
     assert _chat(shared_lab, {"X-Session-ID": "rollout-a"}).status_code == 200
-    assert _chat(shared_lab, {"X-Session-ID": b.id}).status_code == 200  # a session's id names it too
+    assert _chat(shared_lab, {"X-Session-ID": b.id}).status_code == 200
     assert _chat(shared_lab, {"X-Session-ID": b.id}).status_code == 200
     assert [len(session_calls(shared_lab, s)) for s in (a, b)] == [1, 2]
     assert _chat(shared_lab, key=a.key).status_code == 200  # the sessions' own keys still work beside it
+
+
+def test_the_shared_key_cannot_name_a_session_that_did_not_opt_in(shared_lab):
+    private = shared_lab.session()  # neither named nor shared: reachable only with its own key
+    r = _chat(shared_lab, {"X-Session-ID": private.id})
+    assert r.status_code == 401 and session_calls(shared_lab, private) == []
+    with pytest.raises(ConfigError, match="exists already"):  # a name cannot take over another session's id
+        shared_lab.session(name=private.id)
+
+
+def test_a_closed_session_named_under_the_shared_key_is_409_and_gets_nothing(shared_lab):
+    s = shared_lab.session(name="done")
+    s.close(reward=1.0)
+    r = _chat(shared_lab, {"X-Session-ID": "done"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_closed"
+    assert session_calls(shared_lab, s) == []
+
+
+def test_a_stored_response_is_found_only_through_its_own_session(shared_lab):
+    a, b = shared_lab.session(name="a"), shared_lab.session(name="b")
+    r = _chat(shared_lab, {"X-Session-ID": "a"}, {"input": "hi", "max_output_tokens": 4, "messages": None},
+              path="/v1/responses")
+    assert r.status_code == 200, r.text
+    url = f"{shared_lab.url}/v1/responses/{r.json()['id']}"
+    auth = {"Authorization": f"Bearer {shared_lab.shared_key}"}
+    assert httpx.get(url, headers={**auth, "X-Session-ID": "a"}).status_code == 200
+    assert httpx.get(url, headers={**auth, "X-Session-ID": "b"}).status_code == 404
+    assert httpx.get(url, headers=auth).status_code == 400  # naming no session
+    assert a.calls == 1 and b.calls == 0
 
 
 def test_the_shared_key_without_a_session_name_is_400_that_says_what_is_missing(shared_lab):
@@ -78,11 +108,12 @@ def test_a_configured_body_field_names_the_session_when_the_header_is_absent(sha
     assert r.status_code == 400 and "metadata.session_id" in r.json()["error"]["message"]
 
 
-def test_without_a_shared_key_a_session_header_opens_nothing(scripted_lab):
-    s = scripted_lab.session(name="named")
-    r = _chat(scripted_lab, {"X-Session-ID": "named"}, key="pl-shared-guess")
-    assert r.status_code == 401 and scripted_lab.shared_key is None
-    assert session_calls(scripted_lab, s) == []
+def test_a_session_header_never_moves_a_call_out_of_the_session_whose_key_it_carries(scripted_lab, shared_lab):
+    for lab in (scripted_lab, shared_lab):  # without a shared key, and with one
+        own, other = lab.session(name="own"), lab.session(name="other")
+        assert _chat(lab, {"X-Session-ID": "other"}, key=own.key).status_code == 200
+        assert len(session_calls(lab, own)) == 1 and session_calls(lab, other) == []
+    assert scripted_lab.shared_key is None
 
 
 def test_the_shared_key_is_not_written_to_the_run_folder(model_path, tokenizer, tmp_path):
@@ -91,8 +122,11 @@ def test_the_shared_key_is_not_written_to_the_run_folder(model_path, tokenizer, 
     with Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="secret", shared_key=secret) as lab:
         lab.session(name="x")
         assert _chat(lab, {"X-Session-ID": "x"}).status_code == 200
-    written = "".join(p.read_text() for p in (tmp_path / "secret").rglob("*") if p.is_file())
-    assert secret not in written and "(set)" in written
+    with pytest.raises(Exception):  # a Lab whose engine cannot start has written its config already
+        Lab(str(tmp_path / "no-model"), port=0, runs_dir=str(tmp_path), run_name="failed", shared_key=secret)
+    for run in ("secret", "failed"):
+        written = "".join(p.read_text() for p in (tmp_path / run).rglob("*") if p.is_file())
+        assert secret not in written and "(set)" in written
 
 
 def test_session_names_are_unique_and_short_keys_refused(shared_lab):

@@ -4,12 +4,15 @@ vLLM backend (NeMo Gym's `vllm_model`, SkyRL, rLLM).
 `/tokenize` of a chat answers with the prompt ids a chat completion with the same messages, tools and
 `chat_template_kwargs` would send the engine in that session now: the same render path (proxy/service.py
 `CallService.prompt`), so its continued tips and spliced turns included. Under the Lab's shared key a request that
-names no session is rendered as a session's first call. `/tokenize` of a text (`prompt`) and `/detokenize` are
-the tokenizer's own. Nothing here is recorded: no model call is made.
+names no session is rendered as a session's first call (a new name never opens a session here). `/tokenize` of a
+text (`prompt`) and `/detokenize` are the tokenizer's own. Nothing here is recorded: no model call is made, no
+session state changes (its caches aside), and a closed session is refused (409). Large bodies are tokenised in a
+worker thread, as calls are.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,9 +54,14 @@ async def tokenize(request: Request, service: CallService) -> dict[str, Any]:
     owner = service.registry.resolve(session_key(request), shared=True)
     raw, size = await json_body(request, service.config.max_body_bytes)
     tokenizer = service.renderer.tokenizer
+    inline = size <= service.config.inline_render_bytes
+
+    async def run(fn, *args, **kwargs):  # on the loop when small, else in a worker thread (as calls render)
+        return fn(*args, **kwargs) if inline else await asyncio.to_thread(fn, *args, **kwargs)
+
     if "messages" not in raw:
         body = validate(TokenizeText, raw)
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await run(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return _answer(ids, body.return_token_strs, service)
     body = validate(TokenizeChat, raw)
     for name, value in (("continue_final_message", body.continue_final_message),
@@ -61,15 +69,17 @@ async def tokenize(request: Request, service: CallService) -> dict[str, Any]:
         if value:  # the proxy renders with the model's (or the session's) template, its text as it is
             raise RequestError(f"{name} is not supported: the proxy renders every prompt with the session's chat "
                                f"template and adds nothing to it", param=name)
-    session = owner if owner is not SHARED else session_of(request, service, raw, required=False)
+    session = owner if owner is not SHARED else session_of(request, service, raw, required=False, create=False)
+    if session is not None and session.closed_at is not None:
+        raise RequestError(f"session {session.id} is closed: there is no next call to tokenize", status=409,
+                           code="session_closed")
     chat = validate(openai_chat.ChatCompletionRequest, {
         "messages": raw["messages"], "tools": raw.get("tools"), "chat_template_kwargs": body.chat_template_kwargs})
     req = canonical(openai_chat.to_canonical, chat)
-    inline = size <= service.config.inline_render_bytes
     if not body.add_generation_prompt:
-        text = service.renderer._template(req.messages, req.tools, session.chat_template if session else None,
-                                          generation_prompt=False, thinking=req.thinking)
-        ids = service.renderer.encode(text)
+        text = await run(service.renderer.template_text, req.messages, req.tools,
+                         session.chat_template if session else None, generation_prompt=False, thinking=req.thinking)
+        ids = await run(service.renderer.encode, text)
     elif session is None:
         ids = (await service.render(req, inline=inline)).prompt_ids
     else:
