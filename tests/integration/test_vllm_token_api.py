@@ -95,6 +95,17 @@ def test_tokenize_of_a_chat_is_what_the_engine_is_sent_for_those_messages_turn_a
     assert call.render["mode"] == "continued"  # turn 2 really did reuse turn 1's ids
 
 
+def test_tokenize_renders_with_the_sessions_own_template(lab, tokenizer):
+    from polar_lab.templates import with_empty_think
+
+    s = lab.session(chat_template=with_empty_think(tokenizer.chat_template))
+    ask = _post(lab, s, "/tokenize", {"messages": QUESTION}).json()["tokens"]
+    _post(lab, s, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
+    (call,) = session_calls(lab, s)
+    assert ask == call.prompt_ids
+    assert ask != _post(lab, lab.session(), "/tokenize", {"messages": QUESTION}).json()["tokens"]  # not the model's
+
+
 def test_the_developer_role_renders_as_system(lab):
     s = lab.session()
     as_system = _post(lab, s, "/tokenize", {"messages": QUESTION}).json()["tokens"]
