@@ -47,6 +47,20 @@ def test_a_resources_servers_tasks_run_through_polar_labs_tool_loop(gym_lab, tmp
     assert all(t.reward == 1.0 and sum(t.loss_mask) for g in groups for t in g.trajectories)
 
 
+def test_workplace_assistants_tools_answer_in_the_seeded_session_and_verify_scores_the_run(gym_lab, tmp_path):
+    """27 tools, a ~6k-token prompt, state per session: a tool route only answers a seeded session (else a 400
+    'Session not initialized'), so an `output` coming back shows the cookie session carried through the run."""
+    with GymEnvironment("workplace_assistant", first_tool_choice="required", log_dir=tmp_path) as env:
+        (group,) = gym_lab.rollout(env.tasks(limit=1), env.harness, evaluator=env.evaluator, num_generations=2,
+                                   progress=False)
+    for s in group.sessions:
+        assert s.status == "closed" and s.reward == env.results[s.id]["reward"] in (0.0, 1.0)
+        calls = session_calls(gym_lab, s)
+        assert len(calls[0].request["tools"]) == 27 and len(calls) >= 2
+        tool_answer = calls[1].request["messages"][-1]
+        assert tool_answer["role"] == "tool" and json.loads(tool_answer["content"]).keys() == {"output"}
+
+
 def test_gyms_own_agent_and_model_server_on_the_lab_give_token_exact_rewarded_runs(gym_lab, tmp_path):
     with GymAgent(gym_lab, "example_single_tool_call", max_steps=3, log_dir=tmp_path) as agent:
         tasks = [{**row, "responses_create_params": {**row["responses_create_params"], "tool_choice": "required"}}
