@@ -414,6 +414,15 @@ class Lab:
         """Chain breaks counted by harness and class, with an example of each."""
         return self.recorded.drift_report()
 
+    def sft_dataset(self, *, min_reward: float = 1.0, builder: str = "prefix_merging",
+                    session_ids: list[str] | None = None):
+        """The accepted runs' chains as SFT data (`Run.sft_dataset`): TRL's conversational and tokenized forms."""
+        return self.recorded.sft_dataset(min_reward=min_reward, builder=builder, session_ids=session_ids)
+
+    def sft_acceptance(self, *, min_reward: float = 1.0) -> pd.DataFrame:
+        """Per task: runs, accepted runs and the rate (`Run.sft_acceptance`)."""
+        return self.recorded.sft_acceptance(min_reward=min_reward)
+
     def stats(self) -> dict[str, Any]:
         """Live counters (what the dashboard shows): sessions by status, calls and sampled tokens recorded, the
         policy version, the proxy's gate and the engine's state and restarts."""

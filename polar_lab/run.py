@@ -30,6 +30,7 @@ from polar_lab.rewards.table import COLUMNS as REWARD_COLUMNS
 from polar_lab.store import RunStore, calls_frame
 from polar_lab.store.delta import Expander
 from polar_lab.store.runstore import JsonLines
+from polar_lab.trajectory import sft
 from polar_lab.trajectory.builders import BUILDERS
 from polar_lab.trajectory.report import chain_breaks, drift_summary
 from polar_lab.types import ModelCall, Session, Trajectory
@@ -144,6 +145,17 @@ class Run:
         for traj in trajectories:
             traj.reward = self._sessions.get(traj.session_id, {}).get("reward")
         return trajectories
+
+    def sft_dataset(self, *, min_reward: float = 1.0, builder: str = "prefix_merging",
+                    session_ids: list[str] | None = None):
+        """The accepted runs' chains (reward >= min_reward) as SFT data: a `datasets.Dataset` with `messages` and
+        `tools` (TRL's conversational form) and `input_ids` / `labels` / `assistant_masks` (the tokenized form,
+        labels -100 where the loss mask is 0). See polar_lab.trajectory.sft."""
+        return sft.sft_dataset(self, min_reward=min_reward, builder=builder, session_ids=session_ids)
+
+    def sft_acceptance(self, *, min_reward: float = 1.0) -> pd.DataFrame:
+        """Per task: runs, accepted runs and the rate (Polar's Table 2)."""
+        return sft.acceptance(self, min_reward=min_reward)
 
     def chain_breaks(self, *, session_ids: list[str] | None = None) -> pd.DataFrame:
         """Every prefix-merging chain break (of these sessions), classified (see polar_lab.trajectory.drift)."""

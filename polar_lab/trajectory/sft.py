@@ -1,0 +1,102 @@
+"""SFT data from accepted runs (Polar's Table 2: run a harness over many tasks, keep the accepted trajectories).
+
+`sft_dataset(run, min_reward=...)` keeps the chains whose session's reward reaches `min_reward` and gives one row
+per chain in both forms TRL's `SFTTrainer` reads:
+
+- conversational: `messages` (the chain's last request's messages and the reply it got, tool calls included, in
+  Chat Completions' shape) and `tools`;
+- tokenized: `input_ids` (the chain's exact ids, as sampled and as the template rendered the rest), `labels`
+  (the ids where the policy sampled them, -100 elsewhere), `assistant_masks` (the chain's loss mask);
+
+plus `reward`, `session_id`, `chain_index`, `task_id`. `messages` and `tools` are `datasets.Json` columns (their
+dicts vary from row to row). A filter that accepts nothing gives an empty dataset with these columns.
+`acceptance(run, min_reward)` is the table beside it: per task, runs and accepted runs.
+
+The messages are read from Chat Completions bodies (what most harnesses speak); a chain whose last call came
+through another API has `messages` None, its tokenized form exact all the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from polar_lab.types import ModelCall, Session, Trajectory
+
+IGNORE = -100  # the label of a token the loss skips (PyTorch's cross-entropy `ignore_index`, TRL's and HF's)
+
+
+def features():
+    from datasets import Features, Json, List, Value
+
+    return Features({"messages": List(Json()), "tools": List(Json()), "input_ids": List(Value("int64")),
+                     "labels": List(Value("int64")), "assistant_masks": List(Value("int8")),
+                     "reward": Value("float64"), "session_id": Value("string"), "chain_index": Value("int64"),
+                     "task_id": Value("string")})
+
+
+def accepted(reward: float | None, min_reward: float) -> bool:
+    """A run is accepted when it has a reward (failed and masked runs have none) of at least `min_reward`.
+
+    >>> accepted(1.0, 1.0), accepted(0.5, 1.0), accepted(None, 0.0)
+    (True, False, False)
+    """
+    return reward is not None and reward >= min_reward
+
+
+def sft_rows(chains: list[Trajectory], calls: dict[str, ModelCall], sessions: dict[str, Session], *,
+             min_reward: float) -> list[dict[str, Any]]:
+    rows = []
+    for chain in chains:
+        session = sessions.get(chain.session_id)
+        if session is None or not accepted(session.reward, min_reward) or not chain.call_ids:
+            continue
+        last = calls[chain.call_ids[-1]]
+        messages = _conversation(last)
+        rows.append({
+            "messages": messages, "tools": list(last.request.get("tools") or []) if messages is not None else None,
+            "input_ids": list(chain.token_ids),
+            "labels": [t if m else IGNORE for t, m in zip(chain.token_ids, chain.loss_mask, strict=True)],
+            "assistant_masks": list(chain.loss_mask), "reward": float(session.reward),
+            "session_id": chain.session_id, "chain_index": chain.chain_index, "task_id": _task_id(session)})
+    return rows
+
+
+def _conversation(call: ModelCall) -> list[dict[str, Any]] | None:
+    """The call's request messages and its reply, in Chat Completions' shape; None for another API's call."""
+    if call.api != "openai.chat":
+        return None
+    reply = dict(call.response["choices"][call.choice_index]["message"])
+    return [dict(m) for m in call.request.get("messages") or []] + [reply]
+
+
+def _task_id(session: Session) -> str:
+    task = session.task or {}
+    return str(task.get("id", session.group_id or ""))
+
+
+def sft_dataset(source, *, min_reward: float = 1.0, builder: str = "prefix_merging",
+                session_ids: list[str] | None = None):
+    """The accepted chains of `source` (a Lab or a Run) as a `datasets.Dataset` (see the module docstring).
+    Save it with `.to_parquet(path)`; train on it with TRL's `SFTTrainer` (conversational or tokenized)."""
+    import datasets
+
+    chains = source.trajectories(builder, session_ids=session_ids)
+    sessions = {s.id: s for s in source.session_records()}
+    calls = {c.call_id: c for c in source.call_records(session_ids)}
+    rows = sft_rows(chains, calls, sessions, min_reward=min_reward)
+    table = {name: [row[name] for row in rows] for name in features()}
+    return datasets.Dataset.from_dict(table, features=features())
+
+
+def acceptance(source, *, min_reward: float = 1.0) -> pd.DataFrame:
+    """Per task: runs finished, runs accepted (a reward of at least `min_reward`) and the rate; like Polar's
+    Table 2. Open sessions are not counted."""
+    rows = [{"task_id": _task_id(s), "accepted": accepted(s.reward, min_reward)}
+            for s in source.session_records() if s.status != "open"]
+    frame = pd.DataFrame(rows, columns=["task_id", "accepted"])
+    out = frame.groupby("task_id", sort=True)["accepted"].agg(runs="count", accepted="sum").reset_index()
+    out["accepted"] = out["accepted"].astype(int)
+    out["rate"] = out["accepted"] / out["runs"]
+    return out
