@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[cpu,dev,ray]" "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[cpu,dev,ray,trackers]" "torch==2.13.0"
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

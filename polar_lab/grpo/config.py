@@ -11,6 +11,7 @@ from typing import Any
 from polar_lab.config import _f
 from polar_lab.errors import ConfigError
 from polar_lab.grpo.lora import lora_config, lora_dict
+from polar_lab.grpo.trackers import resolve_report_to
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -119,6 +120,8 @@ class GRPOConfig:
     max_steps: int = _f(20, "optimiser steps of train()")
     seed: int = _f(0, "task order and rollout sampling seeds")
     output_dir: str | None = _f(None, "metrics.jsonl and checkpoints; None = <run folder>/grpo")
+    report_to: str | list[str] = _f("none", "experiment trackers (TRL's name): tensorboard, wandb, mlflow, trackio, "
+                                            "a list of them, 'all' (those installed) or 'none' (grpo/trackers.py)")
     save_steps: int = _f(0, "save a checkpoint every N steps (0 = only at the end of train())")
     eval_tasks: str | None = _f("data/tasks/calc_test.jsonl", "held-out tasks for evaluate()")
     eval_limit: int | None = _f(None, "evaluate on the first N held-out tasks only")
@@ -163,6 +166,7 @@ class GRPOConfig:
                f"async_mode=True needs max_staleness >= 1 (got {self.max_staleness}): rollouts made while "
                f"the trainer steps are one version old when they are trained on")
         self.peft_config = lora_config(self.peft_config)
+        resolve_report_to(self.report_to)  # a name no tracker has is refused now, not at the first step
         _check(self.lora_sync in ("adapter", "merged"), f"lora_sync must be adapter or merged, got {self.lora_sync!r}")
         _check(self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(not self.cpu_offload or self.strategy == "fsdp",

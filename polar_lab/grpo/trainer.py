@@ -40,6 +40,7 @@ from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.lora import check_targets
 from polar_lab.grpo.policy import Policy, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
+from polar_lab.grpo.trackers import Trackers, resolve_report_to
 from polar_lab.harness.registry import get_harness
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rewards.table import reward_rows, rewards_frame
@@ -83,6 +84,9 @@ class GRPOTrainer:
         self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
         self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
+        card = {"model": str(lab.model_path), "served_as": lab.engine.model_name, "strategy": config.strategy,
+                "world_size": config.world_size, "lora": config.peft_config is not None, "run": str(lab.run_dir)}
+        self.trackers = Trackers(resolve_report_to(config.report_to), self.output_dir, config.to_dict(), card)
         lab.adopt(self)  # closing the Lab stops this trainer's producer and rank processes
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -112,7 +116,21 @@ class GRPOTrainer:
                    "sampled_tokens_per_s": batch.stats["tokens"] / max(t3 - t0, 1e-9),
                    "time": time.time()}
         self._log(metrics)
+        self.trackers.log(metrics["step"], metrics, [r["reward"] for r in reward_rows(groups) if r["reward"] is not None],
+                          self._samples(groups))
         return metrics
+
+    def _samples(self, groups: list[Group], limit: int = 4) -> list[dict[str, Any]]:
+        """A few of the step's runs for the trackers' tables: each group's first chain, decoded."""
+        if not self.trackers.trackers:
+            return []
+        out = []
+        for group in groups[:limit]:
+            if group.trajectories:
+                chain = group.trajectories[0]
+                out.append({"task_id": str(group.task.get("id", "")), "session_id": chain.session_id,
+                            "reward": chain.reward, "text": self.lab.tokenizer.decode(chain.token_ids)})
+        return out
 
     def sync_weights(self, *, full: bool = False) -> SyncResult:
         """The trainer's weights into the engine: the policy writes them as a file in shared memory (rank 0,
@@ -241,6 +259,7 @@ class GRPOTrainer:
             self._rollouts.close()
             self._rollouts = None
         self.policy.close()
+        self.trackers.close()
         torch.set_num_threads(self._threads_before)
         self.lab.release(self)
 
