@@ -21,13 +21,16 @@ $(STAMP): pyproject.toml
 
 # Real CLI agents for the preset tests, pinned to the versions probed in shared/reference/cli-agents.md.
 # Installed into .cache/agents (git-ignored); without npm the preset tests skip with a reason.
-AGENTS_STAMP := .cache/agents/.polar_lab-agents
+# (The stamp's name changes with the list, so a checkout that had the older list installs the new agents.)
+AGENTS_STAMP := .cache/agents/.polar_lab-agents-6
 agents: $(AGENTS_STAMP)
 $(AGENTS_STAMP):
 	@if command -v npm >/dev/null; then \
 		npm install --silent --prefix .cache/agents @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 \
+			@qwen-code/qwen-code@0.24.4 @google/gemini-cli@0.61.0 @mariozechner/pi-coding-agent@0.73.1 \
+			opencode-ai@1.18.33 \
 		&& touch $(AGENTS_STAMP); \
-	else echo "npm not found: Claude Code / Codex preset tests will be skipped"; fi
+	else echo "npm not found: the CLI agent preset tests will be skipped"; fi
 
 # bubblewrap, for the "isolated" sandbox level (docs/reliability.md): Debian's package, installed when it is
 # missing and this user may (root with apt-get). Elsewhere harness programs refuse with a message that says

@@ -64,6 +64,11 @@ def install_root(executable: str) -> str:
 
 # Node reserves large virtual ranges at start-up; RLIMIT_AS has to leave room for them.
 _NODE_MEMORY_MB = 16384
+# Agents that call the model with Node's own fetch (undici) instantiate its HTTP parser as WebAssembly, and V8
+# reserves ~10 GB of address space per WebAssembly memory: under 16 GB of RLIMIT_AS fetch fails ("fetch failed",
+# "Cannot allocate Wasm memory"). Address space, not memory: what they use stays bounded by the memory cgroup
+# where one can be made.
+_FETCH_MEMORY_MB = 65536
 
 
 def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question",
@@ -122,6 +127,89 @@ def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: 
                    readonly=[install_root(executable)],
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex",
                    workspace=workspace, isolated_only=bool(workspace))
+
+
+# Qwen Code's settings: no usage statistics (by default it reports to Aliyun RUM), and no "managed memory" sub-agent
+# (a second model call per run, with its own prompt: a second chain).
+QWEN_SETTINGS = json.dumps({"privacy": {"usageStatisticsEnabled": False},
+                            "memory": {"enableManagedAutoMemory": False}})
+
+
+def qwen_code(*, model: str = "tiny-calc", task_field: str = "question", max_output_tokens: int = 1024) -> Command:
+    """Qwen Code (npm `@qwen-code/qwen-code`) headless (`-p`) over Chat Completions (`--auth-type openai`: the
+    session's OPENAI_BASE_URL / OPENAI_API_KEY), streaming, 10 tools, a ~21k-token first prompt.
+    `max_output_tokens` (QWEN_CODE_MAX_OUTPUT_TOKENS): its default, 32,000, does not fit beside that prompt in a
+    32k context. Its settings file turns usage statistics and the memory sub-agent off (docs/presets.md)."""
+    executable = agents_bin("qwen")
+    return Command([executable, "--auth-type", "openai", "-p", "{" + task_field + "}"],
+                   files={".qwen/settings.json": QWEN_SETTINGS}, readonly=[install_root(executable)],
+                   env={"OPENAI_MODEL": model, "QWEN_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)},
+                   memory_mb=_FETCH_MEMORY_MB, name="qwen-code")
+
+
+# Gemini CLI's settings: the API-key auth (no login prompt), no usage statistics (Clearcut, play.googleapis.com),
+# no telemetry, no update checks.
+GEMINI_SETTINGS = json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}},
+                              "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+                              "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False}})
+
+
+def gemini_cli(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+    """Gemini CLI (npm `@google/gemini-cli`) headless (`-p`) over Google's generateContent (the session's
+    GEMINI_API_KEY and GOOGLE_GEMINI_BASE_URL), 8 function declarations, a ~14.5k-token first prompt; the
+    workspace trusted (GEMINI_CLI_TRUST_WORKSPACE) so that it runs without asking."""
+    executable = agents_bin("gemini")
+    return Command([executable, "-m", model, "-p", "{" + task_field + "}"],
+                   files={".gemini/settings.json": GEMINI_SETTINGS}, readonly=[install_root(executable)],
+                   env={"GEMINI_CLI_TRUST_WORKSPACE": "true"}, memory_mb=_FETCH_MEMORY_MB, name="gemini-cli")
+
+
+# Pi's custom provider (its docs/models.md): the session's Chat Completions endpoint; `compat` as its docs advise
+# for vLLM-style servers (no `developer` role, no reasoning_effort). `apiKey` names the environment variable.
+PI_MODELS = """{"providers": {"polar": {"baseUrl": "{openai_base_url}", "api": "openai-completions",
+  "apiKey": "OPENAI_API_KEY", "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
+  "models": [{"id": "{model}", "contextWindow": 32768, "maxTokens": 1024, "reasoning": false, "input": ["text"]}]}}}
+"""
+
+
+def pi(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+    """The Pi coding agent (npm `@mariozechner/pi-coding-agent`, `pi -p`) with a custom provider pointed at the
+    session's Chat Completions endpoint (`~/.pi/agent/models.json`); PI_OFFLINE=1 turns off its version check,
+    package update checks and install ping. The smallest prompt of the presets (~2.1k tokens, 7 tools)."""
+    executable = agents_bin("pi")
+    return Command([executable, "--provider", "polar", "--model", model, "-p", "{" + task_field + "}"],
+                   files={".pi/agent/models.json": PI_MODELS.replace("{model}", model)},
+                   readonly=[install_root(executable)], env={"PI_OFFLINE": "1"}, memory_mb=_FETCH_MEMORY_MB,
+                   name="pi")
+
+
+# OpenCode's config: one provider (the bundled @ai-sdk/openai-compatible, nothing downloaded) at the session's
+# Chat Completions endpoint, no autoupdate, no sharing. `{env:OPENAI_API_KEY}` is OpenCode's own syntax.
+OPENCODE_CONFIG = """{"$schema": "https://opencode.ai/config.json", "model": "polar/{model}", "autoupdate": false,
+  "share": "disabled", "enabled_providers": ["polar"],
+  "provider": {"polar": {"npm": "@ai-sdk/openai-compatible", "name": "polar",
+    "options": {"baseURL": "{openai_base_url}", "apiKey": "{env:OPENAI_API_KEY}"},
+    "models": {"{model}": {"name": "{model}", "limit": {"context": 32768, "output": 1024}}}}}}
+"""
+# On every start OpenCode installs `@opencode-ai/plugin` into its config folder from the npm registry (even with its
+# DISABLE flags) unless node_modules is there and the lock file lists it: both are put there, so it never
+# reaches the network (read from its binary, not a documented switch: re-check when the pin moves).
+OPENCODE_LOCK = json.dumps({"packages": {"": {"dependencies": {"@opencode-ai/plugin": "*"}}}})
+
+
+def opencode(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+    """OpenCode (npm `opencode-ai`, `opencode run`) with one provider at the session's Chat Completions endpoint
+    (streaming, 10 tools, ~11k-token prompt). `--title` is given so that it does not ask the model for a session
+    title first (a second call and chain); its update, model-list, LSP-download, plugin and share features off."""
+    executable = agents_bin("opencode")
+    return Command([executable, "run", "-m", f"polar/{model}", "--title", "polar", "{" + task_field + "}"],
+                   files={".config/opencode/opencode.json": OPENCODE_CONFIG.replace("{model}", model),
+                          ".config/opencode/package-lock.json": OPENCODE_LOCK,
+                          ".config/opencode/node_modules/.polar_lab": ""},
+                   readonly=[install_root(executable)], memory_mb=_NODE_MEMORY_MB, name="opencode",
+                   env={"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+                        "OPENCODE_DISABLE_SHARE": "1"})
 
 
 async def openai_agents_calculator(session: Session, task: dict[str, Any], *, max_turns: int = 4) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import importlib
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.harness.code_agent import code_agent
 from polar_lab.harness.multiagent import planner_solver
-from polar_lab.harness.presets import claude_code, codex, mini_swe_agent
+from polar_lab.harness.presets import claude_code, codex, gemini_cli, mini_swe_agent, opencode, pi, qwen_code
 from polar_lab.types import Harness
 
 HARNESSES: dict[str, Harness] = {
@@ -21,6 +21,10 @@ PRESETS = {  # real CLI agents (harness/presets.py): a Command from keyword opti
     "codex": codex,
     "claude_code": claude_code,
     "mini_swe_agent": mini_swe_agent,
+    "qwen_code": qwen_code,
+    "gemini_cli": gemini_cli,
+    "pi": pi,
+    "opencode": opencode,
 }
 
 

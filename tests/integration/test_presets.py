@@ -1,12 +1,14 @@
 """Real agent programs, unmodified, against a Lab session."""
 
+import os
 import time
 
 import pytest
 
 from polar_lab.tasks import load_tasks
-from polar_lab.harness.presets import agents_bin, claude_code, codex, mini_swe_agent, openai_agents_calculator
-from tests.conftest import session_calls
+from polar_lab.harness.presets import (agents_bin, claude_code, codex, gemini_cli, install_root, mini_swe_agent,
+                                      openai_agents_calculator, opencode, pi, qwen_code)
+from tests.conftest import running, session_calls
 
 
 def _installed(name):
@@ -80,3 +82,34 @@ def test_an_agent_prompt_over_the_context_gets_the_provider_error_not_a_hang(lab
     assert s.status == "error" and time.monotonic() - t0 < 100  # Claude Code gave up on the 400, no hang
     assert "maximum context length" in s.info["output"], s.info["output"][-2000:]  # the proxy's 400, as relayed
     assert session_calls(lab, s) == []  # nothing was generated, nothing recorded
+
+
+# the paper's other harnesses (Table 1: Qwen Code, Pi) and two more, each with the API it speaks
+NEW_PRESETS = [("qwen", qwen_code, "openai.chat"), ("gemini", gemini_cli, "google.generate_content"),
+               ("pi", pi, "openai.chat"), ("opencode", opencode, "openai.chat")]
+
+
+def _agent_processes(executable):
+    """Live processes whose command line runs something from the agent's install folder."""
+    root = install_root(executable).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if root in fh.read() and running(int(entry)):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("binary, preset, api", NEW_PRESETS, ids=[p[0] for p in NEW_PRESETS])
+def test_each_new_preset_runs_unmodified_and_its_process_tree_is_gone_after_the_deadline(lab, binary, preset, api):
+    if not _installed(binary):
+        pytest.skip(f"run `make agents` (npm) to install {binary}")
+    calls = _run_agent(lab, preset())
+    assert {c.api for c in calls} == {api} and len(calls[0].prompt_ids) > 1000  # its own prompt, tools and all
+    (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), preset(), num_generations=1, deadline_s=0.5,
+                       progress=False)
+    assert g.sessions[0].status == "timeout"  # cut off mid-run ...
+    assert _agent_processes(agents_bin(binary)) == []  # ... and nothing of it is left
