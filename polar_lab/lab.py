@@ -431,10 +431,22 @@ class Lab:
         return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
                 "sessions_failed": statuses.count("error") + statuses.count("timeout"),
                 "calls": self.store.num_calls, "output_tokens": self.store.num_output_tokens,
-                "policy_version": self.policy_version, "proxy": self.proxy_state, **engine,
+                "policy_version": self.policy_version, "proxy": self.proxy_state,
+                "engine_busy_s": self.supervisor.busy_seconds, **engine,
                 **({"replicas_serving": sum(r["serving"] for r in self.engine.replica_status()),
                     "replicas": len(self.engine.engines), "replica_moves": self.engine.moved}
                    if isinstance(self.engine, ReplicaSet) else {})}
+
+    def training(self) -> dict[str, Any]:
+        """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`) and its
+        runs' rewards as (step, reward); without a trainer, the rewards of this Lab's finished runs (step 0)."""
+        trainers = [o for o in self._owned if hasattr(o, "history") and hasattr(o, "reward_log")]
+        if trainers:
+            trainer = trainers[-1]
+            return {"history": list(trainer.history),
+                    "rewards": [(r["step"], r["reward"]) for r in list(trainer.reward_log) if r["reward"] is not None]}
+        return {"history": [], "rewards": [(0, s.reward) for s in self.registry.all()
+                                           if s.status != "open" and s.reward is not None]}
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load new weights into the live engine at once (no pause); returns the new policy version.
@@ -539,8 +551,10 @@ class Lab:
         return list(self.supervisor.restarts)
 
     def dashboard(self, *, interval: float = 1.0, start: bool = True):
-        """A live ipywidgets dashboard of this Lab (sessions, calls/s, tokens/s, version, proxy state).
-        Display it as the last expression of a cell; it refreshes every `interval` s until the Lab closes."""
+        """A live ipywidgets dashboard of this Lab: its counters (sessions, calls/s, tokens/s, version, proxy and
+        engine state) and plots (rewards per step, throughput and engine busy, sessions, version and staleness,
+        an attached trainer's loss and reward mean). Display it as the last expression of a cell; it refreshes
+        every `interval` s in a background thread until the Lab closes."""
         from polar_lab.viz.dashboard import Dashboard
 
         board = Dashboard(self, interval=interval)

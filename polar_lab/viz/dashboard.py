@@ -1,16 +1,25 @@
-"""Live dashboard of a Lab (ipywidgets): sessions, throughput, policy version, proxy and engine state.
+"""Live dashboard of a Lab (ipywidgets): the counters, and plots of the run as it goes.
 
-A daemon thread ("polar-lab-dashboard") samples the Lab's counters (`lab.stats()`) every `interval` seconds and rewrites
-one HTML widget, so it keeps updating while a rollout or a training run holds the notebook's cell (run that
-in a background thread, or watch it from a second cell). Reading counters takes no locks on the hot path.
+A daemon thread ("polar-lab-dashboard") samples the Lab (`lab.stats()`, `lab.training()`) every `interval` seconds,
+keeps a time series of the samples, and redraws two widgets: a table (sessions, calls, tokens/s, policy version,
+proxy and engine state) and one image of six plots — the reward distribution per training step, sampled tokens/s
+and engine busy over time, sessions running / finished / failed over time, the policy version and the rollouts'
+staleness over time, and, once a trainer is attached to the Lab, its loss curves. It keeps updating while a
+rollout or a training run holds the notebook's cell, never blocks the kernel (drawing is matplotlib's Agg canvas
+in that thread, not pyplot), and stops when the Lab closes. Re-running `lab.dashboard()` gives a new one; the old
+one stops with the Lab. Reading the counters takes no locks on the hot path.
 """
 
 from __future__ import annotations
 
 import html
+import io
 import threading
 import time
+from collections import deque
 from typing import Any, Protocol
+
+HISTORY = 600  # samples kept for the time plots (10 minutes at the default interval)
 
 
 class Watched(Protocol):
@@ -21,42 +30,64 @@ class Watched(Protocol):
     def stats(self) -> dict[str, Any]:
         ...
 
+    def training(self) -> dict[str, Any]:
+        ...
+
     def release(self, owned: Any) -> None:
         ...
 
 
 class Dashboard:
-    def __init__(self, lab: Watched, *, interval: float = 1.0):
+    def __init__(self, lab: Watched, *, interval: float = 1.0, plots: bool = True):
         import ipywidgets as widgets
 
         self.lab = lab
         self.interval = interval
-        self.widget = widgets.HTML()
-        self._last: tuple[float, int, int] | None = None  # (time, calls, output tokens) of the previous sample
+        self.table = widgets.HTML()
+        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="980px"))
+        self.caption = widgets.HTML()
+        self.widget = widgets.VBox([self.table, self.image, self.caption] if plots else [self.table])
+        self.plots = plots
+        self.series: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # one snapshot per refresh
+        self.plotted: dict[str, int] = {}  # points drawn in each plot by the last refresh
+        self._last: tuple[float, int, int, float] | None = None  # (time, calls, output tokens, busy s) last sample
+        self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._draw = threading.Lock()
         self.refresh()
 
-    def snapshot(self) -> dict[str, Any]:
-        """The numbers the dashboard shows, as a dict (rates are since the previous snapshot)."""
+    def snapshot(self, *, advance: bool = False) -> dict[str, Any]:
+        """The numbers the dashboard shows, as a dict (rates are since the previous refresh; `advance`: this is
+        the new reference, as a refresh makes it)."""
         stats = self.lab.stats()
-        now, calls, tokens = time.perf_counter(), stats["calls"], stats["output_tokens"]
-        calls_s = tokens_s = 0.0
+        now, calls, tokens, busy = (time.perf_counter(), stats["calls"], stats["output_tokens"],
+                                    stats.get("engine_busy_s", 0.0))
+        calls_s = tokens_s = busy_frac = 0.0
         if self._last is not None and now > self._last[0]:
-            calls_s = (calls - self._last[1]) / (now - self._last[0])
-            tokens_s = (tokens - self._last[2]) / (now - self._last[0])
-        self._last = (now, calls, tokens)
+            dt = now - self._last[0]
+            calls_s, tokens_s = (calls - self._last[1]) / dt, (tokens - self._last[2]) / dt
+            busy_frac = min(1.0, max(0.0, (busy - self._last[3]) / dt))
+        if advance or self._last is None:
+            self._last = (now, calls, tokens, busy)
         proxy, last = stats["proxy"], stats["last_restart"]
-        return {"sessions_running": stats["sessions_running"], "sessions_finished": stats["sessions_finished"],
-                "sessions_failed": stats["sessions_failed"], "calls": calls, "calls_per_s": calls_s,
-                "tokens_per_s": tokens_s, "policy_version": stats["policy_version"], "proxy_state": proxy["state"],
+        return {"t": now - self._t0, "sessions_running": stats["sessions_running"],
+                "sessions_finished": stats["sessions_finished"], "sessions_failed": stats["sessions_failed"],
+                "calls": calls, "calls_per_s": calls_s, "tokens_per_s": tokens_s, "engine_busy": busy_frac,
+                "policy_version": stats["policy_version"], "proxy_state": proxy["state"],
                 "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"], "engine_state": stats["engine"],
                 "engine_restarts": stats["engine_restarts"], "last_restart_reason": last["reason"] if last else None}
 
     def refresh(self) -> dict[str, Any]:
-        snap = self.snapshot()
-        self.widget.value = render(snap)
-        return snap
+        with self._draw:  # the thread and a notebook cell may both refresh
+            snap = self.snapshot(advance=True)
+            self.series.append(snap)
+            self.table.value = render(snap)
+            if self.plots:
+                training = self.lab.training()
+                self.image.value, self.plotted = draw(list(self.series), training)
+                self.caption.value = caption(self.plotted)
+            return snap
 
     def start(self) -> Dashboard:
         """Keep refreshing in the background until `stop()` (or the Lab closes)."""
@@ -68,7 +99,7 @@ class Dashboard:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def close(self) -> None:
@@ -77,7 +108,12 @@ class Dashboard:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval) and not self.lab.closed:
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a Lab closing under the refresh: the loop ends on the next check
+                if self.lab.closed:
+                    return
+                raise
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -91,7 +127,7 @@ def render(snap: dict[str, Any]) -> str:
         ("sessions", f"{snap['sessions_running']} running · {snap['sessions_finished']} finished · "
                      f"{snap['sessions_failed']} failed"),
         ("calls", f"{snap['calls']} recorded · {snap['calls_per_s']:.1f}/s · {snap['calls_in_flight']} in flight"),
-        ("sampled tokens", f"{snap['tokens_per_s']:.0f}/s"),
+        ("sampled tokens", f"{snap['tokens_per_s']:.0f}/s · engine busy {snap['engine_busy']:.0%}"),
         ("policy version", f"{snap['policy_version']} ({snap['pauses']} proxy pauses: syncs, restarts)"),
         ("proxy", f'<span style="color:{colour};font-weight:bold">{html.escape(snap["proxy_state"])}</span>'),
         ("engine", html.escape(f"{snap['engine_state']} · restarts: {snap['engine_restarts']}"
@@ -99,3 +135,83 @@ def render(snap: dict[str, Any]) -> str:
     ]
     rows = "".join(f'<tr><th style="text-align:left;padding-right:12px">{k}</th><td>{v}</td></tr>' for k, v in cells)
     return f'<table style="font-family:ui-monospace,monospace;font-size:13px">{rows}</table>'
+
+
+def caption(plotted: dict[str, int]) -> str:
+    """What the plots hold, in words (a screen reader's view of the image, and what a browser test reads)."""
+    text = " · ".join(f"{name}: {n}" for name, n in plotted.items())
+    return f'<div class="polar-lab-plotted" style="font-size:11px;color:#666">points plotted — {html.escape(text)}</div>'
+
+
+def draw(series: list[dict[str, Any]], training: dict[str, Any]) -> tuple[bytes, dict[str, int]]:
+    """The six plots as one PNG, and how many points each holds. matplotlib's object API on an Agg canvas: safe
+    off the main thread (pyplot is not)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 5.6), dpi=80, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3)
+    t = [s["t"] for s in series]
+    plotted = {}
+
+    ax = axes[0][0]  # rewards per step
+    rewards = training.get("rewards") or []
+    steps = sorted({step for step, _ in rewards})
+    if steps:
+        ax.boxplot([[r for s, r in rewards if s == step] for step in steps], positions=steps, widths=0.6)
+        for step in steps:
+            values = [r for s, r in rewards if s == step]
+            ax.scatter([step] * len(values), values, s=10, alpha=0.5, color="#1c7ed6")
+    ax.set(title="reward per step" if training.get("history") else "rewards of finished runs", xlabel="step")
+    plotted["rewards"] = len(rewards)
+
+    ax = axes[0][1]  # throughput and engine busy
+    ax.plot(t, [s["tokens_per_s"] for s in series], color="#2b8a3e", label="sampled tokens/s")
+    ax.set(title="sampled tokens/s · engine busy", xlabel="s")
+    busy = ax.twinx()
+    busy.plot(t, [s["engine_busy"] for s in series], color="#e67700", alpha=0.7, label="engine busy")
+    busy.set_ylim(0, 1.05)
+    plotted["throughput"] = len(series)
+
+    ax = axes[0][2]  # sessions
+    for key, colour in (("sessions_running", "#1c7ed6"), ("sessions_finished", "#2b8a3e"),
+                        ("sessions_failed", "#c92a2a")):
+        ax.plot(t, [s[key] for s in series], color=colour, label=key.removeprefix("sessions_"))
+    ax.set(title="sessions", xlabel="s")
+    ax.legend(loc="upper left", fontsize=8)
+    plotted["sessions"] = len(series)
+
+    ax = axes[1][0]  # policy version over time; the trained groups' staleness per step
+    ax.step(t, [s["policy_version"] for s in series], where="post", color="#5f3dc4")
+    ax.set(title="policy version (line) · staleness per step (dots)", xlabel="s")
+    history = training.get("history") or []
+    stale = [(h["step"], h["staleness_mean"]) for h in history if h.get("staleness_mean") is not None]
+    if stale:
+        ax2 = ax.twiny()
+        ax2.plot(*zip(*stale), "o", color="#e67700")
+        ax2.set_xlabel("step")
+    plotted["versions"] = len(series)
+    plotted["staleness"] = len(stale)
+
+    ax = axes[1][1]  # the trainer's loss
+    ax.set(title="trainer loss" if history else "trainer loss (no trainer attached)", xlabel="step")
+    losses = [(h["step"], h["loss"]) for h in history if h.get("loss") is not None]
+    if losses:
+        ax.plot(*zip(*losses), "o-", color="#c92a2a", label="loss")
+        kl = [(h["step"], h["kl"]) for h in history if h.get("kl") is not None]
+        if kl:
+            ax.plot(*zip(*kl), "s--", color="#868e96", label="kl")
+        ax.legend(fontsize=8)
+    plotted["loss"] = len(losses)
+
+    ax = axes[1][2]  # the trainer's reward mean
+    means = [(h["step"], h["reward_mean"]) for h in history if h.get("reward_mean") is not None]
+    ax.set(title="reward mean per step", xlabel="step")
+    if means:
+        ax.plot(*zip(*means), "o-", color="#1c7ed6")
+    plotted["reward_mean"] = len(means)
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue(), plotted

@@ -10,6 +10,7 @@ import pytest
 from polar_lab.errors import ConfigError
 from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from polar_lab.grpo.trackers import TRACKERS, resolve_report_to
+from polar_lab.viz import Dashboard
 
 INSTALLED = [name for name in TRACKERS if importlib.util.find_spec(name) is not None]
 
@@ -25,13 +26,15 @@ def two_steps(lab, tmp_path_factory, shipped_weights):
     env.setenv("WANDB_SILENT", "true")
     config = GRPOConfig(tasks_per_step=2, num_generations=4, learning_rate=1e-3, output_dir=str(out),
                         report_to=INSTALLED)
+    board = Dashboard(lab, interval=3600)  # refreshed by hand below: what the live one plots of a trainer
     try:
         with GRPOTrainer(lab, config) as trainer:
             history = trainer.train(2, progress=False)
+            board.refresh()
     finally:
         env.undo()
         lab.sync_weights(shipped_weights)
-    return out, history
+    return out, history, board.plotted
 
 
 def test_tensorboard_event_files_hold_every_step_and_the_reward_histogram(two_steps):
@@ -39,7 +42,7 @@ def test_tensorboard_event_files_hold_every_step_and_the_reward_histogram(two_st
         pytest.skip("tensorboard is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, history = two_steps
+    out, history, _ = two_steps
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0, "histograms": 0}).Reload()
     loss = [(e.step, e.value) for e in events.Scalars("loss")]
     assert loss == [(s, pytest.approx(v)) for s, v in zip(history["step"], history["loss"])]
@@ -54,7 +57,7 @@ def test_mlflow_search_runs_reads_the_metrics_back(two_steps):
     import mlflow
     from mlflow import MlflowClient
 
-    out, history = two_steps
+    out, history, _ = two_steps
     uri = (out / "mlruns").absolute().as_uri()
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["polar_lab"])
@@ -67,7 +70,7 @@ def test_mlflow_search_runs_reads_the_metrics_back(two_steps):
 
 
 def test_wandb_offline_and_trackio_keep_the_last_steps_metrics(two_steps):
-    out, history = two_steps
+    out, history, _ = two_steps
     if "wandb" in INSTALLED:  # wandb 0.31 has no offline reader (its core is Go): its run file and tables
         (records,) = list(out.glob("wandb/offline-run-*/run-*.wandb"))
         assert all(key.encode() in records.read_bytes() for key in ("loss", "reward_mean", "engine_busy_frac"))
@@ -89,3 +92,9 @@ def test_report_to_takes_trls_values_and_refuses_others():
     assert set(resolve_report_to("all")) == set(INSTALLED)
     with pytest.raises(ConfigError, match="report_to takes"):
         GRPOConfig(report_to=["tensorboard", "comet"])
+
+
+def test_the_dashboard_plots_an_attached_trainers_curves_and_rewards_per_step(two_steps):
+    _, history, plotted = two_steps
+    assert plotted["loss"] == plotted["reward_mean"] == plotted["staleness"] == 2  # one point per step
+    assert 0 < plotted["rewards"] <= 16  # the two steps' runs (2 tasks x 4), masked ones left out

@@ -87,11 +87,17 @@ def test_dashboard_follows_a_background_rollout_and_a_sync(lab, shipped_weights)
     assert max(seen_running) > 0  # it saw sessions in flight while the cell was busy
     assert after["sessions_finished"] - before["sessions_finished"] == 32
     assert after["calls"] > before["calls"]
-    assert f"{after['sessions_finished']} finished" in board.widget.value
+    assert f"{after['sessions_finished']} finished" in board.table.value
+    # the plots: every finished run's reward, one point per refresh in the time plots, no trainer yet
+    assert board.plotted["rewards"] >= 32 and board.plotted["sessions"] == len(board.series) > 2
+    assert board.plotted["loss"] == 0 and "rewards: " in board.caption.value
+    assert max(s["tokens_per_s"] for s in board.series) > 0, list(board.series)[-5:]
+    assert max(s["engine_busy"] for s in board.series) > 0, [s["engine_busy"] for s in board.series]
+    assert bytes(board.image.value).startswith(b"\x89PNG") and len(board.image.value) > 10_000
 
     lab.run(lab.service.gate.pause(1.0))
     try:
-        assert board.refresh()["proxy_state"] == "paused" and ">paused<" in board.widget.value
+        assert board.refresh()["proxy_state"] == "paused" and ">paused<" in board.table.value
     finally:
         lab.run(lab.service.gate.resume())
     assert board.refresh()["proxy_state"] == "serving"
