@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents sandbox-tools litellm nemo-gym verifiers envs demo test mutants bench train model smollm2 clean-runs
+.PHONY: setup agents sandbox-tools browser litellm nemo-gym verifiers envs demo test mutants bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -41,6 +41,18 @@ sandbox-tools:
 			apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
 			|| { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
 		else echo "bubblewrap (bwrap) not found: install it for the isolated sandbox (apt-get install bubblewrap)"; fi; }
+
+# Chromium, for the dashboard's browser test (tests/integration/test_dashboard_browser.py, driven by Playwright,
+# which is in the dev extra): Debian's package, installed when it is missing and this user may (root with
+# apt-get); browser builds that download themselves (`playwright install`) do not install here. Without it that
+# test skips with the reason.
+browser:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get install -y -qq chromium >/dev/null 2>&1 \
+			|| { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; } \
+			|| echo "chromium could not be installed: the dashboard's browser test will skip"; \
+		else echo "chromium not found: the dashboard's browser test will skip (apt-get install chromium)"; fi; }
 
 # LiteLLM, the peer proxy the latency benchmark compares against, in its own venv: its pins (fastapi,
 # pydantic, ...) must not move the Lab's.
@@ -93,7 +105,7 @@ demo: setup
 	$(BIN)/polar-lab demo
 
 # lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
-test: setup agents sandbox-tools envs
+test: setup agents sandbox-tools browser envs
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 

@@ -1,17 +1,18 @@
 """Render docs/img/alignment.png and docs/img/dashboard.png from a real run (needs a `chromium` binary).
 
 A Lab on the shipped model; a five-turn calculator session shown in the token alignment view with the
-trainer's (transformers fp32) logprobs; the dashboard sampled while 64 calculator runs are in flight.
+trainer's (transformers fp32) logprobs; the dashboard (its table, its plots and their caption, as the widget
+shows them) at the end of a real 2-step GRPO run on the calculator tasks.
 
     python scripts/render_screenshots.py
 """
 
 from __future__ import annotations
 
+import base64
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -19,12 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from polar_lab import Lab
-from polar_lab.harness import calculator_agent
+from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from polar_lab.harness.chain_breakers import multi_turn_agent
-from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import recompute_logprobs
 from polar_lab.viz.alignment import alignment_html
-from polar_lab.viz.dashboard import Dashboard, render
 
 OUT = Path("docs/img")
 
@@ -54,17 +53,14 @@ def main() -> None:
         screenshot(alignment_html(traj, lab.tokenizer, trainer_logprobs=trainer, top_k=5), "alignment.png",
                    "1100,900")
 
-        board = Dashboard(lab)
-        tasks = load_tasks("data/tasks/calc_test.jsonl", limit=8)
-        runner = threading.Thread(target=lab.rollout, args=(tasks, calculator_agent),
-                                  kwargs={"num_generations": 8, "progress": False})
-        runner.start()
-        time.sleep(1.0)
-        board.snapshot()
-        time.sleep(1.0)
-        snap = board.snapshot()  # mid-rollout: sessions running, calls/s and tokens/s since the last sample
-        runner.join()
-        screenshot(render(snap), "dashboard.png", "560,130")
+        board = lab.dashboard(interval=0.5)  # refreshing in its thread while the trainer steps
+        with tempfile.TemporaryDirectory() as out, \
+                GRPOTrainer(lab, GRPOConfig(tasks_per_step=4, num_generations=8, output_dir=out)) as trainer:
+            trainer.train(2, progress=False)
+            board.refresh()
+        png = base64.b64encode(bytes(board.image.value)).decode()
+        page = f'{board.table.value}<img src="data:image/png;base64,{png}" width="960">{board.caption.value}'
+        screenshot(page, "dashboard.png", "990,640")
 
 
 if __name__ == "__main__":
