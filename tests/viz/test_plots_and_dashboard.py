@@ -101,3 +101,14 @@ def test_dashboard_follows_a_background_rollout_and_a_sync(lab, shipped_weights)
     finally:
         lab.run(lab.service.gate.resume())
     assert board.refresh()["proxy_state"] == "serving"
+
+
+def test_a_rerun_dashboard_keeps_working_and_every_one_stops_when_the_lab_closes(scripted_lab):
+    first = scripted_lab.dashboard(interval=0.05)
+    second = scripted_lab.dashboard(interval=0.05)  # the cell run again
+    time.sleep(0.3)
+    assert len(first.series) > 1 and len(second.series) > 1  # both refresh in their threads
+    scripted_lab.close()
+    for board in (first, second):
+        board._thread.join(timeout=5)
+        assert not board._thread.is_alive()  # stopped with the Lab
