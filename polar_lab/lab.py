@@ -98,6 +98,7 @@ class Lab:
         self.config = _make_config(model, config, overrides)
         self._closed = False
         self._owned: list[Any] = []  # trainers and producers that use this Lab; closed before it
+        self._last_trainer: Any = None  # the latest trainer released (lab.training() shows its curves)
         self._start(engine)
         self._started = True
 
@@ -319,6 +320,8 @@ class Lab:
     def release(self, owned: Any) -> None:
         if owned in self._owned:
             self._owned.remove(owned)
+        if hasattr(owned, "history") and hasattr(owned, "reward_log"):  # a trainer: the dashboard keeps its curves
+            self._last_trainer = owned
 
     def owned(self, kind: type) -> list[Any]:
         """The adopted objects of one kind (e.g. the running async rollout producers)."""
@@ -419,9 +422,9 @@ class Lab:
         """The accepted runs' chains as SFT data (`Run.sft_dataset`): TRL's conversational and tokenized forms."""
         return self.recorded.sft_dataset(min_reward=min_reward, builder=builder, session_ids=session_ids)
 
-    def sft_acceptance(self, *, min_reward: float = 1.0) -> pd.DataFrame:
-        """Per task: runs, accepted runs and the rate (`Run.sft_acceptance`)."""
-        return self.recorded.sft_acceptance(min_reward=min_reward)
+    def sft_acceptance(self, *, min_reward: float = 1.0, session_ids: list[str] | None = None) -> pd.DataFrame:
+        """Per task: runs, accepted runs, masked runs and the rate (`Run.sft_acceptance`)."""
+        return self.recorded.sft_acceptance(min_reward=min_reward, session_ids=session_ids)
 
     def stats(self) -> dict[str, Any]:
         """Live counters (what the dashboard shows): sessions by status, calls and sampled tokens recorded, the
@@ -441,8 +444,8 @@ class Lab:
         """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`) and its
         runs' rewards as (step, reward); without a trainer, the rewards of this Lab's finished runs (step 0)."""
         trainers = [o for o in self._owned if hasattr(o, "history") and hasattr(o, "reward_log")]
-        if trainers:
-            trainer = trainers[-1]
+        trainer = trainers[-1] if trainers else self._last_trainer  # a closed trainer's curves stay on show
+        if trainer is not None:
             return {"history": list(trainer.history),
                     "rewards": [(r["step"], r["reward"]) for r in list(trainer.reward_log) if r["reward"] is not None]}
         return {"history": [], "rewards": [(0, s.reward) for s in self.registry.all()
@@ -557,6 +560,8 @@ class Lab:
         every `interval` s in a background thread until the Lab closes."""
         from polar_lab.viz.dashboard import Dashboard
 
+        for old in self.owned(Dashboard):  # the cell run again: one dashboard draws at a time
+            old.close()
         board = Dashboard(self, interval=interval)
         self.adopt(board)
         return board.start() if start else board

@@ -153,9 +153,9 @@ class Run:
         labels -100 where the loss mask is 0). See polar_lab.trajectory.sft."""
         return sft.sft_dataset(self, min_reward=min_reward, builder=builder, session_ids=session_ids)
 
-    def sft_acceptance(self, *, min_reward: float = 1.0) -> pd.DataFrame:
-        """Per task: runs, accepted runs and the rate (Polar's Table 2)."""
-        return sft.acceptance(self, min_reward=min_reward)
+    def sft_acceptance(self, *, min_reward: float = 1.0, session_ids: list[str] | None = None) -> pd.DataFrame:
+        """Per task: runs, accepted runs, masked runs and the rate (Polar's Table 2)."""
+        return sft.acceptance(self, min_reward=min_reward, session_ids=session_ids)
 
     def chain_breaks(self, *, session_ids: list[str] | None = None) -> pd.DataFrame:
         """Every prefix-merging chain break (of these sessions), classified (see polar_lab.trajectory.drift)."""

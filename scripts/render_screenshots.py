@@ -57,7 +57,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out, \
                 GRPOTrainer(lab, GRPOConfig(tasks_per_step=4, num_generations=8, output_dir=out)) as trainer:
             trainer.train(2, progress=False)
-            board.refresh()
+            board.redraw()
         png = base64.b64encode(bytes(board.image.value)).decode()
         page = f'{board.table.value}<img src="data:image/png;base64,{png}" width="960">{board.caption.value}'
         screenshot(page, "dashboard.png", "990,640")

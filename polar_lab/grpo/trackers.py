@@ -6,12 +6,13 @@ trainer's output folder by default, and needs no network:
 
 - tensorboard: `torch.utils.tensorboard.SummaryWriter` → `<output_dir>/tensorboard/` event files;
 - mlflow: `MlflowClient` on `$MLFLOW_TRACKING_URI`, else a local file store `<output_dir>/mlruns` (MLflow 3 keeps
-  that backend in maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`; it is set for that store only);
+  that backend in maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`, which is then set for this process; its usage
+  telemetry is turned off with `MLFLOW_DISABLE_TELEMETRY` unless set otherwise);
 - wandb: `wandb.init` in `<output_dir>`, offline unless `$WANDB_MODE` says otherwise (`wandb sync` uploads later);
 - trackio: `trackio.init(project=...)`, its local database (under `$TRACKIO_DIR`).
 
 Per step each gets every numeric metric, the step's rewards as a histogram, and a small table of sample runs
-(task, reward, the decoded chain); the config and a model card once, at the start. A tracker that fails to log
+(task, reward, the decoded chain); each evaluation's `eval_*` figures; the config and a model card once. A tracker that fails to log
 warns once and is dropped: a full disk or a dead tracking server never stops training.
 """
 
@@ -58,11 +59,16 @@ class Trackers:
 
     def __init__(self, names: list[str], output_dir: Path, config: dict[str, Any], card: dict[str, Any]):
         self.trackers = []
-        for name in names:
-            try:
-                self.trackers.append(_MAKERS[name](output_dir, config, card))
-            except ImportError as exc:
-                raise ConfigError(f"report_to={name!r} needs its library: pip install -e '.[trackers]' ({exc})") from exc
+        try:
+            for name in names:
+                try:
+                    self.trackers.append(_MAKERS[name](output_dir, config, card))
+                except ImportError as exc:
+                    raise ConfigError(f"report_to={name!r} needs its library: pip install -e '.[trackers]' "
+                                      f"({exc})") from exc
+        except BaseException:
+            self.close()  # the ones already started (a writer thread, an open run)
+            raise
 
     def log(self, step: int, metrics: dict[str, Any], rewards: list[float], samples: list[dict[str, Any]]) -> None:
         numeric = {k: float(v) for k, v in metrics.items()  # "time" is a timestamp, each tracker keeps its own
@@ -116,6 +122,7 @@ class _MLflow:
     name = "mlflow"
 
     def __init__(self, output_dir: Path, config: dict[str, Any], card: dict[str, Any]):
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # MLflow 3 reports usage unless told not to
         from mlflow import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (output_dir / "mlruns").absolute().as_uri()
@@ -185,10 +192,10 @@ class _Trackio:
         if samples:
             table = _table(samples)
             data["samples"] = self.trackio.Table(columns=list(table), data=[list(r) for r in zip(*table.values())])
-        self.trackio.log(data, step=step)
+        self.run.log(data, step=step)  # this run's, not trackio's current one (another trainer's, another thread)
 
     def close(self) -> None:
-        self.trackio.finish()
+        self.run.finish()
 
 
 _MAKERS = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb, "trackio": _Trackio}

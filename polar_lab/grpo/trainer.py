@@ -86,7 +86,12 @@ class GRPOTrainer:
         self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
         card = {"model": str(lab.model_path), "served_as": lab.engine.model_name, "strategy": config.strategy,
                 "world_size": config.world_size, "lora": config.peft_config is not None, "run": str(lab.run_dir)}
-        self.trackers = Trackers(resolve_report_to(config.report_to), self.output_dir, config.to_dict(), card)
+        try:
+            self.trackers = Trackers(resolve_report_to(config.report_to), self.output_dir, config.to_dict(), card)
+        except BaseException:  # a tracker that cannot start: nothing of this trainer is left running
+            self.policy.close()
+            torch.set_num_threads(self._threads_before)
+            raise
         lab.adopt(self)  # closing the Lab stops this trainer's producer and rank processes
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -217,6 +222,7 @@ class GRPOTrainer:
             result[f"eval_{part}"] = sum(s.reward_parts.get(part, 0.0) for s in sessions) / len(sessions)
         self.evaluations.append(result)
         _append_jsonl(self.output_dir / "evaluations.jsonl", result)
+        self.trackers.log(result["step"], {k: v for k, v in result.items() if k.startswith("eval_")}, [], [])
         return result
 
     # ---- results --------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class Command:
     isolated_only: bool = False  # refuse to run at any level but "isolated" (a program with its own guards off)
     readonly: list[str] = field(default_factory=list)  # paths the program needs (its install), read-only
     memory_mb: int = 4096  # RLIMIT_AS, and a memory cgroup where one can be made
+    address_mb: int | None = None  # RLIMIT_AS instead, where the program reserves more address space than memory
     cpu_seconds: int = 600  # RLIMIT_CPU
     file_mb: int = 512  # RLIMIT_FSIZE
     open_files: int = 4096  # RLIMIT_NOFILE
@@ -66,7 +67,8 @@ class Command:
 
     @property
     def limits(self) -> sandbox.Limits:
-        return sandbox.Limits(memory_mb=self.memory_mb, cpu_seconds=self.cpu_seconds, file_mb=self.file_mb,
+        return sandbox.Limits(memory_mb=self.memory_mb, address_mb=self.address_mb, cpu_seconds=self.cpu_seconds,
+                              file_mb=self.file_mb,
                               open_files=self.open_files, disk_mb=self.disk_mb, disk_files=self.disk_files,
                               processes=self.processes,
                               enforce=self.enforce_limits)

@@ -66,9 +66,9 @@ def install_root(executable: str) -> str:
 _NODE_MEMORY_MB = 16384
 # Agents that call the model with Node's own fetch (undici) instantiate its HTTP parser as WebAssembly, and V8
 # reserves ~10 GB of address space per WebAssembly memory: under 16 GB of RLIMIT_AS fetch fails ("fetch failed",
-# "Cannot allocate Wasm memory"). Address space, not memory: what they use stays bounded by the memory cgroup
-# where one can be made.
-_FETCH_MEMORY_MB = 65536
+# "Cannot allocate Wasm memory"). Address space, not memory: their RLIMIT_AS is 64 GB, while the memory cgroup
+# (where one can be made) stays at the Node agents' 16 GB.
+_FETCH_ADDRESS_MB = 65536
 
 
 def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question",
@@ -144,7 +144,7 @@ def qwen_code(*, model: str = "tiny-calc", task_field: str = "question", max_out
     return Command([executable, "--auth-type", "openai", "-p", "{" + task_field + "}"],
                    files={".qwen/settings.json": QWEN_SETTINGS}, readonly=[install_root(executable)],
                    env={"OPENAI_MODEL": model, "QWEN_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)},
-                   memory_mb=_FETCH_MEMORY_MB, name="qwen-code")
+                   memory_mb=_NODE_MEMORY_MB, address_mb=_FETCH_ADDRESS_MB, name="qwen-code")
 
 
 # Gemini CLI's settings: the API-key auth (no login prompt), no usage statistics (Clearcut, play.googleapis.com),
@@ -161,7 +161,8 @@ def gemini_cli(*, model: str = "tiny-calc", task_field: str = "question") -> Com
     executable = agents_bin("gemini")
     return Command([executable, "-m", model, "-p", "{" + task_field + "}"],
                    files={".gemini/settings.json": GEMINI_SETTINGS}, readonly=[install_root(executable)],
-                   env={"GEMINI_CLI_TRUST_WORKSPACE": "true"}, memory_mb=_FETCH_MEMORY_MB, name="gemini-cli")
+                   env={"GEMINI_CLI_TRUST_WORKSPACE": "true"}, memory_mb=_NODE_MEMORY_MB,
+                   address_mb=_FETCH_ADDRESS_MB, name="gemini-cli")
 
 
 # Pi's custom provider (its docs/models.md): the session's Chat Completions endpoint; `compat` as its docs advise
@@ -179,8 +180,8 @@ def pi(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
     executable = agents_bin("pi")
     return Command([executable, "--provider", "polar", "--model", model, "-p", "{" + task_field + "}"],
                    files={".pi/agent/models.json": PI_MODELS.replace("{model}", model)},
-                   readonly=[install_root(executable)], env={"PI_OFFLINE": "1"}, memory_mb=_FETCH_MEMORY_MB,
-                   name="pi")
+                   readonly=[install_root(executable)], env={"PI_OFFLINE": "1"}, memory_mb=_NODE_MEMORY_MB,
+                   address_mb=_FETCH_ADDRESS_MB, name="pi")
 
 
 # OpenCode's config: one provider (the bundled @ai-sdk/openai-compatible, nothing downloaded) at the session's

@@ -63,6 +63,7 @@ class Limits:
     """Per-run resource limits."""
 
     memory_mb: int = 4096  # RLIMIT_AS, and the memory cgroup's ceiling where one can be made
+    address_mb: int | None = None  # RLIMIT_AS when it must exceed memory_mb (WebAssembly reserves address space)
     cpu_seconds: int = 600  # RLIMIT_CPU: SIGXCPU at this many seconds, SIGKILL one second later
     file_mb: int = 512  # RLIMIT_FSIZE
     open_files: int = 4096  # RLIMIT_NOFILE
@@ -391,7 +392,7 @@ def _limits_argv(prlimit: str | None, limits: Limits, *, nproc: bool) -> list[st
     if prlimit is None:
         return []
     mb = 1024 * 1024
-    argv = [prlimit, f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
+    argv = [prlimit, f"--as={(limits.address_mb or limits.memory_mb) * mb}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
             f"--fsize={limits.file_mb * mb}", f"--nofile={limits.open_files}", "--core=0"]  # no core dumps
     if nproc and limits.processes is not None:
         argv.append(f"--nproc={limits.processes}")

@@ -9,10 +9,12 @@ per chain in both forms TRL's `SFTTrainer` reads:
   (the ids where the policy sampled them, -100 elsewhere), `assistant_masks` (the chain's loss mask);
 
 plus `reward`, `session_id`, `chain_index`, `task_id`. `messages` and `tools` are `datasets.Json` columns (their
-dicts vary from row to row). A filter that accepts nothing gives an empty dataset with these columns.
-`acceptance(run, min_reward)` is the table beside it: per task, runs and accepted runs.
+dicts vary from row to row). A filter that accepts nothing gives an empty dataset with these columns. A chain with
+nothing to train (every token masked: a turn cut off by its caller, a constrained one) is left out.
+`acceptance(run, min_reward)` is the table beside it: per task, runs, accepted runs, masked runs.
 
-The messages are read from Chat Completions bodies (what most harnesses speak); a chain whose last call came
+The messages are read from Chat Completions bodies (what most harnesses speak) as the proxy read them (the
+`developer` role as system, content parts joined, `reasoning` as `reasoning_content`); a chain whose last call came
 through another API has `messages` None, its tokenized form exact all the same.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from polar_lab.proxy.apis import openai_chat
 from polar_lab.types import ModelCall, Session, Trajectory
 
 IGNORE = -100  # the label of a token the loss skips (PyTorch's cross-entropy `ignore_index`, TRL's and HF's)
@@ -50,7 +53,7 @@ def sft_rows(chains: list[Trajectory], calls: dict[str, ModelCall], sessions: di
     rows = []
     for chain in chains:
         session = sessions.get(chain.session_id)
-        if session is None or not accepted(session.reward, min_reward) or not chain.call_ids:
+        if session is None or not accepted(session.reward, min_reward) or not any(chain.loss_mask):
             continue
         last = calls[chain.call_ids[-1]]
         messages = _conversation(last)
@@ -64,16 +67,20 @@ def sft_rows(chains: list[Trajectory], calls: dict[str, ModelCall], sessions: di
 
 
 def _conversation(call: ModelCall) -> list[dict[str, Any]] | None:
-    """The call's request messages and its reply, in Chat Completions' shape; None for another API's call."""
-    if call.api != "openai.chat":
+    """The call's request messages as the proxy read them and its reply, in Chat Completions' shape; None for
+    another API's call, or one whose reply was not built (cut off by its caller)."""
+    choices = call.response.get("choices") if call.api == "openai.chat" else None
+    if not choices or call.finish_reason == "abort":
         return None
-    reply = dict(call.response["choices"][call.choice_index]["message"])
-    return [dict(m) for m in call.request.get("messages") or []] + [reply]
+    body = openai_chat.ChatCompletionRequest.model_validate(call.request)
+    reply = {k: v for k, v in choices[call.choice_index]["message"].items() if v is not None}
+    return openai_chat.to_canonical(body).messages + [reply]
 
 
 def _task_id(session: Session) -> str:
+    """The task's id; a run without one is its own task (its group, else its session)."""
     task = session.task or {}
-    return str(task.get("id", session.group_id or ""))
+    return str(task.get("id") or session.group_id or session.id)
 
 
 def sft_dataset(source, *, min_reward: float = 1.0, builder: str = "prefix_merging",
@@ -90,13 +97,16 @@ def sft_dataset(source, *, min_reward: float = 1.0, builder: str = "prefix_mergi
     return datasets.Dataset.from_dict(table, features=features())
 
 
-def acceptance(source, *, min_reward: float = 1.0) -> pd.DataFrame:
-    """Per task: runs finished, runs accepted (a reward of at least `min_reward`) and the rate; like Polar's
-    Table 2. Open sessions are not counted."""
-    rows = [{"task_id": _task_id(s), "accepted": accepted(s.reward, min_reward)}
-            for s in source.session_records() if s.status != "open"]
-    frame = pd.DataFrame(rows, columns=["task_id", "accepted"])
-    out = frame.groupby("task_id", sort=True)["accepted"].agg(runs="count", accepted="sum").reset_index()
-    out["accepted"] = out["accepted"].astype(int)
+def acceptance(source, *, min_reward: float = 1.0, session_ids: list[str] | None = None) -> pd.DataFrame:
+    """Per task: runs finished, runs accepted (a reward of at least `min_reward`), runs masked (no reward: failed
+    or masked by their environment) and the acceptance rate over all finished runs, like Polar's Table 2. Open
+    sessions are not counted."""
+    wanted = set(session_ids) if session_ids is not None else None
+    rows = [{"task_id": _task_id(s), "accepted": accepted(s.reward, min_reward), "masked": s.reward is None}
+            for s in source.session_records() if s.status != "open" and (wanted is None or s.id in wanted)]
+    frame = pd.DataFrame(rows, columns=["task_id", "accepted", "masked"])
+    out = frame.groupby("task_id", sort=True).agg(runs=("accepted", "count"), accepted=("accepted", "sum"),
+                                                  masked=("masked", "sum")).reset_index()
+    out[["accepted", "masked"]] = out[["accepted", "masked"]].astype(int)
     out["rate"] = out["accepted"] / out["runs"]
     return out

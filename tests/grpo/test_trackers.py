@@ -30,7 +30,7 @@ def two_steps(lab, tmp_path_factory, shipped_weights):
     try:
         with GRPOTrainer(lab, config) as trainer:
             history = trainer.train(2, progress=False)
-            board.refresh()
+            board.redraw()
     finally:
         env.undo()
         lab.sync_weights(shipped_weights)
@@ -98,3 +98,27 @@ def test_the_dashboard_plots_an_attached_trainers_curves_and_rewards_per_step(tw
     _, history, plotted = two_steps
     assert plotted["loss"] == plotted["reward_mean"] == plotted["staleness"] == 2  # one point per step
     assert 0 < plotted["rewards"] <= 16  # the two steps' runs (2 tasks x 4), masked ones left out
+
+
+def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(caplog):
+    from polar_lab.grpo.trackers import Trackers
+
+    class Broken:
+        name = "broken"
+
+        def log(self, *args):
+            raise OSError("disk full")
+
+    class Kept:
+        name, seen = "kept", []
+
+        def log(self, step, metrics, rewards, samples):
+            self.seen.append((step, metrics))
+
+    trackers = Trackers([], None, {}, {})
+    broken, kept = Broken(), Kept()
+    trackers.trackers = [broken, kept]
+    trackers.log(1, {"loss": 0.5, "time": 1e9, "flag": True}, [1.0], [])
+    trackers.log(2, {"loss": 0.4}, [], [])
+    assert trackers.trackers == [kept] and "broken failed at step 1" in caplog.text
+    assert kept.seen == [(1, {"loss": 0.5}), (2, {"loss": 0.4})]  # numbers only; the timestamp is each tracker's

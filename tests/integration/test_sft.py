@@ -40,9 +40,11 @@ def test_the_conversational_form_is_the_last_request_and_its_reply(lab, calc_run
         assert row["tools"][0]["function"]["name"] == "calculator"
         if len(messages) > 3:  # a tool call and its result before the answer: kept as the harness sent them
             assert messages[2]["tool_calls"] and messages[3]["role"] == "tool"
-        # TRL renders it with the model's template: the messages and tools take it as they are
-        text = tokenizer.apply_chat_template(messages, tools=row["tools"], tokenize=False)
-        assert messages[-1]["content"] in text
+        # TRL renders it with the model's template: here it gives back the very text the chain's ids decode to,
+        # up to the reply (which the template renders from the parsed call, the chain from the sampled ids)
+        text = tokenizer.apply_chat_template(messages[:-1], tools=row["tools"], tokenize=False,
+                                             add_generation_prompt=True)
+        assert tokenizer.decode(row["input_ids"]).startswith(text)
 
 
 def test_a_filter_that_accepts_nothing_gives_an_empty_dataset_with_the_columns(lab, calc_runs):
@@ -53,12 +55,16 @@ def test_a_filter_that_accepts_nothing_gives_an_empty_dataset_with_the_columns(l
 
 
 def test_acceptance_counts_runs_and_accepted_runs_per_task_and_a_run_folder_gives_the_same(lab, calc_runs, tmp_path):
-    table = lab.sft_acceptance(min_reward=1.0)
-    for task_id, runs in _by_task(calc_runs).items():
-        row = table[table.task_id == task_id].iloc[0]
-        assert row.runs >= len(runs)  # the shared Lab may hold other runs of the same task
-        assert row.accepted >= sum(s.reward == 1.0 for s in runs) and row.rate == row.accepted / row.runs
     ids = [s.id for s in calc_runs]
+    open_run, masked = lab.session(task=calc_runs[0].task), lab.session(task=calc_runs[0].task)
+    masked.close(reward=None, status="error")  # a failed run: counted, masked, not accepted; the open one: not counted
+    table = lab.sft_acceptance(min_reward=1.0, session_ids=ids + [open_run.id, masked.id]).set_index("task_id")
+    for task_id, runs in _by_task(calc_runs).items():
+        extra = int(task_id == calc_runs[0].task["id"])
+        assert table.loc[task_id, "runs"] == len(runs) + extra
+        assert table.loc[task_id, "accepted"] == sum(s.reward is not None and s.reward >= 1.0 for s in runs)
+        assert table.loc[task_id, "masked"] == sum(s.reward is None for s in runs) + extra
+        assert table.loc[task_id, "rate"] == table.loc[task_id, "accepted"] / table.loc[task_id, "runs"]
     offline = Run(lab.run_dir).sft_dataset(min_reward=1.0, session_ids=ids)
     assert offline["input_ids"] == lab.sft_dataset(min_reward=1.0, session_ids=ids)["input_ids"]
     offline.to_parquet(str(tmp_path / "sft.parquet"))
