@@ -193,7 +193,32 @@ class GymServers:
 
 # ---- Gym → polar_lab: a resources server's tasks through polar_lab's own tool loop -------------------------
 
-class GymEnvironment:
+class _OnGym:
+    """What both directions share: their Gym servers (`self.servers`), started and stopped with them, and the
+    resources server's example rows as tasks (`self.name`, `self.venv`)."""
+
+    servers: GymServers
+    name: str
+    venv: str | None
+
+    def start(self):
+        self.servers.start()
+        return self
+
+    def close(self) -> None:
+        self.servers.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def tasks(self, limit: int | None = None) -> list[dict[str, Any]]:
+        return example_rows(self.name, limit=limit, venv=self.venv)
+
+
+class GymEnvironment(_OnGym):
     """A Gym resources server as a polar_lab environment:
 
         with GymEnvironment("example_single_tool_call") as env:
@@ -217,22 +242,6 @@ class GymEnvironment:
         self.servers = GymServers(venv=venv, log_dir=log_dir)
         self.url = self.servers.add(resources_server, "resources_servers", resources_server, domain="agent",
                                     **(config or {}))
-
-    def start(self) -> GymEnvironment:
-        self.servers.start()
-        return self
-
-    def close(self) -> None:
-        self.servers.close()
-
-    def __enter__(self) -> GymEnvironment:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def tasks(self, limit: int | None = None) -> list[dict[str, Any]]:
-        return example_rows(self.name, limit=limit, venv=self.venv)
 
     async def harness(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
         params = task["responses_create_params"]
@@ -346,7 +355,7 @@ def output_message(text: str) -> dict[str, Any]:
 
 # ---- polar_lab under Gym: Gym's own agent and model server, the Lab as the vLLM backend ---------------------
 
-class GymAgent:
+class GymAgent(_OnGym):
     """Gym's `simple_agent` and `vllm_model` around one resources server, with the Lab as the model server's
     backend (token information on: `return_token_ids`, logprobs as `token_id:N`, `/tokenize`).
 
@@ -380,22 +389,6 @@ class GymAgent:
         self.url = self.servers.add("agent", "responses_api_agents", "simple_agent", max_steps=max_steps,
                                     resources_server={"type": "resources_servers", "name": resources_server},
                                     model_server={"type": "responses_api_models", "name": "policy_model"})
-
-    def start(self) -> GymAgent:
-        self.servers.start()
-        return self
-
-    def close(self) -> None:
-        self.servers.close()
-
-    def __enter__(self) -> GymAgent:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def tasks(self, limit: int | None = None) -> list[dict[str, Any]]:
-        return example_rows(self.name, limit=limit, venv=self.venv)
 
     async def harness(self, session: Session, task: dict[str, Any]) -> dict[str, Any]:
         session.shared = True  # requests under the shared key may now name this session (by its id)

@@ -163,13 +163,7 @@ class _Wandb:
         self.run.summary["model_card"] = card
 
     def log(self, step, metrics, rewards, samples) -> None:
-        data: dict[str, Any] = dict(metrics)
-        if rewards:
-            data["reward"] = self.wandb.Histogram(rewards)
-        if samples:
-            table = _table(samples)
-            data["samples"] = self.wandb.Table(columns=list(table), data=[list(r) for r in zip(*table.values())])
-        self.run.log(data, step=step)
+        self.run.log(_with_media(self.wandb, metrics, rewards, samples), step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -185,17 +179,23 @@ class _Trackio:
         self.run = trackio.init(project=PROJECT, name=output_dir.name, config={**config, "model_card": card},
                                 embed=False)
 
-    def log(self, step, metrics, rewards, samples) -> None:
-        data: dict[str, Any] = dict(metrics)
-        if rewards:
-            data["reward"] = self.trackio.Histogram(rewards)
-        if samples:
-            table = _table(samples)
-            data["samples"] = self.trackio.Table(columns=list(table), data=[list(r) for r in zip(*table.values())])
-        self.run.log(data, step=step)  # this run's, not trackio's current one (another trainer's, another thread)
+    def log(self, step, metrics, rewards, samples) -> None:  # this run's, not trackio's current one (another thread's)
+        self.run.log(_with_media(self.trackio, metrics, rewards, samples), step=step)
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _with_media(library, metrics, rewards, samples) -> dict[str, Any]:
+    """The step's data for wandb and trackio (trackio follows wandb's API): the rewards as a `Histogram`, the
+    samples as a `Table`."""
+    data: dict[str, Any] = dict(metrics)
+    if rewards:
+        data["reward"] = library.Histogram(rewards)
+    if samples:
+        table = _table(samples)
+        data["samples"] = library.Table(columns=list(table), data=[list(r) for r in zip(*table.values())])
+    return data
 
 
 _MAKERS = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb, "trackio": _Trackio}

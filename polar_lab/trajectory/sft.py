@@ -24,7 +24,6 @@ from typing import Any
 
 import pandas as pd
 
-from polar_lab.proxy.apis import openai_chat
 from polar_lab.types import ModelCall, Session, Trajectory
 
 IGNORE = -100  # the label of a token the loss skips (PyTorch's cross-entropy `ignore_index`, TRL's and HF's)
@@ -72,6 +71,8 @@ def _conversation(call: ModelCall) -> list[dict[str, Any]] | None:
     choices = call.response.get("choices") if call.api == "openai.chat" else None
     if not choices or call.finish_reason == "abort":
         return None
+    from polar_lab.proxy.apis import openai_chat  # the proxy's own reader; on use: a Run opens without the proxy
+
     body = openai_chat.ChatCompletionRequest.model_validate(call.request)
     reply = {k: v for k, v in choices[call.choice_index]["message"].items() if v is not None}
     return openai_chat.to_canonical(body).messages + [reply]

@@ -167,7 +167,7 @@ def test_engine_killed_during_a_rollout_restarts_by_itself_at_the_same_policy(mo
         from polar_lab.viz.dashboard import Dashboard
 
         board = Dashboard(lab)
-        assert "serving · restarts: 1 (last: the engine process exited (code -9))" in board.widget.value
+        assert "serving · restarts: 1 (last: the engine process exited (code -9))" in board.table.value
 
         # records intact: one per answered call, none for a failed one; each harness saw at most one failure
         records = load_calls(lab.run_dir)
