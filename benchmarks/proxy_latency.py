@@ -46,6 +46,7 @@ import httpx
 import numpy as np
 
 from polar_lab import Lab, SamplingSpec
+from client_process import run_client
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 37*12+5?"}]
@@ -73,17 +74,10 @@ def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | N
     keys: one session key per request (URL holds {key}); otherwise every request uses `url` as given."""
     body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
             "ignore_eos": True}
-    argv = [sys.executable, str(Path(__file__).with_name("load_client.py")), url, str(concurrency), str(total),
-            json.dumps(body), "--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
+    args = ["--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
     for name, value in (headers or {}).items():
-        argv += ["--header", f"{name}: {value}"]
-    with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
-        if keys:
-            fh.write("\n".join(keys))
-            fh.flush()
-            argv += ["--keys", fh.name]
-        out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout
-    return json.loads(out)
+        args += ["--header", f"{name}: {value}"]
+    return run_client("load_client.py", url, concurrency, total, body, keys=keys, args=args)
 
 
 def _pcts(prefix: str, seconds: list[float]) -> dict[str, float]:

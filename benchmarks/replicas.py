@@ -26,9 +26,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy_latency import MESSAGES, sustained  # noqa: E402 - the proxy benchmark's prompt and session load
+from client_process import run_client  # noqa: E402
 
 from polar_lab import Lab  # noqa: E402
 from polar_lab.config import EngineConfig  # noqa: E402
@@ -50,14 +49,8 @@ def load(url: str, concurrency: int, total: int, *, keys: list[str] | None = Non
          timeout_s: float = 900.0) -> dict:
     """benchmarks/load_client.py with `MAX_TOKENS` sampled tokens per request (proxy_latency's `_load` samples 16)."""
     body = {"model": "m", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    argv = [sys.executable, str(Path(__file__).with_name("load_client.py")), url, str(concurrency), str(total),
-            json.dumps(body), "--warmup", str(warmup), "--timeout", str(timeout_s)]
-    with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
-        if keys:
-            fh.write("\n".join(keys))
-            fh.flush()
-            argv += ["--keys", fh.name]
-        return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=3600).stdout)
+    return run_client("load_client.py", url, concurrency, total, body, keys=keys, timeout_s=3600,
+                      args=["--warmup", str(warmup), "--timeout", str(timeout_s)])
 
 
 def pct(values, q: float) -> float:

@@ -23,9 +23,7 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from polar_lab import Lab, SamplingSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy_latency import against_vllm_serve  # noqa: E402 - the peer server is shared with that benchmark
+from client_process import run_client  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 # tiny-calc ends its turn within a few tokens; past its end-of-turn token (ignore_eos) it samples special tokens,
@@ -47,14 +46,7 @@ MAX_TOKENS = 64
 def _client(url: str, concurrency: int, total: int, keys: list[str] | None = None) -> dict:
     body = {"model": "tiny-calc", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "stream": True, "bad_words": BANNED}  # vLLM's name; the proxy's sessions force it instead
-    argv = [sys.executable, str(Path(__file__).with_name("stream_client.py")), url, str(concurrency), str(total),
-            json.dumps(body)]
-    with tempfile.NamedTemporaryFile("w", suffix=".keys") as fh:
-        if keys:
-            fh.write("\n".join(keys))
-            fh.flush()
-            argv += ["--keys", fh.name]
-        return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout)
+    return run_client("stream_client.py", url, concurrency, total, body, keys=keys)
 
 
 async def _engine(lab: Lab, concurrency: int, total: int) -> dict:

@@ -90,9 +90,12 @@ def sft_dataset(source, *, min_reward: float = 1.0, builder: str = "prefix_mergi
     Save it with `.to_parquet(path)`; train on it with TRL's `SFTTrainer` (conversational or tokenized)."""
     import datasets
 
-    chains = source.trajectories(builder, session_ids=session_ids)
-    sessions = {s.id: s for s in source.session_records()}
-    calls = {c.call_id: c for c in source.call_records(session_ids)}
+    wanted = set(session_ids) if session_ids is not None else None
+    sessions = {s.id: s for s in source.session_records()
+                if accepted(s.reward, min_reward) and (wanted is None or s.id in wanted)}
+    ids = sorted(sessions)  # only the accepted runs' calls are read (by offset in a live Lab)
+    chains = source.trajectories(builder, session_ids=ids)
+    calls = {c.call_id: c for c in source.call_records(ids)}
     rows = sft_rows(chains, calls, sessions, min_reward=min_reward)
     table = {name: [row[name] for row in rows] for name in features()}
     return datasets.Dataset.from_dict(table, features=features())

@@ -85,36 +85,35 @@ class Dashboard:
                 "calls_in_flight": proxy["in_flight"], "pauses": proxy["pauses"], "engine_state": stats["engine"],
                 "engine_restarts": stats["engine_restarts"], "last_restart_reason": last["reason"] if last else None}
 
-    def refresh(self) -> dict[str, Any]:
+    def refresh(self, *, plots: bool = False) -> dict[str, Any]:
+        """Sample the Lab and redraw the table, and the plots when due (`plots`: now, whatever is due)."""
         with self._draw:  # the thread and a notebook cell may both refresh
             snap = self.snapshot(advance=True)
             self.series.append(snap)
             self.table.value = render(snap)
             if self.plots:
-                self._plot(snap)
+                self._plot(snap, force=plots)
             return snap
 
     def _plot(self, snap: dict[str, Any], *, force: bool = False) -> None:
-        """Redraw the plots when the Lab moved and `plot_interval` has passed (a redraw costs up to ~0.5 s of a core)."""
+        """Redraw the plots when `plot_interval` has passed and the Lab moved (a redraw costs up to ~0.5 s of a core;
+        between them not even the trainer's tables are read)."""
+        when, shown = self._drawn
+        if not force and time.perf_counter() - when < self.plot_interval:
+            return
         training = self.lab.training()
         state = (snap["calls"], snap["sessions_running"], snap["sessions_finished"], snap["sessions_failed"],
                  snap["policy_version"], len(training.get("history") or []), len(training.get("rewards") or []))
-        when, shown = self._drawn
-        if not force and (state == shown or time.perf_counter() - when < self.plot_interval):
+        if not force and state == shown:
             return
         self.image.value, self.plotted = draw(list(self.series), training)
         self.caption.value = caption(self.plotted)
         self._drawn = (time.perf_counter(), state)
 
     def redraw(self) -> dict[str, int]:
-        """Refresh now, the plots too, whatever `plot_interval` says; what each plot holds."""
-        with self._draw:
-            snap = self.snapshot(advance=True)
-            self.series.append(snap)
-            self.table.value = render(snap)
-            if self.plots:
-                self._plot(snap, force=True)
-            return self.plotted
+        """Refresh now, the plots too; what each plot holds."""
+        self.refresh(plots=True)
+        return self.plotted
 
     def start(self) -> Dashboard:
         """Keep refreshing in the background until `stop()` (or the Lab closes)."""
