@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.polar_lab-setup
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup agents sandbox-tools browser litellm nemo-gym verifiers envs demo test mutants bench train model smollm2 clean-runs
+.PHONY: setup malloc agents sandbox-tools browser litellm nemo-gym verifiers envs demo test mutants bench train model smollm2 clean-runs
 
 setup: $(STAMP)
 
@@ -41,6 +41,17 @@ sandbox-tools:
 			apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
 			|| { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
 		else echo "bubblewrap (bwrap) not found: install it for the isolated sandbox (apt-get install bubblewrap)"; fi; }
+
+# TCMalloc for the CPU engine process (EngineConfig.tcmalloc; vLLM's CPU guide preloads it): Debian's package,
+# installed when it is missing and this user may (root with apt-get). Without it the engine runs on glibc's
+# allocator: the same results, slower weight loads (docs/benchmarks.md).
+malloc:
+	@ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+			|| { apt-get update -qq >/dev/null && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
+			|| echo "libtcmalloc-minimal4 could not be installed: the engine uses glibc's allocator"; \
+		else echo "TCMalloc not found: the engine uses glibc's allocator (apt-get install libtcmalloc-minimal4)"; fi; }
 
 # Chromium, for the dashboard's browser test (tests/integration/test_dashboard_browser.py, driven by Playwright,
 # which is in the dev extra): Debian's package, installed when it is missing and this user may (root with
@@ -101,11 +112,11 @@ envs:
 	@$(MAKE) --no-print-directory nemo-gym verifiers \
 		|| echo "NeMo Gym / verifiers could not be installed: their tests will skip (docs/ecosystem.md)"
 
-demo: setup
+demo: setup malloc
 	$(BIN)/polar-lab demo
 
 # lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
-test: setup agents sandbox-tools browser envs
+test: setup malloc agents sandbox-tools browser envs
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
@@ -119,10 +130,10 @@ mutants: setup
 	$(BIN)/python scripts/mutants_report.py
 	$(BIN)/python scripts/named_mutants.py
 
-train: setup
+train: setup malloc
 	$(BIN)/polar-lab train configs/tiny_calc_grpo.yaml
 
-bench: setup litellm sandbox-tools
+bench: setup malloc litellm sandbox-tools
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/stream_latency.py
 	$(BIN)/python benchmarks/trajectory_cost.py

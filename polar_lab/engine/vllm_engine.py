@@ -53,6 +53,40 @@ ENV_DEFAULTS = {
 }
 
 
+# Where Debian/Ubuntu (libtcmalloc-minimal4, `make malloc`), Fedora and conda put TCMalloc; vLLM wheels that bundle it
+# keep it in vllm/libs (looked up first).
+_TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                   "/usr/lib/libtcmalloc_minimal.so.4", f"{sys.prefix}/lib/libtcmalloc_minimal.so.4")
+
+
+def tcmalloc_library() -> str | None:
+    """The TCMalloc shared library to preload into a CPU engine process, or None where none is installed."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    bundled = [os.path.join(p, "libs", "libtcmalloc_minimal*.so*") for p in (spec.submodule_search_locations or [])] \
+        if spec is not None else []
+    for pattern in (*bundled, *_TCMALLOC_GLOBS):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def preload_allocator(env: dict[str, str], config: EngineConfig, on_gpu: bool) -> None:
+    """Put TCMalloc in a CPU engine process's LD_PRELOAD, as vLLM's CPU install guide asks ("for best performance")
+    and as vLLM itself does for the engine processes it starts (platforms/cpu.py) — which this one is not, with the
+    engine core inside the worker. Why it matters here: a weight load allocates each layer afresh, and with glibc's
+    allocator a SmolLM2 sync paid for fresh pages every time (0.37-0.41 s; 0.23 s with TCMalloc, benchmarks/
+    weight_sync.py). A preload already naming tcmalloc, a GPU engine, `tcmalloc=False` or no library: unchanged."""
+    if on_gpu or not config.tcmalloc or "tcmalloc" in env.get("LD_PRELOAD", "") or sys.platform != "linux":
+        return
+    library = tcmalloc_library()
+    if library is not None:
+        env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
+
+
 class VLLMEngine:
     """The real engine. Context manager; `close()` stops the process (by its pid) and frees the model."""
 
@@ -107,6 +141,7 @@ class VLLMEngine:
             outer = os.environ.get("CUDA_VISIBLE_DEVICES")
             names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
+        preload_allocator(env, self.config, on_gpu=bool(gpus))
         # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
         self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
         env["TMPDIR"] = self._scratch
