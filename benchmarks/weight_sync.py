@@ -41,7 +41,8 @@ def timed_syncs(lab: Lab, write, repeats: int) -> dict:
         rows.append({"write_s": write_s, "sync_s": sync.sync_s, "load_s": sync.load_s,
                      "total_s": write_s + sync.sync_s, "bytes": sync.bytes, "path": sync.path})
     summary = {k: statistics.median(r[k] for r in rows) for k in ("write_s", "sync_s", "load_s", "total_s")}
-    return {**summary, "bytes": rows[-1]["bytes"], "path": rows[-1]["path"], "repeats": repeats}
+    return {**summary, "bytes": rows[-1]["bytes"], "path": rows[-1]["path"], "repeats": repeats,
+            "each_sync_s": [round(r["sync_s"], 3) for r in rows]}
 
 
 def agreement(lab: Lab, policy, tokens: int = 32) -> dict:
@@ -68,9 +69,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-tcmalloc", action="store_true", help="the engine on glibc's allocator (EngineConfig.tcmalloc)")
     args = parser.parse_args()
-    results = {"model": args.model}
-    with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}") as lab:
+    engine = {"tcmalloc": not args.no_tcmalloc}
+    results = {"model": args.model, **engine}
+    with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}", **engine) as lab:
         ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),
                                   devices=["cpu", "cpu"])
         try:
@@ -84,7 +87,7 @@ def main() -> None:
         results["one_rank"] = {**timed_syncs(lab, single.write_weights, args.repeats), **agreement(lab, single)}
         print(json.dumps(results["one_rank"]), flush=True)
         del single
-    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16) as lab:
+    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16, **engine) as lab:
         policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, peft_config=LORA))
         nudge(policy, lab.tokenizer)
         nudge(policy, lab.tokenizer)  # B starts at 0: a second step makes the adapter's product non-zero
