@@ -46,11 +46,16 @@ import httpx
 import numpy as np
 
 from polar_lab import Lab, SamplingSpec
+from polar_lab.engine.vllm_engine import preload_allocator
 from client_process import run_client
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 37*12+5?"}]
 MAX_TOKENS = 16
+# What RL needs back from a call, asked of every server alike: the sampled tokens' logprobs and the prompt's and
+# output's token ids (vLLM's `return_token_ids`). Without them `vllm serve` does less work than the proxy, which
+# records both on every call whether or not they are asked for; `--plain` sends neither (the figures before 2026-12-02).
+RL_FIELDS = {"logprobs": True, "return_token_ids": True}
 
 
 async def _closed_loop(concurrency: int, total: int, one) -> list[float]:
@@ -73,11 +78,23 @@ def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | N
     """Run benchmarks/load_client.py in its own process (harnesses are processes of their own).
     keys: one session key per request (URL holds {key}); otherwise every request uses `url` as given."""
     body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True}
+            "ignore_eos": True, **RL_FIELDS}
     args = ["--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
     for name, value in (headers or {}).items():
         args += ["--header", f"{name}: {value}"]
     return run_client("load_client.py", url, concurrency, total, body, keys=keys, args=args)
+
+
+def check_fields(url: str, headers: dict[str, str] | None = None) -> None:
+    """One request as the load sends it: the server must return what RL_FIELDS ask for, or the comparison is void."""
+    body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "seed": 0, **RL_FIELDS}
+    reply = httpx.post(url, json=body, headers=headers, timeout=120).raise_for_status().json()
+    choice = reply["choices"][0]
+    missing = [name for name, ok in (("logprobs", choice.get("logprobs")), ("prompt_token_ids", reply.get("prompt_token_ids")),
+                                     ("token_ids", choice.get("token_ids"))) if not ok]
+    if RL_FIELDS and missing:
+        raise RuntimeError(f"{url} did not return {missing}")
 
 
 def _pcts(prefix: str, seconds: list[float]) -> dict[str, float]:
@@ -109,6 +126,7 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
         spec = SamplingSpec(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True)
         await asyncio.wrap_future(lab.engine.submit(prompt_ids, spec))
 
+    await asyncio.to_thread(check_fields, lab.session(harness="bench").openai_base_url + "/chat/completions")
     await _closed_loop(concurrency, 2 * concurrency, direct)
     t0 = time.perf_counter()
     direct_lat = await _closed_loop(concurrency, total, direct)
@@ -227,8 +245,8 @@ class LiteLLM(_Server):
 
 class VllmServe(_Server):
     """vLLM's OpenAI server on the Lab's model, with the Lab's engine arguments (fp32, eager, processed logprobs,
-    its seed and batch size, the same CPU KV cache, chunked prefill off where the Lab's is) and Hermes tool parsing,
-    on a loopback port."""
+    its seed and batch size, the same CPU KV cache, chunked prefill off where the Lab's is, the same allocator) and
+    Hermes tool parsing, on a loopback port."""
 
     name = "vllm serve"
 
@@ -238,6 +256,8 @@ class VllmServe(_Server):
         self._dir = tempfile.mkdtemp(prefix="vllm-serve-")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
                "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib), "VLLM_LOGGING_LEVEL": "ERROR"}
+        # the allocator the Lab's CPU engine runs with (TCMalloc where installed): the same engine process setup
+        preload_allocator(env, c, on_gpu=__import__("torch").cuda.is_available())
         # `python -m` rather than the `vllm` command, which looks up the package "vllm" (here it is vllm-cpu)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model, "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),
@@ -257,6 +277,7 @@ def against_vllm_serve(lab: Lab, rows: list[dict], measure_row) -> None:
     stop it: the two servers never run at once."""
     server = VllmServe(lab, _free_port())
     try:
+        check_fields(server.url + "/v1/chat/completions")
         for row in rows:
             measure_row(row, server.url)
     finally:
@@ -286,8 +307,11 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1000, help="sustained test; 0 skips it")
     parser.add_argument("--litellm", default=None, help="litellm binary (default: .cache/litellm/bin/litellm)")
     parser.add_argument("--no-vllm-serve", action="store_true", help="skip the `vllm serve` peer")
+    parser.add_argument("--plain", action="store_true", help="ask for no logprobs and no token ids (RL_FIELDS)")
     parser.add_argument("--out", default="benchmarks/results/proxy_latency.json")
     args = parser.parse_args()
+    if args.plain:
+        RL_FIELDS.clear()
 
     t0 = time.perf_counter()
     binary = _litellm_binary(args.litellm)
@@ -307,7 +331,8 @@ def main() -> None:
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
-              "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve}
+              "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve,
+              "request_fields": sorted(RL_FIELDS)}
     print(f"engine start-up {startup['engine_startup_s']:.1f} s, Lab start-up {startup['lab_startup_s']:.1f} s")
     if binary is None:
         print("LiteLLM not installed (`make litellm`): its rows are missing")
