@@ -30,26 +30,30 @@ FILLER = ("The log shows the build step ran, the tests were collected, and three
 
 
 def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
+    """`repeats` sessions of `turns` turns, each turn's user message its own text (the proxy's piece cache would
+    tokenise a text shared by all sessions once, and the median would time cache hits); per turn, the median over
+    the sessions of one call's render + tokenise."""
     renderer = Renderer(tokenizer)
     reply_ids = renderer.encode("I will look at the failing parser tests next.") + [
         tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-    tips: list[Tip] = []
+    sessions = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(repeats)]
+    tips: list[list[Tip]] = [[] for _ in range(repeats)]
     per_turn, tokens = [], 0
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": f"Step {turn}. " + FILLER * 11})  # ~640 tokens a turn: ~64k by turn 100
         timings = []
-        for r in range(repeats):  # `repeats` sessions holding the same conversation: each call is a new turn
+        for r, messages in enumerate(sessions):  # each call is a new turn of its own session
+            messages.append({"role": "user", "content": f"Step {turn} of run {r}. " + FILLER * 11})  # ~640 tokens
             t0 = time.perf_counter()
-            rendered = renderer.render(messages, [CALC_TOOL], tips=tips, session=f"s{r}")
+            rendered = renderer.render(messages, [CALC_TOOL], tips=tips[r], session=f"s{r}")
             timings.append(time.perf_counter() - t0)
+            tips[r] = [Tip(f"c{turn}", rendered.text + renderer.decode(reply_ids), rendered.prompt_ids + reply_ids)]
+            messages.append({"role": "assistant", "content": "I will look at the failing parser tests next."})
         per_turn.append(statistics.median(timings))
         tokens = len(rendered.prompt_ids)
-        tips = [Tip(f"c{turn}", rendered.text + renderer.decode(reply_ids), rendered.prompt_ids + reply_ids)]
-        messages.append({"role": "assistant", "content": "I will look at the failing parser tests next."})
+    messages = sessions[0][:-1]
     t0 = time.perf_counter()
     for _ in range(repeats):  # template + whole-text tokenisation: what continuity avoids (no piece cache)
-        text = renderer.tokenizer.apply_chat_template(messages[:-1], tools=[CALC_TOOL], add_generation_prompt=True,
+        text = renderer.tokenizer.apply_chat_template(messages, tools=[CALC_TOOL], add_generation_prompt=True,
                                                       tokenize=False)
         renderer.tokenizer.encode(text, add_special_tokens=False)
     full = (time.perf_counter() - t0) / repeats
