@@ -107,16 +107,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--no-vllm-serve", action="store_true")
+    parser.add_argument("--no-tcmalloc", action="store_true", help="engines on glibc's allocator (EngineConfig.tcmalloc)")
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
-    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}") as lab:
+    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
+             tcmalloc=not args.no_tcmalloc) as lab:
         rows = [measure(lab, c, n) for c, n in zip(args.concurrency, args.requests)]
         if not args.no_vllm_serve:
             against_vllm_serve(lab, rows, measure_vllm_serve)
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-              "model": args.model, "max_tokens": MAX_TOKENS, "rows": rows}
+              "model": args.model, "max_tokens": MAX_TOKENS, "tcmalloc": not args.no_tcmalloc, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
