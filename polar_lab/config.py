@@ -60,7 +60,7 @@ class EngineConfig:
     seed: int = _f(0, "engine seed (per-request seeds override it)")
     vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
     tcmalloc: bool = _f(True, "CPU engine: start its process with TCMalloc preloaded where the library is installed "
-                              "(vLLM's CPU guide; a SmolLM2 weight load 0.23 s instead of 0.37-0.41 s)")
+                              "(vLLM's CPU guide; faster weight loads, docs/benchmarks.md)")
     # faults
     max_restarts: int = _f(3, "times the Lab restarts a dead engine process by itself, over its life; 0 = never "
                               "(calls then get 503 until lab.restart_engine())")

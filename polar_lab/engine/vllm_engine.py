@@ -78,8 +78,9 @@ def preload_allocator(env: dict[str, str], config: EngineConfig, on_gpu: bool) -
     """Put TCMalloc in a CPU engine process's LD_PRELOAD, as vLLM's CPU install guide asks ("for best performance")
     and as vLLM itself does for the engine processes it starts (platforms/cpu.py) — which this one is not, with the
     engine core inside the worker. Why it matters here: a weight load allocates each layer afresh, and with glibc's
-    allocator a SmolLM2 sync paid for fresh pages every time (0.37-0.41 s; 0.23 s with TCMalloc, benchmarks/
-    weight_sync.py). A preload already naming tcmalloc, a GPU engine, `tcmalloc=False` or no library: unchanged."""
+    allocator every load paid for fresh pages (SmolLM2's pause in benchmarks/weight_sync.py: 0.45-0.65 s on glibc,
+    0.33-0.41 s with TCMalloc, the same session). A preload already naming tcmalloc, a GPU engine, `tcmalloc=False`
+    or no library: unchanged. (Ray replica actors are not preloaded: their nodes may lack the library.)"""
     if on_gpu or not config.tcmalloc or "tcmalloc" in env.get("LD_PRELOAD", "") or sys.platform != "linux":
         return
     library = tcmalloc_library()

@@ -123,7 +123,7 @@ def test_a_generation_spanning_a_weight_load_records_both_versions(lab, prompt_i
 
 def test_the_cpu_engine_process_runs_with_tcmalloc(lab):
     """vLLM's CPU guide preloads TCMalloc; the Lab's engine process does (EngineConfig.tcmalloc), checked from outside:
-    the library is mapped into the live engine process. (Weight loads: 0.37-0.41 s → 0.27 s for SmolLM2.)"""
+    the library is mapped into the live engine process (faster weight loads: docs/benchmarks.md)."""
     from polar_lab.engine.vllm_engine import tcmalloc_library
 
     library = tcmalloc_library()
