@@ -23,7 +23,7 @@ flight at the proxy, and the latency distribution are reported.
 Everything — engine process, Lab, client — shares this machine's cores: on 2 cores the figures include
 the CPU the client and the proxy take from the engine.
 
-    python benchmarks/proxy_latency.py [--concurrency 1 64 256] [--requests 64 384 768] [--sessions 1000]
+    python benchmarks/proxy_latency.py [--concurrency 1 64 256] [--requests 64 384 768] [--sessions 1000] [--plain]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 
 from polar_lab import Lab, SamplingSpec
 from polar_lab.engine.vllm_engine import preload_allocator
@@ -54,7 +55,8 @@ MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "cont
 MAX_TOKENS = 16
 # What RL needs back from a call, asked of every server alike: the sampled tokens' logprobs and the prompt's and
 # output's token ids (vLLM's `return_token_ids`). Without them `vllm serve` does less work than the proxy, which
-# records both on every call whether or not they are asked for; `--plain` sends neither (the figures before 2026-12-02).
+# records both on every call whether or not they are asked for; `--plain` sends neither (the figures before
+# 2026-12-02). The proxy and `vllm serve` are checked to return them (check_fields); LiteLLM only forwards.
 RL_FIELDS = {"logprobs": True, "return_token_ids": True}
 
 
@@ -85,14 +87,15 @@ def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | N
     return run_client("load_client.py", url, concurrency, total, body, keys=keys, args=args)
 
 
-def check_fields(url: str, headers: dict[str, str] | None = None) -> None:
+def check_fields(url: str) -> None:
     """One request as the load sends it: the server must return what RL_FIELDS ask for, or the comparison is void."""
     body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "seed": 0, **RL_FIELDS}
-    reply = httpx.post(url, json=body, headers=headers, timeout=120).raise_for_status().json()
+    reply = httpx.post(url, json=body, timeout=120).raise_for_status().json()
     choice = reply["choices"][0]
-    missing = [name for name, ok in (("logprobs", choice.get("logprobs")), ("prompt_token_ids", reply.get("prompt_token_ids")),
-                                     ("token_ids", choice.get("token_ids"))) if not ok]
+    returned = {"logprobs": (choice.get("logprobs") or {}).get("content"),
+                "prompt_token_ids": reply.get("prompt_token_ids"), "token_ids": choice.get("token_ids")}
+    missing = [name for name, value in returned.items() if not value]
     if RL_FIELDS and missing:
         raise RuntimeError(f"{url} did not return {missing}")
 
@@ -256,15 +259,15 @@ class VllmServe(_Server):
         self._dir = tempfile.mkdtemp(prefix="vllm-serve-")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
                "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib), "VLLM_LOGGING_LEVEL": "ERROR"}
-        # the allocator the Lab's CPU engine runs with (TCMalloc where installed): the same engine process setup
-        preload_allocator(env, c, on_gpu=__import__("torch").cuda.is_available())
+        # the allocator the Lab's CPU engine runs with (TCMalloc where installed). It reaches vllm serve's API
+        # process too (its engine core is that process's child), while the Lab's proxy runs on glibc's: if anything,
+        # in vllm serve's favour
+        preload_allocator(env, c, on_gpu=torch.cuda.is_available())
         # `python -m` rather than the `vllm` command, which looks up the package "vllm" (here it is vllm-cpu)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model, "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),
                 "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(lab.engine.max_model_len),
                 "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-        import torch
-
         chunked = c.chunked_prefill if c.chunked_prefill is not None else torch.cuda.is_available()
         if not chunked:  # as the Lab's engine on CPU (engine/worker.py::_prefill_args): seeded requests
             # in a split prefill kill vLLM's CPU engine ("CPU Generator does not use offset") — the death seen at 64
@@ -272,12 +275,13 @@ class VllmServe(_Server):
         self._start(argv + (["--enforce-eager"] if c.enforce_eager else []), env, "/health", 300)
 
 
-def against_vllm_serve(lab: Lab, rows: list[dict], measure_row) -> None:
+def against_vllm_serve(lab: Lab, rows: list[dict], measure_row, check=check_fields) -> None:
     """Start `vllm serve` once the Lab's rows are measured, measure each row against it (`measure_row(row, url)`),
-    stop it: the two servers never run at once."""
+    stop it: the two servers never run at once. check(url): what must hold of its answers first (None: nothing)."""
     server = VllmServe(lab, _free_port())
     try:
-        check_fields(server.url + "/v1/chat/completions")
+        if check is not None:
+            check(server.url + "/v1/chat/completions")
         for row in rows:
             measure_row(row, server.url)
     finally:

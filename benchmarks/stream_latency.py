@@ -13,7 +13,7 @@ sending the request to the first token delta; the inter-token gap is between con
 stream. Goals (issue 17): proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the
 engine's.
 
-    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64]
+    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64] [--no-tcmalloc]
 """
 
 from __future__ import annotations
@@ -80,6 +80,11 @@ def _ms(prefix: str, result: dict) -> dict[str, float]:
     return out
 
 
+def _client_cpu(result: dict) -> float:
+    """The client process's CPU per token delta received (ms): what it took from the cores the servers run on."""
+    return 1000 * result["client_cpu_s"] / max(sum(result["deltas"]), 1)
+
+
 def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
     lab.submit(_engine(lab, concurrency, 2 * concurrency)).result()  # warm-up
     engine = lab.submit(_engine(lab, concurrency, total)).result()
@@ -88,7 +93,8 @@ def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
     _client(lab.url + "/v1/chat/completions", concurrency, concurrency,
             keys=[lab.session(harness="warmup", sampling=forced).key for _ in range(concurrency)])
     proxy = _client(lab.url + "/v1/chat/completions", concurrency, total, keys=keys)
-    row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy)}
+    row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy),
+           "proxy_client_cpu_ms_per_token": _client_cpu(proxy)}
     row["proxy_ttft_added_p50_ms"] = row["proxy_ttft_p50_ms"] - row["engine_ttft_p50_ms"]
     row["proxy_gap_over_engine_p50"] = row["proxy_gap_p50_ms"] / row["engine_gap_p50_ms"]
     return row
@@ -97,7 +103,8 @@ def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
 def measure_vllm_serve(row: dict, url: str) -> None:
     """Run after the Lab's rows, with `vllm serve` alone (an idle one beside the Lab slows the Lab's figures)."""
     _client(url + "/v1/chat/completions", row["concurrency"], row["concurrency"])
-    row.update(_ms("vllm_serve", _client(url + "/v1/chat/completions", row["concurrency"], row["requests"])))
+    peer = _client(url + "/v1/chat/completions", row["concurrency"], row["requests"])
+    row.update(_ms("vllm_serve", peer), vllm_serve_client_cpu_ms_per_token=_client_cpu(peer))
     row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
 
 
@@ -107,14 +114,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--no-vllm-serve", action="store_true")
-    parser.add_argument("--no-tcmalloc", action="store_true", help="engines on glibc's allocator (EngineConfig.tcmalloc)")
+    parser.add_argument("--no-tcmalloc", action="store_true",
+                        help="engines on glibc's allocator (EngineConfig.tcmalloc)")
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
     with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
              tcmalloc=not args.no_tcmalloc) as lab:
         rows = [measure(lab, c, n) for c, n in zip(args.concurrency, args.requests)]
         if not args.no_vllm_serve:
-            against_vllm_serve(lab, rows, measure_vllm_serve)
+            against_vllm_serve(lab, rows, measure_vllm_serve, check=None)  # streams ask for text only
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},

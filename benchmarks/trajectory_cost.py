@@ -50,7 +50,7 @@ def render_costs(tokenizer, turns: int, repeats: int = 5) -> dict:
             messages.append({"role": "assistant", "content": "I will look at the failing parser tests next."})
         per_turn.append(statistics.median(timings))
         tokens = len(rendered.prompt_ids)
-    messages = sessions[0][:-1]
+    messages = sessions[0][:-1]  # turn 100's request (the loop appended the reply it would get)
     t0 = time.perf_counter()
     for _ in range(repeats):  # template + whole-text tokenisation: what continuity avoids (no piece cache)
         text = renderer.tokenizer.apply_chat_template(messages, tools=[CALC_TOOL], add_generation_prompt=True,

@@ -6,7 +6,7 @@ memory (rank 0, tensor by tensor; rollouts keep running meanwhile), `sync_s` —
 flight here), the engine's load between two steps, resume. After the FSDP sync the engine's logprobs of
 sampled tokens are compared with the trainer's. Results → benchmarks/results/weight_sync.json.
 
-    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5]
+    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5] [--no-tcmalloc] [--out F]
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-tcmalloc", action="store_true", help="the engine on glibc's allocator (EngineConfig.tcmalloc)")
+    parser.add_argument("--no-tcmalloc", action="store_true",
+                        help="the engine on glibc's allocator (EngineConfig.tcmalloc)")
+    parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
     engine = {"tcmalloc": not args.no_tcmalloc}
     results = {"model": args.model, **engine}
@@ -93,7 +95,7 @@ def main() -> None:
         nudge(policy, lab.tokenizer)  # B starts at 0: a second step makes the adapter's product non-zero
         results["lora_adapter"] = {**timed_syncs(lab, policy.write_adapter, args.repeats), **agreement(lab, policy)}
         print(json.dumps(results["lora_adapter"]), flush=True)
-    out = Path("benchmarks/results/weight_sync.json")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
