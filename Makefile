@@ -32,38 +32,35 @@ $(AGENTS_STAMP):
 		&& touch $(AGENTS_STAMP); \
 	else echo "npm not found: the CLI agent preset tests will be skipped"; fi
 
+# $(call apt_install,CHECK,PACKAGE,WITHOUT): run the shell test CHECK; when it fails, install the Debian PACKAGE if this
+# user may (root with apt-get; one `apt-get update` and a retry if the first try fails), else say WITHOUT (what skips
+# or runs slower) and how to install it. Never fails the target: what is missing makes its tests skip with the reason.
+apt_install = @$(1) || { \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -qq $(2) >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null && apt-get install -y -qq $(2) >/dev/null; } \
+		|| echo "$(2) could not be installed: $(3)"; \
+	else echo "$(2) not found: $(3) (apt-get install $(2))"; fi; }
+
 # bubblewrap, for the "isolated" sandbox level (docs/reliability.md): Debian's package, installed when it is
 # missing and this user may (root with apt-get). Elsewhere harness programs refuse with a message that says
 # how to install it, or to choose harness.sandbox: process.
 sandbox-tools:
-	@command -v bwrap >/dev/null || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
-			|| { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
-		else echo "bubblewrap (bwrap) not found: install it for the isolated sandbox (apt-get install bubblewrap)"; fi; }
+	$(call apt_install,command -v bwrap >/dev/null,bubblewrap,harness programs refuse the isolated sandbox)
 
 # TCMalloc for the CPU engine process (EngineConfig.tcmalloc; vLLM's CPU guide preloads it): Debian's package,
 # installed when it is missing and this user may (root with apt-get). Without it the engine runs on glibc's
 # allocator: the same results, slower weight loads (docs/benchmarks.md).
 malloc:
-	@ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 2>/dev/null | grep -q . || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
-			|| { apt-get update -qq >/dev/null && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
-			|| echo "libtcmalloc-minimal4 could not be installed: the engine uses glibc's allocator"; \
-		else echo "TCMalloc not found: the engine uses glibc's allocator (apt-get install libtcmalloc-minimal4)"; fi; }
+	$(call apt_install,ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 2>/dev/null \
+		| grep -q .,libtcmalloc-minimal4,the engine uses glibc's allocator)
 
 # Chromium, for the dashboard's browser test (tests/integration/test_dashboard_browser.py, driven by Playwright,
 # which is in the dev extra): Debian's package, installed when it is missing and this user may (root with
 # apt-get); browser builds that download themselves (`playwright install`) do not install here. Without it that
 # test skips with the reason.
 browser:
-	@command -v chromium >/dev/null || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			apt-get install -y -qq chromium >/dev/null 2>&1 \
-			|| { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; } \
-			|| echo "chromium could not be installed: the dashboard's browser test will skip"; \
-		else echo "chromium not found: the dashboard's browser test will skip (apt-get install chromium)"; fi; }
+	$(call apt_install,command -v chromium >/dev/null,chromium,the dashboard's browser test will skip)
 
 # LiteLLM, the peer proxy the latency benchmark compares against, in its own venv: its pins (fastapi,
 # pydantic, ...) must not move the Lab's.

@@ -79,19 +79,21 @@ def _load(url: str, concurrency: int, total: int, *, headers: dict[str, str] | N
           keys: list[str] | None = None, warmup: int = 0, ramp_s: float = 0.0, timeout_s: float = 600.0) -> dict:
     """Run benchmarks/load_client.py in its own process (harnesses are processes of their own).
     keys: one session key per request (URL holds {key}); otherwise every request uses `url` as given."""
-    body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, **RL_FIELDS}
     args = ["--warmup", str(warmup), "--ramp-s", str(ramp_s), "--timeout", str(timeout_s)]
     for name, value in (headers or {}).items():
         args += ["--header", f"{name}: {value}"]
-    return run_client("load_client.py", url, concurrency, total, body, keys=keys, args=args)
+    return run_client("load_client.py", url, concurrency, total, _body(), keys=keys, args=args)
+
+
+def _body() -> dict:
+    """The request every server gets (the load client adds a seed per request)."""
+    return {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, **RL_FIELDS}
 
 
 def check_fields(url: str) -> None:
     """One request as the load sends it: the server must return what RL_FIELDS ask for, or the comparison is void."""
-    body = {"model": "tiny-calc", "messages": MESSAGES, "tools": [CALC_TOOL], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "seed": 0, **RL_FIELDS}
-    reply = httpx.post(url, json=body, timeout=120).raise_for_status().json()
+    reply = httpx.post(url, json={**_body(), "seed": 0}, timeout=120).raise_for_status().json()
     choice = reply["choices"][0]
     returned = {"logprobs": (choice.get("logprobs") or {}).get("content"),
                 "prompt_token_ids": reply.get("prompt_token_ids"), "token_ids": choice.get("token_ids")}
