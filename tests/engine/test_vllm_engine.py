@@ -1,6 +1,7 @@
 """The real vLLM engine: sampler logprobs match transformers, weights swap live, versions are per token."""
 
 import math
+import os
 import time
 
 import pytest
@@ -138,53 +139,37 @@ def test_the_cpu_engine_process_runs_with_tcmalloc(lab):
     assert os.path.realpath(installed[0]) in mapped, f"{installed[0]} is not mapped into the engine {lab.engine.pid}"
 
 
-def test_tcmalloc_is_looked_up_bundled_first_then_this_environment_then_the_system(tmp_path, monkeypatch):
-    import importlib.util
-    from types import SimpleNamespace
-
-    from polar_lab.engine import vllm_engine
-
-    folders = {name: tmp_path / name for name in ("vllm", "env", "system")}
-    for folder in folders.values():
-        folder.mkdir()
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
-        submodule_search_locations=[str(folders["vllm"])]))
-    monkeypatch.setattr(vllm_engine, "_TCMALLOC_GLOBS", (f"{folders['env']}/libtcmalloc_minimal.so.4",
-                                                         f"{folders['system']}/libtcmalloc_minimal.so.4"))
-    assert vllm_engine.tcmalloc_library() is None
-    for name in ("system", "env"):  # each one found beats the ones after it
-        (folders[name] / "libtcmalloc_minimal.so.4").touch()
-        assert vllm_engine.tcmalloc_library() == str(folders[name] / "libtcmalloc_minimal.so.4")
-    (folders["vllm"] / "libs").mkdir()
-    (folders["vllm"] / "libs" / "libtcmalloc_minimal.so.4.5.10").touch()
-    assert vllm_engine.tcmalloc_library() == str(folders["vllm"] / "libs" / "libtcmalloc_minimal.so.4.5.10")
-
-
-# preload_allocator: which engine processes get TCMalloc in LD_PRELOAD (the library's path is a stand-in here)
-@pytest.mark.parametrize("env, tcmalloc, on_gpu, expected", [
-    ({}, True, False, "/lib/libtcmalloc_minimal.so.4"),                           # a CPU engine: preloaded
-    ({"LD_PRELOAD": "/x/libfoo.so"}, True, False, "/lib/libtcmalloc_minimal.so.4:/x/libfoo.so"),  # kept after it
-    ({"LD_PRELOAD": "/y/libtcmalloc.so"}, True, False, "/y/libtcmalloc.so"),      # the user's own tcmalloc wins
-    ({"LD_PRELOAD": "/y/libjemalloc.so.2"}, True, False, "/y/libjemalloc.so.2"),  # ... or their own allocator
-    ({"LD_PRELOAD": "/y/libasan.so.8"}, True, False, "/y/libasan.so.8"),          # ASan must stay first
-    ({}, False, False, None),                                                     # switched off in the config
-    ({}, True, True, None),                                                       # a GPU engine: left alone
-])
-def test_the_cpu_engine_gets_tcmalloc_preloaded(monkeypatch, env, tcmalloc, on_gpu, expected):
+def test_an_engine_bound_as_vllm_binds_it_runs_every_thread_on_all_cores_but_the_last(lab, model_path, prompt_ids):
+    """EngineConfig(cpu_bind="auto"), checked from outside: each thread of the live engine process may run only on this
+    process's CPUs less the last (read from /proc here, not through the code under test), and the bound engine still
+    generates. Negative control: the session's engine (cpu_bind="nobind") has every thread on all of them."""
     from polar_lab.config import EngineConfig
-    from polar_lab.engine import vllm_engine
+    from polar_lab.engine.vllm_engine import VLLMEngine
 
-    monkeypatch.setattr(vllm_engine, "tcmalloc_library", lambda: "/lib/libtcmalloc_minimal.so.4")
-    env = dict(env)
-    vllm_engine.preload_allocator(env, EngineConfig(tcmalloc=tcmalloc), on_gpu=on_gpu)
-    assert env.get("LD_PRELOAD") == expected
+    allowed = _allowed_cpus("/proc/self/status")
+    if len(allowed) < 2 or torch.cuda.is_available():
+        pytest.skip("binding needs a CPU engine and a core to spare")
+    if any(name.startswith(("OMP_", "GOMP_", "KMP_")) for name in os.environ):
+        pytest.skip("this environment places OpenMP's threads itself")
+    assert _thread_cpus(lab.engine.pid) == {tuple(allowed)}
+    with VLLMEngine(EngineConfig(model=model_path, cpu_bind="auto")) as engine:
+        gen = engine.submit(prompt_ids, SamplingSpec(max_tokens=8, seed=0, ignore_eos=True)).result(timeout=120)
+        bound = _thread_cpus(engine.pid)
+    assert len(gen.output_ids) == 8
+    assert bound == {tuple(allowed[:-1])}
 
 
-def test_no_tcmalloc_installed_leaves_the_engine_on_the_default_allocator(monkeypatch):
-    from polar_lab.config import EngineConfig
-    from polar_lab.engine import vllm_engine
+def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
+    """The distinct CPU sets the threads of a process may run on."""
+    return {tuple(_allowed_cpus(f"/proc/{pid}/task/{tid}/status")) for tid in os.listdir(f"/proc/{pid}/task")}
 
-    monkeypatch.setattr(vllm_engine, "tcmalloc_library", lambda: None)
-    env = {}
-    vllm_engine.preload_allocator(env, EngineConfig(), on_gpu=False)
-    assert "LD_PRELOAD" not in env
+
+def _allowed_cpus(status_path: str) -> list[int]:
+    """Cpus_allowed_list of a /proc status file ("0-2,4" → [0, 1, 2, 4])."""
+    with open(status_path) as fh:
+        spec = next(line for line in fh if line.startswith("Cpus_allowed_list:")).split()[1]
+    cpus: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
