@@ -24,6 +24,7 @@ Everything — engine process, Lab, client — shares this machine's cores: on 2
 the CPU the client and the proxy take from the engine.
 
     python benchmarks/proxy_latency.py [--concurrency 1 64 256] [--requests 64 384 768] [--sessions 1000] [--plain]
+                                       [--cpu-bind nobind|auto] [--no-litellm] [--no-vllm-serve]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import numpy as np
 import torch
 
 from polar_lab import Lab, SamplingSpec
-from polar_lab.engine.vllm_engine import preload_allocator
+from polar_lab.engine.process_env import preload_allocator
 from client_process import run_client
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 
@@ -312,16 +313,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 384, 768])
     parser.add_argument("--sessions", type=int, default=1000, help="sustained test; 0 skips it")
     parser.add_argument("--litellm", default=None, help="litellm binary (default: .cache/litellm/bin/litellm)")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM peer")
     parser.add_argument("--no-vllm-serve", action="store_true", help="skip the `vllm serve` peer")
     parser.add_argument("--plain", action="store_true", help="ask for no logprobs and no token ids (RL_FIELDS)")
+    parser.add_argument("--cpu-bind", default="nobind", help="the Lab's engine layout (EngineConfig.cpu_bind)")
     parser.add_argument("--out", default="benchmarks/results/proxy_latency.json")
     args = parser.parse_args()
     if args.plain:
         RL_FIELDS.clear()
 
     t0 = time.perf_counter()
-    binary = _litellm_binary(args.litellm)
-    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-{int(time.time())}") as lab:
+    binary = None if args.no_litellm else _litellm_binary(args.litellm)
+    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-{int(time.time())}",
+             cpu_bind=args.cpu_bind) as lab:
         startup = {"engine_startup_s": lab.engine.startup_seconds, "lab_startup_s": time.perf_counter() - t0}
         peer = LiteLLM(binary, lab.session(harness="litellm").openai_base_url, "unused", _free_port()) \
             if binary else None
@@ -338,10 +342,11 @@ def main() -> None:
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
               "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve,
-              "request_fields": sorted(RL_FIELDS)}
+              "request_fields": sorted(RL_FIELDS), "cpu_bind": args.cpu_bind}
     print(f"engine start-up {startup['engine_startup_s']:.1f} s, Lab start-up {startup['lab_startup_s']:.1f} s")
     if binary is None:
-        print("LiteLLM not installed (`make litellm`): its rows are missing")
+        print("LiteLLM skipped (--no-litellm)" if args.no_litellm else
+              "LiteLLM not installed (`make litellm`): its rows are missing")
     for row in rows:
         print(" ".join(f"{c}={row[c]:.2f}" if isinstance(row[c], float) else f"{c}={row[c]}" for c in row))
     if load:

@@ -13,7 +13,12 @@ sending the request to the first token delta; the inter-token gap is between con
 stream. Goals (issue 17): proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the
 engine's.
 
-    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64] [--no-tcmalloc]
+The engine runs in each layout given (`--cpu-bind`, default both): unbound (torch's threads on every core, the
+default) and "auto" (bound to all cores but the last, as `vllm serve` lays out its own CPU engine); each row records
+the CPUs the engine's main thread was allowed (`engine_cpus`). `vllm serve` is measured once per concurrency, after
+the last layout's rows (beside that Lab, idle), and its figures are put beside each layout's row of that concurrency.
+
+    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64] [--cpu-bind nobind auto] [--no-tcmalloc]
 """
 
 from __future__ import annotations
@@ -100,12 +105,26 @@ def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
     return row
 
 
-def measure_vllm_serve(row: dict, url: str) -> None:
-    """Run after the Lab's rows, with `vllm serve` alone (an idle one beside the Lab slows the Lab's figures)."""
-    _client(url + "/v1/chat/completions", row["concurrency"], row["concurrency"])
-    peer = _client(url + "/v1/chat/completions", row["concurrency"], row["requests"])
-    row.update(_ms("vllm_serve", peer), vllm_serve_client_cpu_ms_per_token=_client_cpu(peer))
-    row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
+def measure_vllm_serve():
+    """`against_vllm_serve`'s per-row measurement: `vllm serve` alone (an idle one beside the Lab slows the Lab's
+    figures), measured once per concurrency and put beside each layout's row of that concurrency."""
+    peers: dict[tuple[int, int], dict] = {}
+
+    def measure_row(row: dict, url: str) -> None:
+        key = (row["concurrency"], row["requests"])
+        if key not in peers:
+            _client(url + "/v1/chat/completions", row["concurrency"], row["concurrency"])
+            peer = _client(url + "/v1/chat/completions", row["concurrency"], row["requests"])
+            peers[key] = {**_ms("vllm_serve", peer), "vllm_serve_client_cpu_ms_per_token": _client_cpu(peer)}
+        row.update(peers[key])
+        row["proxy_ttft_over_vllm_serve_p50"] = row["proxy_ttft_p50_ms"] / row["vllm_serve_ttft_p50_ms"]
+    return measure_row
+
+
+def engine_cpus(pid: int) -> str:
+    """The CPUs the engine process's main thread may run on (what its layout did, whatever it was asked)."""
+    with open(f"/proc/{pid}/status") as fh:
+        return next(line for line in fh if line.startswith("Cpus_allowed_list:")).split()[1]
 
 
 def main() -> None:
@@ -116,13 +135,19 @@ def main() -> None:
     parser.add_argument("--no-vllm-serve", action="store_true")
     parser.add_argument("--no-tcmalloc", action="store_true",
                         help="engines on glibc's allocator (EngineConfig.tcmalloc)")
+    parser.add_argument("--cpu-bind", nargs="+", default=["nobind", "auto"],
+                        help="the engine layouts to measure, one Lab each (EngineConfig.cpu_bind)")
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
-    with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
-             tcmalloc=not args.no_tcmalloc) as lab:
-        rows = [measure(lab, c, n) for c, n in zip(args.concurrency, args.requests)]
-        if not args.no_vllm_serve:
-            against_vllm_serve(lab, rows, measure_vllm_serve, check=None)  # streams ask for text only
+    rows: list[dict] = []
+    for i, layout in enumerate(args.cpu_bind):  # one Lab per engine layout; vllm serve after the last one's rows
+        with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
+                 tcmalloc=not args.no_tcmalloc, cpu_bind=layout) as lab:
+            cpus = engine_cpus(lab.engine.pid)
+            rows += [{"cpu_bind": layout, "engine_cpus": cpus, **measure(lab, c, n)}
+                     for c, n in zip(args.concurrency, args.requests)]
+            if not args.no_vllm_serve and i == len(args.cpu_bind) - 1:
+                against_vllm_serve(lab, rows, measure_vllm_serve(), check=None)  # streams ask for text only
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},

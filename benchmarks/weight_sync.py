@@ -6,7 +6,7 @@ memory (rank 0, tensor by tensor; rollouts keep running meanwhile), `sync_s` —
 flight here), the engine's load between two steps, resume. After the FSDP sync the engine's logprobs of
 sampled tokens are compared with the trainer's. Results → benchmarks/results/weight_sync.json.
 
-    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5] [--no-tcmalloc] [--out F]
+    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5] [--no-tcmalloc] [--cpu-bind auto] [--out F]
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-tcmalloc", action="store_true",
                         help="the engine on glibc's allocator (EngineConfig.tcmalloc)")
+    parser.add_argument("--cpu-bind", default="nobind", help="the engine's layout (EngineConfig.cpu_bind)")
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
-    engine = {"tcmalloc": not args.no_tcmalloc}
+    engine = {"tcmalloc": not args.no_tcmalloc, "cpu_bind": args.cpu_bind}
     results = {"model": args.model, **engine}
     with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}", **engine) as lab:
         ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),

@@ -206,6 +206,13 @@ MUTANTS = [
            [('        for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):\n',
              "        for name in f.keys():\n")],
            ["tests/engine/test_weights.py::test_a_written_file_is_safetensors_and_reads_back_in_the_order_written"]),
+    # issue 17 (streaming gap): the CPU engine's thread binding, EngineConfig.cpu_bind
+    Mutant("the engine process starts without the binding it was configured with", "polar_lab/engine/process_env.py",
+           [("    bind_threads(env, config, on_gpu=bool(gpus))\n", "")],
+           ["tests/engine/test_vllm_engine.py::test_an_engine_bound_as_vllm_binds_it_runs_every_thread_on_all_cores_but_the_last"]),
+    Mutant("'auto' binds every core, keeping none for the proxy", "polar_lab/engine/process_env.py",
+           [("        cores = allowed[:-1]\n", "        cores = allowed\n")],
+           ["tests/engine/test_process_env.py::test_the_cpu_engine_threads_are_bound_as_vllm_binds_them"]),
     # issue 21: replicas behind one proxy, on Ray
     Mutant("replica: a session's later calls pick afresh (not sticky)", "polar_lab/engine/replicas.py",
            [("            own = self._routes.get(route) if route is not None else None\n",
