@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 
 from polar_lab import Lab, SamplingSpec
-from polar_lab.engine.process_env import preload_allocator
+from polar_lab.engine.process_env import engine_env
 from client_process import run_client
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 
@@ -260,12 +261,11 @@ class VllmServe(_Server):
         c = lab.config.engine
         self.url = f"http://127.0.0.1:{port}"
         self._dir = tempfile.mkdtemp(prefix="vllm-serve-")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib), "VLLM_LOGGING_LEVEL": "ERROR"}
-        # the allocator the Lab's CPU engine runs with (TCMalloc where installed). It reaches vllm serve's API
-        # process too (its engine core is that process's child), while the Lab's proxy runs on glibc's: if anything,
-        # in vllm serve's favour
-        preload_allocator(env, c, on_gpu=torch.cuda.is_available())
+        # the Lab's engine environment (vLLM's settings; TCMalloc where installed, which reaches vllm serve's API process
+        # too, while the Lab's proxy runs on glibc's: if anything, in vllm serve's favour), but unbound, since vllm serve
+        # binds its own worker, and with vLLM's multiprocessing on, as vllm serve runs
+        env = engine_env(dataclasses.replace(c, cpu_bind="nobind"), [0] if torch.cuda.is_available() else [])
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         # `python -m` rather than the `vllm` command, which looks up the package "vllm" (here it is vllm-cpu)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model, "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),

@@ -127,7 +127,6 @@ def test_the_cpu_engine_process_runs_with_tcmalloc(lab):
     the library is mapped into the live engine process (faster weight loads: docs/benchmarks.md). Whether it is
     installed is decided here, not by the lookup under test."""
     import glob
-    import os
 
     installed = glob.glob("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4")
     if not installed:
