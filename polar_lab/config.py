@@ -82,6 +82,9 @@ class EngineConfig:
     # faults
     max_restarts: int = _f(3, "times the Lab restarts a dead engine process by itself, over its life; 0 = never "
                               "(calls then get 503 until lab.restart_engine())")
+    standby_weights: bool | None = _f(None, "keep a second copy of the model in the engine that a sync loads while "
+                                            "the engine serves, so its pause is a swap (the weights' memory twice; "
+                                            "engine/standby.py); None = on for a local CPU engine that can have one")
     keep_weights: bool = _f(True, "keep the last loaded weights as a file in /dev/shm (one copy, outside the "
                                   "kernel's memory) so a restarted engine serves them again")
 
@@ -115,6 +118,25 @@ class EngineConfig:
                               f"(cluster={self.cluster!r}) they would share its cores, and Ray places its own actors")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.standby_weights and self._standby_obstacle():
+            raise ConfigError(f"standby_weights=True: {self._standby_obstacle()}")
+
+    def _standby_obstacle(self) -> str | None:
+        """Why this engine cannot keep a standby copy of its model (engine/standby.py), or None."""
+        if self.max_lora_rank is not None:
+            return f"max_lora_rank={self.max_lora_rank} (vLLM wraps the served layers for LoRA; an adapter sync is small)"
+        if self.tensor_parallel_size > 1:
+            return f"tensor_parallel_size={self.tensor_parallel_size} (the swap runs in one vLLM worker)"
+        if not self.enforce_eager:
+            return "enforce_eager=False (compiled graphs hold the served tensors)"
+        return None
+
+    def standby_enabled(self, cuda: bool) -> bool:
+        """Whether the engine builds a standby copy: as asked, or (None) for a local CPU engine where nothing stands
+        in the way (a Ray replica's weights may reach its node only at the load: engine/ray_replicas.py)."""
+        if self.standby_weights is None:
+            return not cuda and self.cluster == "local" and self._standby_obstacle() is None
+        return self.standby_weights
 
     @property
     def name(self) -> str:

@@ -470,7 +470,9 @@ class Lab:
         safetensors file in shared memory that the engine maps; or the path of such a file already written
         (a trainer writes it straight from its ranks: `weights_path()`, engine/weights.py). A file from
         `weights_path()` becomes the kept copy of the served weights (no second copy); another path is left
-        where it is. The result says how many bytes moved, and how long the write and the pause took.
+        where it is. A CPU engine keeps a standby copy of its model (`EngineConfig.standby_weights`): the file
+        loads into it before the pause, while the engine serves, and the pause only swaps it in (`swapped`).
+        The result says how many bytes moved, and how long the write, the preload and the pause took.
         """
         self._check_open()
         if isinstance(weights, (str, Path)):  # a file, or a LoRA adapter's folder

@@ -352,6 +352,8 @@ class SyncResult:
     sync_s: float  # the whole pause: drain + load + resume
     bytes: int = 0  # size of the weights moved into the engine
     write_s: float = 0.0  # writing them where the engine reads them, before the pause (rollouts go on meanwhile)
+    preload_s: float = 0.0  # loading them into the engine's standby copy, before the pause (the engine serves on)
+    swapped: bool = False  # the load was a swap of the preloaded standby (engine/standby.py), not a load in place
     path: str = ""  # how they travelled: "shm-file" (a safetensors file in shared memory the engine maps),
     # "shm-adapter" (a LoRA adapter's folder), "ray-object-store[-adapter]" (put once, each Ray replica fetches it)
 

@@ -35,3 +35,26 @@ def test_flat_lab_keywords_land_in_their_section():
 def test_round_trip_through_dict():
     cfg = LabConfig.from_dict({"engine": {"model": "x"}, "proxy": {"port": 1234}})
     assert LabConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: EngineConfig(standby_weights=True, max_lora_rank=16), "max_lora_rank=16"),  # vLLM wraps LoRA layers
+    (lambda: EngineConfig(standby_weights=True, tensor_parallel_size=2), "tensor_parallel_size=2"),  # one worker swaps
+    (lambda: EngineConfig(standby_weights=True, enforce_eager=False), "enforce_eager=False"),  # graphs hold tensors
+])
+def test_a_standby_copy_the_engine_cannot_swap_is_refused(make, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make()
+
+
+@pytest.mark.parametrize("config, cuda, enabled", [
+    (EngineConfig(), False, True),                               # the default: a local CPU engine keeps one
+    (EngineConfig(), True, False),                               # GPU memory is the scarce thing: off unless asked
+    (EngineConfig(cluster="ray"), False, False),                 # a Ray replica may get its weights only at the load
+    (EngineConfig(max_lora_rank=16), False, False),              # LoRA: the adapter sync is small anyway
+    (EngineConfig(enforce_eager=False), False, False),           # compiled graphs would keep the old tensors
+    (EngineConfig(standby_weights=False), False, False),         # asked off
+    (EngineConfig(standby_weights=True), True, True),            # asked on, GPU too (unverified there: the docstring)
+])
+def test_the_standby_copy_is_on_by_default_only_for_a_local_cpu_engine(config, cuda, enabled):
+    assert config.standby_enabled(cuda) is enabled

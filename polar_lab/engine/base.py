@@ -11,7 +11,7 @@ supervisor and the trainer call nothing else, and probe for nothing:
     identity      model_name, model_path, max_model_len, pid (None when not a local process)
     state         policy_version, alive, failure, busy_seconds, running, weights_file
     requests      submit, generate
-    weights       load_weights(state_dict, version=), load_weights_file(path, version=)
+    weights       load_weights(state_dict, version=), preload_weights_file(path), load_weights_file(path, version=)
     lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
 `VLLMEngine` (engine/vllm_engine.py) is the real one; `ReplicaSet` (engine/replicas.py) puts several behind
 one (local processes, or Ray actors: engine/ray_replicas.py); `ScriptedEngine` (engine/fake.py) serves unit tests.
@@ -70,6 +70,12 @@ class Engine(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
         """Replace the live weights between two engine steps; returns the new policy version (`version` if
         given: a replacement engine carries on from the version its weights had)."""
+        ...
+
+    def preload_weights_file(self, path: str | Path) -> str | None:
+        """Get ready to load this file while still serving (a standby copy of the model: engine/standby.py), so
+        that the `load_weights_file(path)` that follows only swaps it in; None when ready, else why that load
+        will do all the work. An optimisation only: it never changes what the load serves."""
         ...
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:

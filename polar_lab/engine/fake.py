@@ -109,6 +109,9 @@ class ScriptedEngine:
         self._version = self._version + 1 if version is None else version
         return self._version
 
+    def preload_weights_file(self, path: str | Path) -> str | None:
+        return "a scripted engine keeps no standby copy"
+
     def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
         return self.load_weights({}, version=version)
 

@@ -364,6 +364,12 @@ class RayEngine(VLLMEngine):
             listener.close()  # not yet accepted: nothing will connect to it now
         super().close()
 
+    def preload_weights_file(self, path: str | Path, *, timeout: float = 600.0) -> str | None:
+        """Only a replica on the kernel's node maps the file itself and can load it before the load."""
+        if not (SHARE_LOCAL_FILES and self.node == ray.get_runtime_context().get_node_id()):
+            return "the weights reach this replica's node at the load (Ray's object store)"
+        return super().preload_weights_file(path, timeout=timeout)
+
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0,
                           shipped: Shipment | None = None) -> int:
         """Load a weights file (`shipped`: the set's one Shipment of it): on the kernel's node the engine maps

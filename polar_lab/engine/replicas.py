@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from polar_lab.engine.base import Engine
-from polar_lab.engine.weights import load_through_file, remove_weights
+from polar_lab.engine.weights import load_through_file, remove_weights_soon
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -247,6 +247,17 @@ class ReplicaSet:
         """Write the tensors once as a file (shared memory) and load it into every replica."""
         return load_through_file(self, state_dict, version=version)
 
+    def preload_weights_file(self, path: str | Path) -> str | None:
+        """Preload the file into every serving replica's standby in parallel; None when all are ready, else the
+        first reason one is not (that replica's load then goes in place; the others still swap)."""
+        with self._weights_lock:
+            engines = [self.engines[slot] for slot in range(len(self.engines)) if self._usable(slot)]
+            if not engines:
+                return f"engine is not running ({self.failure})"
+            with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="polar-lab-preload") as pool:
+                reasons = list(pool.map(lambda engine: engine.preload_weights_file(path), engines))
+        return next((why for why in reasons if why is not None), None)
+
     def load_weights_file(self, path: str | Path, *, version: int | None = None) -> int:
         """Load a weights file (or a LoRA adapter's folder) into every serving replica in parallel, all at one
         version. Replicas that fail while others succeed are taken out of rotation and replaced; if none
@@ -272,7 +283,7 @@ class ReplicaSet:
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
-                remove_weights(previous)
+                remove_weights_soon(previous)
             if self.weights_file is None and shipped is not None and self.factory is not None and self.max_restarts:
                 try:
                     shipped.keep()  # the file may go once this returns: replacements need their own copy

@@ -97,15 +97,20 @@ class EngineSupervisor:
             return self._load_or_heal(state_dict)
 
     def sync(self, weights: Weights, drain_timeout: float) -> SyncResult:
-        """Pause the proxy, drain, load `weights` (a state dict, or the path of a safetensors file), resume."""
+        """Preload a file into the engine's standby while it serves, then pause the proxy, drain, load
+        `weights` (a state dict, or the path of a safetensors file: then a swap when preloaded), resume."""
         with self.lock:
             t0 = time.perf_counter()
+            why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) else "a state dict"
+            t1 = time.perf_counter()
             with self._paused(drain_timeout) as undrained:
-                t1 = time.perf_counter()
+                t2 = time.perf_counter()
                 version = self._load_or_heal(weights)
-            t2 = time.perf_counter()
-        return SyncResult(policy_version=version, undrained=undrained, drain_s=t1 - t0, load_s=t2 - t1,
-                          sync_s=t2 - t0)
+            t3 = time.perf_counter()
+        if why is not None:
+            log.debug("the weights load in place: %s", why)
+        return SyncResult(policy_version=version, undrained=undrained, drain_s=t2 - t1, load_s=t3 - t2,
+                          sync_s=t3 - t1, preload_s=t1 - t0, swapped=why is None)
 
     def _load_or_heal(self, state_dict: Weights) -> int:
         try:

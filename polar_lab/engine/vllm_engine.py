@@ -39,7 +39,7 @@ from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Rejection
 from polar_lab.engine.layout import engine_gpus, visible_gpus
 from polar_lab.engine.process_env import engine_env
-from polar_lab.engine.weights import load_through_file, remove_weights
+from polar_lab.engine.weights import load_through_file, remove_weights_soon
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -70,6 +70,8 @@ class VLLMEngine:
         # request id → (its future, when it was sent, its on_delta or None)
         self._pending: dict[str, tuple[concurrent.futures.Future | asyncio.Future, float, Callable | None]] = {}
         self._weights: concurrent.futures.Future | None = None
+        self._staged: concurrent.futures.Future | None = None
+        self.standby = False  # the engine keeps a standby copy of the model (engine/standby.py)
         self._weights_lock = threading.Lock()  # one weight load at a time
         self._ids = itertools.count()
         self._failure: str | None = None
@@ -120,6 +122,7 @@ class VLLMEngine:
             return self
         info = self._ready_message(timeout)
         self.max_model_len = info["max_model_len"]
+        self.standby = bool(info.get("standby"))
         self.startup_seconds = time.perf_counter() - self._t_launch
         self._reader = threading.Thread(target=self._read, name="polar-lab-engine", daemon=True)
         self._reader.start()
@@ -246,6 +249,23 @@ class VLLMEngine:
             raise EngineError(f"engine is not running ({self._failure})")
         return load_through_file(self, state_dict, version=version, timeout=timeout)
 
+    def preload_weights_file(self, path: str | Path, *, timeout: float = 600.0) -> str | None:
+        """Load a weights file into the engine's standby copy while it keeps serving, so that the
+        `load_weights_file` of it that follows is a swap between two steps; None when it is ready, else why the
+        load will go in place (no standby, a file that leaves parameters out, an adapter). Never raises for that:
+        the load that follows does all the work then."""
+        if not self.standby or Path(path).is_dir():
+            return "an adapter is served as it is" if Path(path).is_dir() else "this engine keeps no standby copy"
+        with self._weights_lock:
+            if not self.alive:
+                return f"engine is not running ({self._failure})"
+            self._staged = concurrent.futures.Future()
+            try:
+                self._send(("stage", str(path)))
+                return self._staged.result(timeout)
+            except (OSError, concurrent.futures.TimeoutError) as exc:
+                return f"the standby did not load: {exc!r}"
+
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0) -> int:
         """Load a safetensors file of HF-named tensors (engine/weights.py) from `path`, as `load_weights` does,
         or a PEFT LoRA adapter's folder (served to new requests from now on; needs `max_lora_rank`). With a `weights_dir`, the file
@@ -274,7 +294,7 @@ class VLLMEngine:
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
-                remove_weights(previous)  # superseded (by a kept file, or by weights we do not keep)
+                remove_weights_soon(previous)  # superseded (by a kept file, or by weights we do not keep)
         return result
 
     # ---- the reader thread -----------------------------------------------------------------
@@ -292,6 +312,8 @@ class VLLMEngine:
                     self.running = msg[1]
                 elif msg[0] == "weights":
                     self._weights.set_result(msg[1])
+                elif msg[0] == "staged":
+                    self._staged.set_result(msg[2])
                 elif msg[0] == "fatal":
                     self._failure = f"engine failed: {msg[1]}"
         except (EOFError, OSError):
@@ -356,9 +378,9 @@ class VLLMEngine:
 
     def _fail_all(self, exc: EngineError) -> None:
         self._resolve_all([(rid, exc) for rid in list(self._pending)])
-        weights = self._weights
-        if weights is not None and not weights.done():
-            weights.set_result(str(exc))
+        for waiting in (self._weights, self._staged):  # a load or a preload waiting on the dead engine
+            if waiting is not None and not waiting.done():
+                waiting.set_result(str(exc))
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:

@@ -17,11 +17,13 @@ A LoRA adapter travels the same way, as a PEFT folder (adapter_config.json + ada
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 from pathlib import Path
@@ -110,6 +112,7 @@ def load_through_file(engine, state_dict: Mapping[str, torch.Tensor], **load: An
     os.close(fd)
     try:
         write_weights(path, state_dict)
+        engine.preload_weights_file(path)  # into a standby copy while the engine serves, where it keeps one
         return engine.load_weights_file(path, **load)
     finally:
         if engine.weights_file != Path(path):
@@ -137,6 +140,24 @@ def remove_weights(path: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+_removals: list[threading.Thread] = []  # removals still freeing their pages (joined at exit)
+
+
+def remove_weights_soon(path: str | Path) -> None:
+    """`remove_weights` in a thread of its own: freeing a large file's pages takes time (~50 ms for SmolLM2's
+    651 MB in /dev/shm) that a superseded file should not add to a sync's pause."""
+    removal = threading.Thread(target=remove_weights, args=(path,), name="polar-lab-remove-weights", daemon=True)
+    removal.start()
+    _removals[:] = [r for r in _removals if r.is_alive()] + [removal]
+
+
+@atexit.register
+def wait_for_removals() -> None:
+    """Until every `remove_weights_soon` has removed its file (none is left in /dev/shm by a fast exit)."""
+    for removal in list(_removals):
+        removal.join()
 
 
 def weights_size(path: str | Path) -> int:

@@ -9,7 +9,9 @@ sent back (one "delta" message per step for all such requests, before that step'
 output kind, whose text already holds back a possible stop string; the worker keeps the pieces and answers
 the finished request with the whole generation, as for any other. Weight loads are commands too, so they
 land exactly between two steps; vLLM's own weight-version spans then tell which policy version sampled each
-output token.
+output token. With a standby copy of the model (engine/standby.py, `EngineConfig.standby_weights`), a "stage"
+loads a file into the standby in a second thread while this loop keeps stepping, and the "weights" load of that
+file that follows is a swap between two steps; that thread sends only its "staged" answer (sends are locked).
 
 Why a process of its own: the proxy's HTTP work and vLLM's Python step loop each need a core's worth of
 interpreter time under load; in one process they share one GIL, and at 64 concurrent sessions the steps
@@ -27,10 +29,11 @@ to the parent, whose owner restarts the engine (engine/supervisor.py).
 
 Messages (pickled, multiprocessing.connection framing); rid = request id chosen by the parent:
     parent → worker   ("start", EngineConfig) first, then ("add", rid, prompt_ids, SamplingSpec, stream)
-                      | ("abort", rid) | ("weights", path, version or None) | ("stop",)
+                      | ("abort", rid) | ("stage", path) | ("weights", path, version or None) | ("stop",)
     worker → parent   ("ready", info) | ("delta", [(rid, TokenDelta)], stats) | ("done", [(rid, Generation |
-                      Rejection)], stats) | ("running", n) | ("weights", version or error text)
-                      | ("fatal", message);  stats = (busy_s, steps, requests running)
+                      Rejection)], stats) | ("running", n) | ("staged", path, None or why it cannot be swapped in)
+                      | ("weights", version or error text) | ("fatal", message)
+                      stats = (busy_s, steps, requests running); info["standby"]: "stage" is answered
 When the parent goes away (its end of the socket closes) the worker stops: no engine outlives its kernel.
 """
 
@@ -41,6 +44,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -68,6 +72,8 @@ class Worker:
         self.adapter_of: dict[str, tuple[int, int]] = {}  # request id → (its adapter's id, that policy version)
         self.adapters_loaded = 0
         self.adapter_dirs: dict[int, str] = {}  # adapter id → the engine's own copy of its folder (in TMPDIR)
+        self.standby = None  # a StandbyLoader (engine/standby.py) when the engine keeps a standby copy
+        self._send_lock = threading.Lock()  # the standby's thread sends too
 
     def build(self) -> dict[str, Any]:
         import torch
@@ -86,8 +92,24 @@ class Worker:
             **_executor_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
+        standby_s = self.build_standby(torch.cuda.is_available())
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
-                "startup_seconds": time.perf_counter() - t0, "pid": os.getpid()}
+                "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
+                "standby": self.standby is not None, "standby_s": standby_s}
+
+    def build_standby(self, cuda: bool) -> float:
+        """The standby copy of the model, where the config asks for one (None: on a CPU engine); its seconds."""
+        if not self.config.standby_enabled(cuda):
+            return 0.0
+        from polar_lab.engine import standby
+
+        seconds = self.llm.collective_rpc(standby.build)[0]
+        self.standby = standby.StandbyLoader(self.llm)
+        return seconds
+
+    def send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
 
     def serve(self) -> None:
         """Commands between steps until "stop" or until the parent hangs up (EOFError)."""
@@ -105,11 +127,11 @@ class Worker:
             deltas = [(o.request_id, self.streams[o.request_id].add(o.outputs[0], self.version_of(o.request_id)))
                       for o in outputs if o.request_id in self.streams]
             if deltas:  # a finished request's last piece too: its caller has every token before the answer
-                self.conn.send(("delta", deltas, self.stats()))
+                self.send(("delta", deltas, self.stats()))
             done = [(o.request_id, self.generation(o)) for o in outputs if o.finished]
             self.live.difference_update(rid for rid, _ in done)
             if done:
-                self.conn.send(("done", done, self.stats()))
+                self.send(("done", done, self.stats()))
                 self.retire_adapters()
 
     def version_of(self, rid: str) -> int:
@@ -130,17 +152,19 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
                 param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
                 rejection = Rejection(f"{type(exc).__name__}: {exc}", param if isinstance(param, str) else None)
-                self.conn.send(("done", [(rid, rejection)], self.stats()))
+                self.send(("done", [(rid, rejection)], self.stats()))
         elif kind == "abort":
             if msg[1] in self.live:
                 self.live.discard(msg[1])
                 self.streams.pop(msg[1], None)
                 self.adapter_of.pop(msg[1], None)
                 self.llm.llm_engine.abort_request([msg[1]])
-                self.conn.send(("running", len(self.live)))
+                self.send(("running", len(self.live)))
                 self.retire_adapters()
+        elif kind == "stage":
+            self.stage(msg[1])
         elif kind == "weights":
-            self.conn.send(("weights", self.load_weights(msg[1], msg[2])))
+            self.send(("weights", self.load_weights(msg[1], msg[2])))
         elif kind == "stop":
             return "stop"
         return None
@@ -167,8 +191,14 @@ class Worker:
             return self.load_adapter(path, version)
         from polar_lab.engine.weights import reload_from_file
 
-        try:  # each of vLLM's workers (one per tensor-parallel GPU) maps the file itself
-            self.llm.collective_rpc(reload_from_file, args=(path,))
+        try:
+            if self.standby is not None and self.standby.holds(path):
+                self.standby.swap_in()  # staged while the engine served: a swap between two steps
+            else:
+                if self.standby is not None:
+                    self.standby.wait()  # never two loads at once
+                # each of vLLM's workers (one per tensor-parallel GPU) maps the file itself
+                self.llm.collective_rpc(reload_from_file, args=(path,))
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving
             log.exception("weight load failed")
             return f"weight load failed: {exc!r}"
@@ -178,6 +208,15 @@ class Worker:
         self.adapter = None  # these weights are the policy now: no adapter on top of them
         self.retire_adapters()
         return self.version
+
+    def stage(self, path: str) -> None:
+        """Load a weights file into the standby while this loop keeps stepping; answered with "staged" when done
+        (with the reason when the following load of it cannot be a swap)."""
+        if self.standby is None or os.path.isdir(path):
+            why = "an adapter is served as it is" if os.path.isdir(path) else "this engine keeps no standby copy"
+            self.send(("staged", path, why))
+            return
+        self.standby.start(path, lambda done, error: self.send(("staged", done, error)))
 
     def load_adapter(self, path: str, version: int | None) -> int | str:
         """Serve a LoRA adapter (over the unchanged base weights) to every request added from now on, as
@@ -349,7 +388,7 @@ def serve_connection(conn: Connection) -> int:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then the process ends
         log.exception("vLLM engine loop died")
         try:
-            conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+            worker.send(("fatal", f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         return 1

@@ -116,7 +116,8 @@ class GRPOTrainer:
                    "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
                    "drain_s": sync.drain_s if sync else 0.0, "load_s": sync.load_s if sync else 0.0,
                    "undrained_calls": sync.undrained if sync else 0, "sync_bytes": sync.bytes if sync else 0,
-                   "weights_write_s": sync.write_s if sync else 0.0,
+                   "weights_write_s": sync.write_s if sync else 0.0, "preload_s": sync.preload_s if sync else 0.0,
+                   "pause_s": sync.sync_s if sync else 0.0,
                    "engine_busy_frac": (self.lab.engine_busy_seconds - busy0) / max(t3 - t0, 1e-9),
                    "sampled_tokens_per_s": batch.stats["tokens"] / max(t3 - t0, 1e-9),
                    "time": time.time()}
@@ -139,8 +140,9 @@ class GRPOTrainer:
 
     def sync_weights(self, *, full: bool = False) -> SyncResult:
         """The trainer's weights into the engine: the policy writes them as a file in shared memory (rank 0,
-        tensor by tensor) while rollouts go on, then the Lab pauses, loads it and resumes. The result has the
-        bytes, the write and pause times and the path used (also in each step's metrics). With LoRA
+        tensor by tensor) while rollouts go on, the engine loads it into its standby copy (where it keeps one)
+        while serving, then the Lab pauses, loads (swaps) it and resumes. The result has the bytes, the write,
+        preload and pause times and the path used (also in each step's metrics). With LoRA
         (`lora_sync="adapter"`) only the adapter moves, served over the engine's base weights; `full=True`
         sends the merged model instead (how a trainer puts the base weights back into an engine that served
         others)."""

