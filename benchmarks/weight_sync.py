@@ -118,6 +118,12 @@ def beside_streams(lab: Lab, write, streams: int = 16, window_s: float = 3.0) ->
             "sync_s": sync.sync_s, "swapped": sync.swapped}
 
 
+def engine_rss_mib(lab: Lab) -> float:
+    """The engine process's resident memory."""
+    with open(f"/proc/{lab.engine.pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
 def nudge(policy, lab_tokenizer) -> None:
     """One small update, so the synced weights differ from the engine's (a stale engine shows in the gap)."""
     ids = torch.tensor(lab_tokenizer("The quick brown fox jumps over the lazy dog. " * 8)["input_ids"][:64])
@@ -159,6 +165,8 @@ def main() -> None:
             print("one_rank" + suffix, json.dumps(results["one_rank" + suffix]), flush=True)
             results["beside_streams" + suffix] = beside_streams(lab, single.write_weights)
             print("beside_streams" + suffix, json.dumps(results["beside_streams" + suffix]), flush=True)
+            results["engine_rss_mib" + suffix] = engine_rss_mib(lab)  # after every sync: the standby's memory shows
+            print("engine_rss_mib" + suffix, results["engine_rss_mib" + suffix], flush=True)
             del single
     with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16, **engine) as lab:
         policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, peft_config=LORA))
