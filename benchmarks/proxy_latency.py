@@ -317,6 +317,8 @@ def main() -> None:
     parser.add_argument("--no-vllm-serve", action="store_true", help="skip the `vllm serve` peer")
     parser.add_argument("--plain", action="store_true", help="ask for no logprobs and no token ids (RL_FIELDS)")
     parser.add_argument("--cpu-bind", default="nobind", help="the Lab's engine layout (EngineConfig.cpu_bind)")
+    parser.add_argument("--cpu-small-batch", type=int, default=2,
+                        help="the engine's one-thread decode steps (EngineConfig.cpu_small_batch; 0: every thread)")
     parser.add_argument("--out", default="benchmarks/results/proxy_latency.json")
     args = parser.parse_args()
     if args.plain:
@@ -325,7 +327,7 @@ def main() -> None:
     t0 = time.perf_counter()
     binary = None if args.no_litellm else _litellm_binary(args.litellm)
     with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-{int(time.time())}",
-             cpu_bind=args.cpu_bind) as lab:
+             cpu_bind=args.cpu_bind, cpu_small_batch=args.cpu_small_batch) as lab:
         startup = {"engine_startup_s": lab.engine.startup_seconds, "lab_startup_s": time.perf_counter() - t0}
         peer = LiteLLM(binary, lab.session(harness="litellm").openai_base_url, "unused", _free_port()) \
             if binary else None
@@ -342,7 +344,8 @@ def main() -> None:
                           "python": platform.python_version()},
               "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
               "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve,
-              "request_fields": sorted(RL_FIELDS), "cpu_bind": args.cpu_bind}
+              "request_fields": sorted(RL_FIELDS), "cpu_bind": args.cpu_bind,
+              "cpu_small_batch": args.cpu_small_batch}
     print(f"engine start-up {startup['engine_startup_s']:.1f} s, Lab start-up {startup['lab_startup_s']:.1f} s")
     if binary is None:
         print("LiteLLM skipped (--no-litellm)" if args.no_litellm else

@@ -18,7 +18,8 @@ default) and "auto" (bound to all cores but the last, as `vllm serve` lays out i
 the CPUs the engine's main thread was allowed (`engine_cpus`). `vllm serve` is measured once per concurrency, after
 the last layout's rows (beside that Lab, idle), and its figures are put beside each layout's row of that concurrency.
 
-    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 32 64] [--cpu-bind nobind auto] [--no-tcmalloc]
+    python benchmarks/stream_latency.py [--concurrency 1 16] [--requests 64 128] [--rounds 8] [--cpu-bind nobind auto]
+        [--cpu-small-batch 2 0] [--no-tcmalloc] [--no-vllm-serve]
 """
 
 from __future__ import annotations
@@ -90,16 +91,28 @@ def _client_cpu(result: dict) -> float:
     return 1000 * result["client_cpu_s"] / max(sum(result["deltas"]), 1)
 
 
-def measure(lab: Lab, concurrency: int, total: int) -> dict[str, float]:
+def measure(lab: Lab, concurrency: int, total: int, rounds: int = 4) -> dict[str, float]:
+    """The engine's own streams and the proxy's, `total` of each, in `rounds` alternating rounds: this machine's speed
+    drifts within minutes (the engine's own gap moved 3.0-5.7 ms between runs on 2026-12-03), and a ratio of two
+    phases measured one after the other carried that drift. A round holds at least `concurrency` streams (fewer rounds
+    when `total` is short), or it would measure a lower concurrency than its row says."""
+    rounds = max(1, min(rounds, total // concurrency))
     lab.submit(_engine(lab, concurrency, 2 * concurrency)).result()  # warm-up
-    engine = lab.submit(_engine(lab, concurrency, total)).result()
     forced = {"banned_strings": BANNED}
     keys = [lab.session(harness="bench", sampling=forced).key for _ in range(total)]
     _client(lab.url + "/v1/chat/completions", concurrency, concurrency,
             keys=[lab.session(harness="warmup", sampling=forced).key for _ in range(concurrency)])
-    proxy = _client(lab.url + "/v1/chat/completions", concurrency, total, keys=keys)
-    row = {"concurrency": concurrency, "requests": total, **_ms("engine", engine), **_ms("proxy", proxy),
-           "proxy_client_cpu_ms_per_token": _client_cpu(proxy)}
+    engine: dict[str, list] = {"ttft_s": [], "gaps_s": []}
+    proxy: dict[str, list] = {"ttft_s": [], "gaps_s": [], "deltas": [], "client_cpu_s": []}
+    for part in np.array_split(np.arange(total), rounds):
+        for into, result in ((engine, lab.submit(_engine(lab, concurrency, len(part))).result()),
+                             (proxy, _client(lab.url + "/v1/chat/completions", concurrency, len(part),
+                                             keys=[keys[i] for i in part]))):
+            for name in into:
+                into[name] += result[name] if isinstance(result[name], list) else [result[name]]
+    proxy["client_cpu_s"] = sum(proxy["client_cpu_s"])
+    row = {"concurrency": concurrency, "requests": total, "rounds": rounds, **_ms("engine", engine),
+           **_ms("proxy", proxy), "proxy_client_cpu_ms_per_token": _client_cpu(proxy)}
     row["proxy_ttft_added_p50_ms"] = row["proxy_ttft_p50_ms"] - row["engine_ttft_p50_ms"]
     row["proxy_gap_over_engine_p50"] = row["proxy_gap_p50_ms"] / row["engine_gap_p50_ms"]
     return row
@@ -131,22 +144,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--requests", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--requests", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--no-vllm-serve", action="store_true")
     parser.add_argument("--no-tcmalloc", action="store_true",
                         help="engines on glibc's allocator (EngineConfig.tcmalloc)")
     parser.add_argument("--cpu-bind", nargs="+", default=["nobind", "auto"],
                         help="the engine layouts to measure, one Lab each (EngineConfig.cpu_bind)")
+    parser.add_argument("--cpu-small-batch", type=int, nargs="+", default=[2],
+                        help="the engine's one-thread decode steps, one Lab each (EngineConfig.cpu_small_batch; 0: "
+                             "every step on every thread, as before 2026-12-03)")
+    parser.add_argument("--rounds", type=int, default=8, help="alternating engine / proxy rounds per row")
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
     rows: list[dict] = []
-    for i, layout in enumerate(args.cpu_bind):  # one Lab per engine layout; vllm serve after the last one's rows
+    layouts = [(bind, small) for bind in args.cpu_bind for small in args.cpu_small_batch]
+    for i, (layout, small) in enumerate(layouts):  # one Lab per engine layout; vllm serve after the last one's rows
         with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
-                 tcmalloc=not args.no_tcmalloc, cpu_bind=layout) as lab:
+                 tcmalloc=not args.no_tcmalloc, cpu_bind=layout, cpu_small_batch=small) as lab:
             cpus = engine_cpus(lab.engine.pid)
-            rows += [{"cpu_bind": layout, "engine_cpus": cpus, **measure(lab, c, n)}
+            rows += [{"cpu_bind": layout, "cpu_small_batch": small, "engine_cpus": cpus, **measure(lab, c, n, args.rounds)}
                      for c, n in zip(args.concurrency, args.requests)]
-            if not args.no_vllm_serve and i == len(args.cpu_bind) - 1:
+            if not args.no_vllm_serve and i == len(layouts) - 1:
                 against_vllm_serve(lab, rows, measure_vllm_serve(), check=None)  # streams ask for text only
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))

@@ -213,6 +213,13 @@ MUTANTS = [
     Mutant("'auto' binds every core, keeping none for the proxy", "polar_lab/engine/process_env.py",
            [("        cores = allowed[:-1]\n", "        cores = allowed\n")],
            ["tests/engine/test_process_env.py::test_the_cpu_engine_threads_are_bound_as_vllm_binds_them"]),
+    # issue 17 (streaming gap): small decode steps on one OpenMP thread, EngineConfig.cpu_small_batch
+    Mutant("threads: the step loop never sets its thread count", "polar_lab/engine/worker.py",
+           [("                self.threads.before_step(len(self.live), self.prefill)\n", "                pass\n")],
+           ["tests/engine/test_vllm_engine.py::test_a_small_decode_step_runs_on_one_thread_and_a_large_batch_on_every_thread"]),
+    Mutant("threads: a large batch stays on one thread", "polar_lab/engine/step_threads.py",
+           [("        if prefill or self.small_batch == 0 or running > self.small_batch:\n", "        if prefill:\n")],
+           ["tests/engine/test_step_threads.py::test_each_step_gets_the_threads_its_batch_needs"]),
     # issue 20 (weight sync): the engine's standby copy, engine/standby.py
     Mutant("standby: the swap leaves the packed kernels behind", "polar_lab/engine/standby.py",
            [("            serving.cpu_linear, spare.cpu_linear = spare.cpu_linear, serving.cpu_linear\n",

@@ -115,8 +115,11 @@ def swap(worker) -> int:
 class StandbyLoader:
     """One load into the standby at a time, in a thread; the worker's loop asks whether it is done."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, threads: int | None = None):
+        """threads: the OpenMP threads a load runs on (None: as the thread starts; a new thread takes the count the
+        step loop last set, which is one during a small decode step: engine/step_threads.py)."""
         self.llm = llm
+        self.threads = threads
         self.path: str | None = None  # the file being (or last) loaded into the standby
         self.error: str | None = None  # why that load cannot be swapped in (None: it can, once done)
         self.seconds = 0.0
@@ -129,6 +132,10 @@ class StandbyLoader:
 
         def run() -> None:
             t0 = time.perf_counter()
+            if self.threads is not None:
+                import torch
+
+                torch._C.set_num_threads(self.threads)  # vLLM makes torch.set_num_threads a no-op on CPU
             try:
                 missing = self.llm.collective_rpc(load, args=(path,))[0]
                 if missing:

@@ -73,6 +73,8 @@ class Worker:
         self.adapters_loaded = 0
         self.adapter_dirs: dict[int, str] = {}  # adapter id → the engine's own copy of its folder (in TMPDIR)
         self.standby = None  # a StandbyLoader (engine/standby.py) when the engine keeps a standby copy
+        self.threads = None  # a CPU engine's StepThreads (engine/step_threads.py): how many OpenMP threads a step gets
+        self.prefill = False  # a request was added since the last step: that step prefills it
         self._send_lock = threading.Lock()  # the standby's thread sends too
 
     def build(self) -> dict[str, Any]:
@@ -92,6 +94,10 @@ class Worker:
             **_executor_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
+        if not torch.cuda.is_available():
+            from polar_lab.engine.step_threads import StepThreads
+
+            self.threads = StepThreads.for_process(c.cpu_small_batch)
         standby_s = self.build_standby(torch.cuda.is_available())
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
@@ -104,7 +110,7 @@ class Worker:
         from polar_lab.engine import standby
 
         seconds = self.llm.collective_rpc(standby.build)[0]
-        self.standby = standby.StandbyLoader(self.llm)
+        self.standby = standby.StandbyLoader(self.llm, threads=self.threads.every if self.threads else None)
         return seconds
 
     def send(self, msg: tuple) -> None:
@@ -120,6 +126,9 @@ class Worker:
                 if self.handle(self.conn.recv()) == "stop":
                     return
                 busy = engine.has_unfinished_requests()
+            if self.threads is not None:
+                self.threads.before_step(len(self.live), self.prefill)
+            self.prefill = False
             t0 = time.perf_counter()
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
@@ -181,6 +190,7 @@ class Worker:
         if self.adapter is not None:
             self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
+        self.prefill = True
         if stream:
             self.streams[rid] = _Pieces()
 
@@ -197,6 +207,8 @@ class Worker:
             else:
                 if self.standby is not None:
                     self.standby.wait()  # never two loads at once
+                if self.threads is not None:
+                    self.threads.use_every()  # copies and oneDNN's re-packing gain from every core
                 # each of vLLM's workers (one per tensor-parallel GPU) maps the file itself
                 self.llm.collective_rpc(reload_from_file, args=(path,))
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving

@@ -158,6 +158,37 @@ def test_an_engine_bound_as_vllm_binds_it_runs_every_thread_on_all_cores_but_the
     assert bound == {tuple(allowed[:-1])}
 
 
+def test_a_small_decode_step_runs_on_one_thread_and_a_large_batch_on_every_thread(lab, prompt_ids):
+    """EngineConfig.cpu_small_batch (default 2), checked from outside: the live engine process's CPU time (from /proc)
+    over the wall time of one long generation stays near one core — the other is left to the proxy and its clients —
+    while 16 requests at once (above the small batch; the control that the measure sees a second thread) take more
+    than one core. Before it, every step spun a second OpenMP thread: ~2 cores at any batch (docs/benchmarks.md)."""
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2 or torch.cuda.is_available():
+        pytest.skip("needs a CPU engine with more than one core")
+    if lab.engine.config.cpu_small_batch < 1 or lab.engine.config.cpu_bind != "nobind":
+        pytest.skip("the session's engine is not in the default layout")
+    spec = SamplingSpec(max_tokens=384, ignore_eos=True, seed=0)
+    lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=4, seed=0)).result(timeout=120)  # warm
+
+    def cores_used(n: int) -> float:
+        cpu0, t0 = _cpu_seconds(lab.engine.pid), time.perf_counter()
+        futures = [lab.engine.submit(prompt_ids, spec) for _ in range(n)]
+        assert all(len(f.result(timeout=300).output_ids) == 384 for f in futures)
+        return (_cpu_seconds(lab.engine.pid) - cpu0) / (time.perf_counter() - t0)
+
+    alone, batch = cores_used(1), cores_used(16)
+    assert alone < 1.3, f"one request's decode took {alone:.2f} cores"
+    assert batch > 1.4, f"16 requests took {batch:.2f} cores: the control does not see a second thread"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
     """The distinct CPU sets the threads of a process may run on."""
     return {tuple(_allowed_cpus(f"/proc/{pid}/task/{tid}/status")) for tid in os.listdir(f"/proc/{pid}/task")}
