@@ -379,7 +379,21 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
 
 
 def main(fd: int) -> int:
+    sys.meta_path.insert(0, _WithoutRay())
     return serve_connection(Connection(fd))
+
+
+class _WithoutRay:
+    """An import hook that makes Ray look absent in a local engine process. vLLM imports Ray whenever it is installed
+    (vllm/v1/executor/ray_utils.py, to offer its Ray executor), and Ray's import pulls in jsonschema's format checkers,
+    one of which compiles a grammar: ~1.1 s of every engine start (import of vLLM 10.0-10.2 s without, 11.1-11.3 s
+    with; 2026-12-03). Such a process never uses Ray: vLLM picks Ray only inside an initialised Ray cluster, and a Ray
+    replica's engine is served from its actor (`serve_connection`, engine/ray_replicas.py), not through `main`."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name}: Ray is not used in a local engine process (engine/worker.py)")
+        return None
 
 
 def serve_connection(conn: Connection) -> int:

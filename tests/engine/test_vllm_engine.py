@@ -182,6 +182,17 @@ def test_a_small_decode_step_runs_on_one_thread_and_a_large_batch_on_every_threa
     assert batch > 1.4, f"16 requests took {batch:.2f} cores: the control does not see a second thread"
 
 
+def test_a_local_engine_process_starts_without_ray(lab):
+    """vLLM imports Ray whenever it is installed, ~1.1 s of every engine start; a local engine never uses it. Checked
+    from outside: Ray's native module is not mapped into the live engine process (where Ray is installed at all)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed here: nothing to leave out")
+    with open(f"/proc/{lab.engine.pid}/maps") as maps:
+        assert "_raylet" not in maps.read()
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
     with open(f"/proc/{pid}/stat") as fh:
