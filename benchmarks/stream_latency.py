@@ -153,16 +153,23 @@ def main() -> None:
     parser.add_argument("--cpu-small-batch", type=int, nargs="+", default=[2],
                         help="the engine's one-thread decode steps, one Lab each (EngineConfig.cpu_small_batch; 0: "
                              "every step on every thread, as before 2026-12-03)")
+    parser.add_argument("--cpu-small-prefill", type=int, nargs="+", default=[128],
+                        help="the most prompt tokens a one-thread step prefills, one Lab each "
+                             "(EngineConfig.cpu_small_prefill; 0: every prefill on every thread, as before 2026-12-03 "
+                             "afternoon)")
     parser.add_argument("--rounds", type=int, default=8, help="alternating engine / proxy rounds per row")
     parser.add_argument("--out", default="benchmarks/results/stream_latency.json")
     args = parser.parse_args()
     rows: list[dict] = []
-    layouts = [(bind, small) for bind in args.cpu_bind for small in args.cpu_small_batch]
-    for i, (layout, small) in enumerate(layouts):  # one Lab per engine layout; vllm serve after the last one's rows
+    layouts = [(bind, small, prefill) for bind in args.cpu_bind for small in args.cpu_small_batch
+               for prefill in args.cpu_small_prefill]
+    for i, (layout, small, prefill) in enumerate(layouts):  # one Lab per engine layout; vllm serve after the last
         with Lab(args.model, port=0, runs_dir="data/runs", run_name=f"bench-stream-{int(time.time())}",
-                 tcmalloc=not args.no_tcmalloc, cpu_bind=layout, cpu_small_batch=small) as lab:
+                 tcmalloc=not args.no_tcmalloc, cpu_bind=layout, cpu_small_batch=small,
+                 cpu_small_prefill=prefill) as lab:
             cpus = engine_cpus(lab.engine.pid)
-            rows += [{"cpu_bind": layout, "cpu_small_batch": small, "engine_cpus": cpus, **measure(lab, c, n, args.rounds)}
+            rows += [{"cpu_bind": layout, "cpu_small_batch": small, "cpu_small_prefill": prefill, "engine_cpus": cpus,
+                      **measure(lab, c, n, args.rounds)}
                      for c, n in zip(args.concurrency, args.requests)]
             if not args.no_vllm_serve and i == len(layouts) - 1:
                 against_vllm_serve(lab, rows, measure_vllm_serve(), check=None)  # streams ask for text only

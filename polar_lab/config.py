@@ -79,10 +79,13 @@ class EngineConfig:
                               "(vLLM's CPU guide; faster weight loads, docs/benchmarks.md)")
     cpu_bind: str = _f("nobind", "CPU engine: cores for its OpenMP threads — 'nobind', 'auto' (all but the last, as "
                                  "`vllm serve` does) or a list like '0-2,4' (engine/process_env.py)")
-    cpu_small_batch: int = _f(2, "CPU engine: decode steps of at most this many requests run on one OpenMP thread, "
+    cpu_small_batch: int = _f(2, "CPU engine: steps of at most this many requests run on one OpenMP thread, "
                                  "leaving the other cores to the proxy and harnesses (a small step gains nothing from "
-                                 "more; engine/step_threads.py); larger steps, prefills and weight loads use every "
-                                 "thread; 0 = every step on every thread")
+                                 "more; engine/step_threads.py); larger steps, long prefills and weight loads use "
+                                 "every thread; 0 = every step on every thread")
+    cpu_small_prefill: int = _f(128, "CPU engine: a small step may prefill at most this many prompt tokens and stay on "
+                                     "one thread (a longer prefill gains from every thread); 0 = every prefill on "
+                                     "every thread")
     # faults
     max_restarts: int = _f(3, "times the Lab restarts a dead engine process by itself, over its life; 0 = never "
                               "(calls then get 503 until lab.restart_engine())")
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cpu_small_batch < 0:
             raise ConfigError(f"cpu_small_batch must be >= 0, got {self.cpu_small_batch}")
+        if self.cpu_small_prefill < 0:
+            raise ConfigError(f"cpu_small_prefill must be >= 0, got {self.cpu_small_prefill}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
         if self.cluster not in ("local", "ray"):

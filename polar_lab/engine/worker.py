@@ -74,7 +74,7 @@ class Worker:
         self.adapter_dirs: dict[int, str] = {}  # adapter id → the engine's own copy of its folder (in TMPDIR)
         self.standby = None  # a StandbyLoader (engine/standby.py) when the engine keeps a standby copy
         self.threads = None  # a CPU engine's StepThreads (engine/step_threads.py): how many OpenMP threads a step gets
-        self.prefill = False  # a request was added since the last step: that step prefills it
+        self.prefill_tokens = 0  # prompt tokens added since the last step: that step prefills them
         self._send_lock = threading.Lock()  # the standby's thread sends too
 
     def build(self) -> dict[str, Any]:
@@ -97,7 +97,7 @@ class Worker:
         if not torch.cuda.is_available():
             from polar_lab.engine.step_threads import StepThreads
 
-            self.threads = StepThreads.for_process(c.cpu_small_batch)
+            self.threads = StepThreads.for_process(c.cpu_small_batch, c.cpu_small_prefill)
         standby_s = self.build_standby(torch.cuda.is_available())
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
@@ -127,8 +127,8 @@ class Worker:
                     return
                 busy = engine.has_unfinished_requests()
             if self.threads is not None:
-                self.threads.before_step(len(self.live), self.prefill)
-            self.prefill = False
+                self.threads.before_step(len(self.live), self.prefill_tokens)
+            self.prefill_tokens = 0
             t0 = time.perf_counter()
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
@@ -190,7 +190,7 @@ class Worker:
         if self.adapter is not None:
             self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
-        self.prefill = True
+        self.prefill_tokens += len(prompt_ids)
         if stream:
             self.streams[rid] = _Pieces()
 
