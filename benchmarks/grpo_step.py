@@ -5,9 +5,14 @@ One process, one real vLLM engine, the calculator harness, the shipped tiny mode
   2. sync mode: rollout → update → sync, `--steps` steps after one warm-up step;
   3. async mode: the same number of steps with rollouts running while the trainer steps
      (max_staleness 1), starting again from the shipped weights.
-Engine busy fraction = time inside vLLM steps / wall time of the step. Results → benchmarks/results/.
+Steps 2 and 3 run once per trainer layout (`--layouts`, STRATEGY:RANKS; ddp:1 trains in this process, the
+others in rank processes over gloo) — issue 20's "GRPO s/step ddp vs fsdp" as whole steps, rollouts and
+sync included. Engine busy fraction = time inside vLLM steps / wall time of the step. Results →
+benchmarks/results/.
 
     python benchmarks/grpo_step.py [--model data/models/tiny-calc] [--steps 8] [--tasks-per-step 16]
+    python benchmarks/grpo_step.py --model data/models/smollm2-135m-instruct --tasks-per-step 2 --steps 3 \
+        --layouts ddp:1 ddp:2 fsdp:2 --sync-repeats 3
 """
 
 from __future__ import annotations
@@ -30,10 +35,19 @@ def sync_time(lab: Lab, trainer: GRPOTrainer, repeats: int) -> dict:
     return {k: statistics.median(getattr(r, k) for r in runs) for k in ("sync_s", "drain_s", "load_s")}
 
 
-def run_mode(lab: Lab, shipped: dict, args, async_mode: bool) -> dict:
+def layout(text: str) -> tuple[str, int]:
+    strategy, _, ranks = text.partition(":")
+    if not ranks.isdigit() or int(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"a layout is STRATEGY:RANKS, e.g. fsdp:2 (got {text!r})")
+    return strategy, int(ranks)
+
+
+def run_mode(lab: Lab, shipped: dict, args, async_mode: bool, strategy: str = "ddp", ranks: int = 1) -> dict:
     lab.sync_weights(shipped)
-    config = GRPOConfig(tasks_per_step=args.tasks_per_step, learning_rate=1e-3, async_mode=async_mode,
-                        max_staleness=1, seed=args.seed, output_dir=str(lab.run_dir / ("async" if async_mode else "sync")))
+    name = f"{strategy}{ranks}-{'async' if async_mode else 'sync'}"
+    config = GRPOConfig(tasks_per_step=args.tasks_per_step, learning_rate=args.learning_rate, async_mode=async_mode,
+                        max_staleness=1, seed=args.seed, strategy=strategy, world_size=ranks,
+                        output_dir=str(lab.run_dir / name))
     with GRPOTrainer(lab, config) as trainer:
         trainer.step()  # warm-up: first micro-batch shapes, and the async producer filling its queue
         t0 = time.perf_counter()
@@ -53,7 +67,14 @@ def main() -> None:
     parser.add_argument("--tasks-per-step", type=int, default=16)
     parser.add_argument("--sync-repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--layouts", type=layout, nargs="+", default=[("ddp", 1)],
+                        help="trainer layouts STRATEGY:RANKS (GRPOConfig.strategy / world_size), each measured in "
+                             "both modes; default ddp:1, the in-process trainer")
+    parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     args = parser.parse_args()
+    for strategy, ranks in args.layouts:  # a bad layout is refused before the Lab starts
+        GRPOConfig(strategy=strategy, world_size=ranks)
 
     with Lab(args.model, port=0, run_name=time.strftime("bench-grpo-%Y%m%d-%H%M%S")) as lab:
         probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
@@ -62,17 +83,19 @@ def main() -> None:
         sync = sync_time(lab, probe, args.sync_repeats)
         probe.close()
         results = {"model": args.model, "params": params, "tasks_per_step": args.tasks_per_step,
-                   "runs_per_step": args.tasks_per_step * 8, "weight_sync": sync,
-                   "sync": run_mode(lab, shipped, args, async_mode=False),
-                   "async": run_mode(lab, shipped, args, async_mode=True)}
+                   "runs_per_step": args.tasks_per_step * 8, "weight_sync": sync, "rows": {}}
+        for strategy, ranks in args.layouts:
+            for mode in args.modes:
+                results["rows"][f"{strategy}:{ranks} {mode}"] = run_mode(
+                    lab, shipped, args, async_mode=mode == "async", strategy=strategy, ranks=ranks)
         lab.sync_weights(shipped)
 
     print(f"model {args.model} ({params / 1e6:.2f}M params), {results['runs_per_step']} harness runs per step")
     print(f"weight sync (idle proxy, median of {args.sync_repeats}): total {sync['sync_s'] * 1e3:.1f} ms = "
           f"drain {sync['drain_s'] * 1e3:.1f} ms + load into vLLM {sync['load_s'] * 1e3:.1f} ms")
-    print(f"{'mode':<6} " + " ".join(f"{c:>20}" for c in COLUMNS))
-    for mode in ("sync", "async"):
-        print(f"{mode:<6} " + " ".join(f"{results[mode][c]:>20.3f}" for c in COLUMNS))
+    print(f"{'layout mode':<14} " + " ".join(f"{c:>20}" for c in COLUMNS))
+    for row, figures in results["rows"].items():
+        print(f"{row:<14} " + " ".join(f"{figures[c]:>20.3f}" for c in COLUMNS))
     out = Path("benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "grpo_step.json").write_text(json.dumps(results, indent=2))
