@@ -7,7 +7,7 @@ HTTP, a stream's client and the harnesses need. So a stream's tokens came slower
 engine (issue 17). A short prefill is the same (a 16-64-token prompt: within 8% either way on a bare engine), and
 in a Lab the engine's own first token came sooner with it on one thread in 5 of 6 paired runs, so a step that
 prefills a few prompt tokens counts as small too. Larger batches and longer prefills gain from every thread (a
-256-token prompt 5-11% faster, 1,024 tokens 8-28%), and weight loads more
+256-token prompt 5-11% faster, 1,024 tokens 8% (SmolLM2-135M) to 28% (tiny-calc)), and weight loads more
 (oneDNN re-packs every layer), so they keep them all. vLLM reaches the same conclusion for its GPU workers
 (`set_torch_threads_for_runtime`: "no steady-state CPU op benefits from intra-op parallelism"), and `vllm serve` on CPU
 keeps one core free of its model threads for its scheduler and API server (`EngineConfig.cpu_bind="auto"` does that
@@ -16,7 +16,10 @@ statically; this does it only while the batch is small).
 The count is set with `torch._C.set_num_threads`: vLLM's CPU worker replaces `torch.set_num_threads` with a no-op to
 protect its own thread binding, which this process does not use unless `cpu_bind` asks (then the thread count is
 the binding's, and a bound engine with one core never switches). It is set only when it changes. Threads started
-later (the standby's loader) take the count last set; the loader sets its own (engine/standby.py).
+later (the standby's loader) take the count last set; the loader sets its own (engine/standby.py). What a step has
+left to prefill is read from vLLM's scheduler before each step (Worker.prefill_left), so a request that waits for
+memory, is preempted or is prefilled in chunks counts until its prompt is computed; an engine whose scheduler is not
+in its process keeps every thread for every step.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from collections.abc import Callable
 class StepThreads:
     """The thread count of the step loop's thread: one for a small step, every thread otherwise."""
 
-    def __init__(self, small_batch: int, every: int, set_threads: Callable[[int], None], small_prefill: int = 0):
-        """small_batch: the most requests a one-thread step may have (0: never one thread); every: the thread
-        count the process started with; set_threads: OpenMP's setter for the calling thread; small_prefill: the
-        most prompt tokens a one-thread step may prefill (0: a step that prefills uses every thread)."""
+    def __init__(self, small_batch: int, small_prefill: int, every: int, set_threads: Callable[[int], None]):
+        """small_batch: the most requests a one-thread step may have (0: never one thread); small_prefill: the most
+        prompt tokens left to prefill in a one-thread step (0: a step with any prefill uses every thread); every: the
+        thread count the process started with; set_threads: OpenMP's setter for the calling thread."""
         self.small_batch = small_batch
         self.small_prefill = small_prefill
         self.every = every
@@ -42,11 +45,11 @@ class StepThreads:
         """For the engine process's own torch (its thread count as vLLM left it after start-up)."""
         import torch
 
-        return cls(small_batch, torch.get_num_threads(), torch._C.set_num_threads, small_prefill)
+        return cls(small_batch, small_prefill, torch.get_num_threads(), torch._C.set_num_threads)
 
     def wanted(self, running: int, prefill_tokens: int) -> int:
-        """Threads for a step of `running` requests that prefills the prompts added since the last step,
-        `prefill_tokens` in all (their whole length: an upper bound, as prefix-cache hits are not known yet)."""
+        """Threads for a step of `running` requests whose prompts have `prefill_tokens` left to prefill (an upper
+        bound of what the step computes: Worker.prefill_left)."""
         if self.small_batch == 0 or running > self.small_batch or prefill_tokens > self.small_prefill:
             return self.every
         return 1

@@ -74,7 +74,7 @@ class Worker:
         self.adapter_dirs: dict[int, str] = {}  # adapter id → the engine's own copy of its folder (in TMPDIR)
         self.standby = None  # a StandbyLoader (engine/standby.py) when the engine keeps a standby copy
         self.threads = None  # a CPU engine's StepThreads (engine/step_threads.py): how many OpenMP threads a step gets
-        self.prefill_tokens = 0  # prompt tokens added since the last step: that step prefills them
+        self.scheduler = None  # vLLM's scheduler, read for the prompt tokens still to prefill (engine_core.py)
         self._send_lock = threading.Lock()  # the standby's thread sends too
 
     def build(self) -> dict[str, Any]:
@@ -94,7 +94,9 @@ class Worker:
             **_executor_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
-        if not torch.cuda.is_available():
+        # in this process vLLM's engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), scheduler included
+        self.scheduler = getattr(getattr(self.llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+        if not torch.cuda.is_available() and self.scheduler is not None:
             from polar_lab.engine.step_threads import StepThreads
 
             self.threads = StepThreads.for_process(c.cpu_small_batch, c.cpu_small_prefill)
@@ -127,8 +129,7 @@ class Worker:
                     return
                 busy = engine.has_unfinished_requests()
             if self.threads is not None:
-                self.threads.before_step(len(self.live), self.prefill_tokens)
-            self.prefill_tokens = 0
+                self.threads.before_step(len(self.live), self.prefill_left())
             t0 = time.perf_counter()
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
@@ -190,9 +191,13 @@ class Worker:
         if self.adapter is not None:
             self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
-        self.prefill_tokens += len(prompt_ids)
         if stream:
             self.streams[rid] = _Pieces()
+
+    def prefill_left(self) -> int:
+        """Prompt tokens the scheduler's requests have still to prefill: a new request's whole prompt (its prefix-cache
+        hits are known only once it is scheduled), the rest of one prefilled in chunks, all of a preempted one's."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests.values())
 
     def load_weights(self, path: str, version: int | None) -> int | str:
         """Load a safetensors file (engine/weights.py), or a PEFT LoRA adapter folder; it becomes `version`

@@ -10,10 +10,10 @@ from polar_lab.errors import ConfigError
 
 def _threads(small_batch: int, every: int = 4, small_prefill: int = 128) -> tuple[StepThreads, list[int]]:
     calls: list[int] = []
-    return StepThreads(small_batch, every, calls.append, small_prefill), calls
+    return StepThreads(small_batch, small_prefill, every, calls.append), calls
 
 
-# (small_batch, small_prefill, requests running, prompt tokens prefilled in the step) → threads for that step
+# (small_batch, small_prefill, requests running, prompt tokens left to prefill) → threads for that step
 @pytest.mark.parametrize("small_batch, small_prefill, running, prefill_tokens, threads", [
     (2, 128, 1, 0, 1),     # one stream decoding: one thread, the other cores left to the proxy and the client
     (2, 128, 2, 0, 1),     # at the bound: still small
@@ -27,7 +27,7 @@ def _threads(small_batch: int, every: int = 4, small_prefill: int = 128) -> tupl
     (2, 0, 1, 0, 1),       # ... while small decode steps stay on one
     (2, 128, 0, 0, 1),     # nothing running (a step that only finishes aborts): small
     (0, 128, 1, 0, 4),     # small_batch 0 turns it off: every step on every thread
-    (0, 128, 1, 30, 4),
+    (0, 128, 1, 30, 4),    # ... a short prefill too
     (256, 128, 200, 0, 1),  # a bound as large as the batch keeps even large steps on one thread
 ])
 def test_each_step_gets_the_threads_its_batch_needs(small_batch, small_prefill, running, prefill_tokens, threads):

@@ -161,34 +161,40 @@ def test_an_engine_bound_as_vllm_binds_it_runs_every_thread_on_all_cores_but_the
 
 def test_small_steps_run_on_one_thread_and_large_batches_and_long_prefills_on_every_thread(lab, prompt_ids):
     """EngineConfig.cpu_small_batch / cpu_small_prefill (defaults 2 / 128), checked from outside: the live engine
-    process's CPU time (from /proc) over the wall time. Long prompts prefilled one after another (over the prefill
-    bound; each new, so the prefix cache does not skip them) take more than one core; one long generation right
-    after them — a short prompt, then small decode steps — stays near one core, the other left to the proxy and
-    its clients; 16 requests at once (above the small batch) take more than one core again. Before 2026-12-03 every
-    step spun a second OpenMP thread: ~2 cores at any batch (docs/benchmarks.md)."""
+    process's CPU time (from /proc) over the wall time. Short prompts prefilled one at a time (each new, so the
+    prefix cache does not skip them) stay near one core, and so does one long generation (small decode steps), the
+    other core left to the proxy and its clients; long prompts one at a time (over the prefill bound) and 16 requests
+    at once (over the small batch) take more than one core — the controls that the measure sees a second thread.
+    Before 2026-12-03 every step spun a second OpenMP thread: ~2 cores at any batch (docs/benchmarks.md)."""
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2 or torch.cuda.is_available():
         pytest.skip("needs a CPU engine with more than one core")
     config = lab.engine.config
-    if config.cpu_small_batch < 1 or config.cpu_bind != "nobind":
+    long_prompt = min(3072, lab.engine.max_model_len - 1)
+    if config.cpu_small_batch < 1 or config.cpu_bind != "nobind" or not 16 <= config.cpu_small_prefill < long_prompt:
         pytest.skip("the session's engine is not in the default layout")
     spec = SamplingSpec(max_tokens=384, ignore_eos=True, seed=0)
     lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=4, seed=0)).result(timeout=120)  # warm
     rng = random.Random(0)
-    long_prompts = [[rng.randrange(100, 2000) for _ in range(24 * config.cpu_small_prefill)] for _ in range(4)]
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(100, 2000) for _ in range(length)] for _ in range(n)]
 
     def cores_used(prompts: list[list[int]], spec: SamplingSpec, one_by_one: bool = False) -> float:
         cpu0, t0 = _cpu_seconds(lab.engine.pid), time.perf_counter()
-        if one_by_one:  # each alone in the engine: one request, its prefill over the bound
+        if one_by_one:  # each alone in the engine: one request, one prefill
             assert all(len(lab.engine.submit(ids, spec).result(timeout=300).output_ids) == 1 for ids in prompts)
         else:
             futures = [lab.engine.submit(ids, spec) for ids in prompts]
             assert all(len(f.result(timeout=300).output_ids) == spec.max_tokens for f in futures)
         return (_cpu_seconds(lab.engine.pid) - cpu0) / (time.perf_counter() - t0)
 
-    prefills = cores_used(long_prompts, SamplingSpec(max_tokens=1, seed=0), one_by_one=True)
+    first = SamplingSpec(max_tokens=1, seed=0)
+    short = cores_used(prompts(40, 16), first, one_by_one=True)
+    long = cores_used(prompts(4, long_prompt), first, one_by_one=True)
     alone, batch = cores_used([prompt_ids], spec), cores_used([prompt_ids] * 16, spec)
-    assert prefills > 1.4, f"long prefills, one request at a time, took {prefills:.2f} cores: not on every thread"
+    assert short < 1.3, f"short prefills, one request at a time, took {short:.2f} cores"
+    assert long > 1.4, f"long prefills, one request at a time, took {long:.2f} cores: not on every thread"
     assert alone < 1.3, f"one request's decode took {alone:.2f} cores"
     assert batch > 1.4, f"16 requests took {batch:.2f} cores: the control does not see a second thread"
 
