@@ -309,7 +309,8 @@ class ModelCall:
     response: dict[str, Any]  # the (non-streaming equivalent of the) body returned
     render: dict[str, Any]  # how prompt_ids were made: mode, lengths, divergence info
     parse: dict[str, Any]  # tool-call/reasoning parsing outcome
-    timings: dict[str, float]  # unix `received`, `responded`; durations `render_s`, `engine_s`, `total_s`
+    timings: dict[str, float]  # unix `received`, `responded`; durations `render_s`, `engine_s`, `total_s`; a stream's
+    # `first_delta_s`: received → its first sampled text handed to the connection (sent at once to a reader keeping up)
     replica: int = 0  # the engine replica that served it (0 for a single engine)
     moved_from: int | None = None  # the session's replica before this call moved it there (None: it did not move)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -193,7 +194,10 @@ class EventStream(Response):
             pieces = self.feed.take()
             if not pieces and self.task.done():
                 break
-            self._queue(b"".join(writer.delta(i, d) for i, text in pieces.items() for d in self.splitters[i].feed(text)))
+            events = b"".join(writer.delta(i, d) for i, text in pieces.items() for d in self.splitters[i].feed(text))
+            if events and "first_delta_s" not in p.timings:  # the first sampled text the caller gets, now
+                p.timings["first_delta_s"] = time.time() - p.timings["received"]
+            self._queue(events)
         try:
             generations = self.task.result()
         except (EngineError, RequestError) as exc:

@@ -203,7 +203,7 @@ def calls_frame(calls: list[ModelCall]) -> pd.DataFrame:
             "finish_reason": c.finish_reason, "policy_version": c.policy_version, "replica": c.replica,
             "tool_calls": c.parse.get("num_tool_calls", 0), "tool_parse_errors": len(c.parse.get("errors", [])),
             "render_mode": c.render.get("mode"), "total_s": t.get("total_s"), "engine_s": t.get("engine_s"),
-            "proxy_s": t.get("proxy_s"), "received": t.get("received"),
+            "proxy_s": t.get("proxy_s"), "first_delta_s": t.get("first_delta_s"), "received": t.get("received"),
             "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "output_logprobs": c.output_logprobs,
         })
     return pd.DataFrame(rows)

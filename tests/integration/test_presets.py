@@ -58,6 +58,29 @@ def test_codex_runs_unmodified_over_the_responses_surface(lab):
     assert any(m.get("role") == "developer" for m in calls[0].request["input"])
 
 
+TOKENS = 384
+
+
+@pytest.mark.parametrize("name, preset", [("claude", claude_code), ("codex", codex)])
+def test_claude_code_and_codex_are_sent_tokens_while_they_are_sampled(lab, name, preset):
+    """Issue 17's acceptance for the CLI agents: every call forced to 384 tokens (ignore_eos), each of their streamed
+    calls had its first sampled text handed to the connection before half the call's time (the record's
+    `first_delta_s`; what the program does with it cannot be seen from outside — the SDK tests in
+    test_streaming.py show a client receives what the proxy hands over, as it is handed over). A proxy that replays
+    a finished generation hands it over after all of it. Longer than the SDK tests' 64 tokens: these agents' prompts
+    are thousands of tokens (Codex's first token ~0.9 s here), and the claim is about the generation after it."""
+    if not _installed(name):
+        pytest.skip("run `make agents` (npm) to install the CLI agents")
+    (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), preset(), num_generations=1, deadline_s=120,
+                       progress=False, sampling={"ignore_eos": True, "max_tokens": TOKENS})
+    calls = session_calls(lab, g.sessions[0])
+    assert calls, g.sessions[0].info
+    for c in calls:
+        assert c.request["stream"] is True and len(c.output_ids) == TOKENS
+        first, total = c.timings["first_delta_s"], c.timings["total_s"]
+        assert first < 0.5 * total, f"{c.call_id}: first text handed over at {first:.3f} s of {total:.3f} s"
+
+
 def test_openai_agents_sdk_runs_unmodified_over_the_responses_surface(lab):
     tasks = load_tasks("data/tasks/calc_test.jsonl", 2)
     groups = lab.rollout(tasks, openai_agents_calculator, num_generations=2, deadline_s=300, progress=False)

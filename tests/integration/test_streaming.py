@@ -96,6 +96,8 @@ def test_each_sdk_receives_tokens_while_they_are_sampled_and_they_are_the_record
     (call,) = session_calls(lab, s)
     assert len(call.output_ids) == N and call.finish_reason == "length"
     assert first is not None and first < 0.5 * total, f"first delta at {first:.3f} s of {total:.3f} s"
+    # the record says when the proxy handed the first text over: after the request left, before the client had it
+    assert 0 < call.timings["first_delta_s"] <= first and call.timings["first_delta_s"] < 0.5 * call.timings["total_s"]
     assert call.parse["has_reasoning"] is False and call.parse["num_tool_calls"] == 0
     assert streamed == lab.tokenizer.decode(call.output_ids, skip_special_tokens=True)
     assert "stream_diverged" not in call.render
