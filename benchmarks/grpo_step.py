@@ -11,8 +11,7 @@ sync included. Engine busy fraction = time inside vLLM steps / wall time of the 
 benchmarks/results/.
 
     python benchmarks/grpo_step.py [--model data/models/tiny-calc] [--steps 8] [--tasks-per-step 16]
-    python benchmarks/grpo_step.py --model data/models/smollm2-135m-instruct --tasks-per-step 2 --steps 3 \
-        --layouts ddp:1 ddp:2 fsdp:2 --sync-repeats 3
+    python benchmarks/grpo_step.py --tasks-per-step 8 --steps 4 --layouts ddp:1 ddp:2 fsdp:2
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
+from polar_lab.grpo.config import STRATEGIES
 
 COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "engine_busy_frac", "sampled_tokens_per_s", "reward_mean",
            "staleness_max"]
@@ -37,8 +37,9 @@ def sync_time(lab: Lab, trainer: GRPOTrainer, repeats: int) -> dict:
 
 def layout(text: str) -> tuple[str, int]:
     strategy, _, ranks = text.partition(":")
-    if not ranks.isdigit() or int(ranks) < 1:
-        raise argparse.ArgumentTypeError(f"a layout is STRATEGY:RANKS, e.g. fsdp:2 (got {text!r})")
+    if strategy not in STRATEGIES or not ranks.isdigit() or int(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"a layout is STRATEGY:RANKS with STRATEGY one of {STRATEGIES}, e.g. fsdp:2 "
+                                         f"(got {text!r})")
     return strategy, int(ranks)
 
 
@@ -73,8 +74,10 @@ def main() -> None:
                              "both modes; default ddp:1, the in-process trainer")
     parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     args = parser.parse_args()
-    for strategy, ranks in args.layouts:  # a bad layout is refused before the Lab starts
-        GRPOConfig(strategy=strategy, world_size=ranks)
+    args.layouts, args.modes = list(dict.fromkeys(args.layouts)), list(dict.fromkeys(args.modes))  # each row once
+    for strategy, ranks in args.layouts:  # a config GRPOConfig refuses is refused before the Lab starts
+        GRPOConfig(strategy=strategy, world_size=ranks, tasks_per_step=args.tasks_per_step,
+                   learning_rate=args.learning_rate, max_steps=args.steps)
 
     with Lab(args.model, port=0, run_name=time.strftime("bench-grpo-%Y%m%d-%H%M%S")) as lab:
         probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
@@ -83,19 +86,19 @@ def main() -> None:
         sync = sync_time(lab, probe, args.sync_repeats)
         probe.close()
         results = {"model": args.model, "params": params, "tasks_per_step": args.tasks_per_step,
-                   "runs_per_step": args.tasks_per_step * 8, "weight_sync": sync, "rows": {}}
-        for strategy, ranks in args.layouts:
-            for mode in args.modes:
-                results["rows"][f"{strategy}:{ranks} {mode}"] = run_mode(
-                    lab, shipped, args, async_mode=mode == "async", strategy=strategy, ranks=ranks)
+                   "runs_per_step": args.tasks_per_step * 8, "weight_sync": sync, "rows": [
+                       {"strategy": strategy, "ranks": ranks, "mode": mode,
+                        **run_mode(lab, shipped, args, async_mode=mode == "async", strategy=strategy, ranks=ranks)}
+                       for strategy, ranks in args.layouts for mode in args.modes]}
         lab.sync_weights(shipped)
 
     print(f"model {args.model} ({params / 1e6:.2f}M params), {results['runs_per_step']} harness runs per step")
     print(f"weight sync (idle proxy, median of {args.sync_repeats}): total {sync['sync_s'] * 1e3:.1f} ms = "
           f"drain {sync['drain_s'] * 1e3:.1f} ms + load into vLLM {sync['load_s'] * 1e3:.1f} ms")
     print(f"{'layout mode':<14} " + " ".join(f"{c:>20}" for c in COLUMNS))
-    for row, figures in results["rows"].items():
-        print(f"{row:<14} " + " ".join(f"{figures[c]:>20.3f}" for c in COLUMNS))
+    for row in results["rows"]:
+        name = f"{row['strategy']}:{row['ranks']} {row['mode']}"
+        print(f"{name:<14} " + " ".join(f"{row[c]:>20.3f}" for c in COLUMNS))
     out = Path("benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "grpo_step.json").write_text(json.dumps(results, indent=2))
