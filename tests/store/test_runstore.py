@@ -201,14 +201,16 @@ def test_the_calls_frame_has_one_row_of_scalar_facts_and_token_lists_per_call():
     call.choice_index, call.api, call.model, call.finish_reason, call.policy_version = 1, "x.api", "mm", "length", 4
     call.parse = {"num_tool_calls": 2, "errors": ["e"]}
     call.render = {"mode": "continued"}
-    call.timings = {"total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "received": 10.0}
+    call.timings = {"total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "first_delta_s": 0.2, "received": 10.0}
     (row,) = calls_frame([call]).to_dict("records")
     assert row == {"call_id": "a-2", "session_id": "a", "call_index": 2, "choice_index": 1, "api": "x.api",
                    "model": "mm", "prompt_tokens": 2, "completion_tokens": 3, "finish_reason": "length",
                    "policy_version": 4, "replica": 0, "tool_calls": 2, "tool_parse_errors": 1, "render_mode": "continued",
-                   "total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "received": 10.0, "prompt_ids": [1, 2],
+                   "total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "first_delta_s": 0.2, "received": 10.0,
+                   "prompt_ids": [1, 2],
                    "output_ids": [0, 1, 2], "output_logprobs": [-1.0, -1.0, -1.0]}
     bare = _call(0)
     bare.parse, bare.render, bare.timings = {}, {}, {}
     (row,) = calls_frame([bare]).to_dict("records")
-    assert (row["tool_calls"], row["tool_parse_errors"], row["render_mode"], row["total_s"]) == (0, 0, None, None)
+    assert (row["tool_calls"], row["tool_parse_errors"], row["render_mode"], row["total_s"], row["first_delta_s"]) == \
+        (0, 0, None, None, None)  # a call that was not streamed has no first delta
