@@ -5,7 +5,7 @@ takes as long on one thread as on two — it is the model's Python and small mat
 thread spins through it at full speed (the engine process's CPU time is 2× its wall time), on the core the proxy's
 HTTP, a stream's client and the harnesses need. So a stream's tokens came slower through the proxy than out of the
 engine (issue 17). A short prefill is the same (a 16-64-token prompt: within 8% either way on a bare engine), and
-in a Lab the engine's own first token came sooner with it on one thread in 5 of 6 paired runs, so a step that
+in a Lab the engine's own first token came sooner with it on one thread in 6 of 7 paired runs, so a step that
 prefills a few prompt tokens counts as small too. Larger batches and longer prefills gain from every thread (a
 256-token prompt 5-11% faster, 1,024 tokens 8% (SmolLM2-135M) to 28% (tiny-calc)), and weight loads more
 (oneDNN re-packs every layer), so they keep them all. vLLM reaches the same conclusion for its GPU workers
