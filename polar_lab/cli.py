@@ -1,4 +1,5 @@
-"""The `polar-lab` command line: `polar-lab demo` (the README's first command), `polar-lab train CONFIG.yaml`."""
+"""The `polar-lab` command line: `polar-lab demo` (the README's first command), `polar-lab train CONFIG.yaml`,
+`polar-lab forkserver`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--ray-address", default=None,
                        help="run engine replicas and trainer ranks as actors on Ray: 'auto' or HOST:PORT joins a "
                             "running cluster, 'local' starts one on 127.0.0.1 for this run (docs/scale.md)")
+    sub.add_parser("forkserver", help="keep torch and vLLM imported for the engines of every kernel started with the "
+                                      "variable this prints (a restarted kernel's Lab is up in seconds); Ctrl-C ends it")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         lab_config = on_cluster(lab_config, replicas=args.replicas, ray_address=args.ray_address)
         print(format_train_summary(train_from_config(lab_config, grpo_config)))
         return 0
+    if args.command == "forkserver":
+        from polar_lab.engine.forkserver import serve_until_interrupted
+
+        return serve_until_interrupted()
     return 2
 
 

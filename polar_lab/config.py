@@ -58,7 +58,8 @@ class EngineConfig:
                                       "divide the attention heads)")
     gpus: list[int] | None = _f(None, "the engine's GPU indices, tensor_parallel_size of them; None = the first "
                                       "ones (engine/layout.py)")
-    kv_cache_gib: int = _f(1, "CPU KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: float = _f(1.0, "CPU KV cache size in GiB, fractions allowed (0.25 holds 130k tokens of the tiny "
+                                  "models); VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, wins")
     gpu_memory_utilization: float = _f(0.5, "GPU only: fraction of memory vLLM may take")
     max_num_seqs: int = _f(256, "most sequences vLLM batches in one step")
     # replicas (engine/replicas.py; Ray: engine/ray_replicas.py, docs/scale.md)

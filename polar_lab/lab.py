@@ -43,6 +43,7 @@ import uvicorn
 
 from polar_lab import sandbox
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
+from polar_lab.engine.process_env import socket_dir
 from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, visible_gpus
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
@@ -91,7 +92,9 @@ class Lab:
         model: model folder, default `data/models/tiny-calc`.
         overrides: any field of EngineConfig / ProxyConfig / StoreConfig / HarnessConfig by name (port=0,
             run_name="x", sandbox="process"...).
-        engine: an already-built engine (a ScriptedEngine in unit tests); default builds VLLMEngine.
+        engine: an already-built engine — a ScriptedEngine in unit tests, or one engine several Labs share (each Lab
+            its own proxy, sessions and run folder); default builds VLLMEngine. An engine passed in stays its
+            owner's: the Lab never restarts it and leaves it running when it closes.
         """
         if self._started:
             return
@@ -104,9 +107,14 @@ class Lab:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self, engine) -> None:
+        """Store, engine launched, then — while its process builds vLLM — the tokenizer and the proxy; then the wait
+        for the engine. `startup` keeps each phase's seconds (benchmarks/lab_startup.py prints them)."""
         cfg = self.config
         _warn_if_exposed(cfg.proxy.host)
+        clock = _Phases()
+        self.startup = clock.seconds
         self.supervisor, self._weights_dir, self._first_engine = None, None, None
+        self._owns_engine = engine is None  # one passed in stays its owner's (left running at close)
         self._weights_paths: set[Path] = set()  # weights_path()s not synced yet
         run_name = check_run_name(cfg.store.run_name or new_run_name())
         self.run_dir = Path(cfg.store.runs_dir) / run_name
@@ -114,13 +122,17 @@ class Lab:
         self.store.write_json("config.json", cfg.to_record())
         self.recorded = None  # the Run over this folder, once the tokenizer is loaded
         self.sandbox_level = self._start_sandbox()
+        clock.done("store")
         try:
             engine_given = engine is not None
-            engine = self._start_engine(engine)
-            self._start_server(engine)
+            engine = self._launch_engine(engine, clock)
+            self._start_server(engine)  # no call can reach it before this returns: sessions come later
+            clock.done("proxy")
+            engine.wait_ready()
+            clock.done("engine_wait")
             self.supervisor = EngineSupervisor(
                 engine, gate=_LoopGate(self.service.gate, self.loop), factory=None if engine_given else self._new_engine,
-                max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine)
+                max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine, owns_engine=not engine_given)
             self.service.engine_status = self.supervisor.status
             self.registry.on_close.append(self._forget_route)
         except BaseException:
@@ -130,21 +142,25 @@ class Lab:
             if cfg.proxy.port != 0:
                 self._live[(cfg.proxy.host, cfg.proxy.port)] = self
         atexit.register(self.close)
+        self.startup["total"] = sum(self.startup.values())
 
-    def _start_engine(self, engine):
-        """The engine, ready; a passed-in engine (a fake) is used as it is and never restarted."""
+    def _launch_engine(self, engine, clock: _Phases):
+        """The engine, launched (the caller waits for it); the tokenizer and the Run over the folder are loaded while
+        its process starts. A passed-in engine is used as it is, never restarted, never closed."""
         if engine is None:
             check_engine_layout(self.config.engine)  # before any process starts
             if self.config.engine.keep_weights:  # the served weights' file, for restarts (shared memory)
                 self._weights_dir, self._weights_lock = _weights_dir()
             engine = self._new_engine()
+        self._first_engine = engine  # closed by close() if the Lab fails before its supervisor exists
+        clock.done("engine_launch")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the proxy tokenises from several threads
         from transformers import AutoTokenizer
 
-        self._first_engine = engine  # closed by close() if the Lab fails before its supervisor exists
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
         self.recorded = Run(self.run_dir, store=self.store, tokenizer=self.tokenizer)
-        return engine.wait_ready()
+        clock.done("tokenizer")
+        return engine
 
     def _new_engine(self):
         """A launched engine (the supervisor waits for it and sets its on_exit): one engine process, or a
@@ -219,7 +235,7 @@ class Lab:
         """The proxy's second door: a unix socket that isolated sandboxes (no network of their own) reach it
         by (polar_lab/sandbox/launch.py forwards the session's address to it). Any local user may connect,
         as to the TCP port; a session key is still needed."""
-        self._socket_dir = tempfile.mkdtemp(prefix="polar-lab-proxy-")
+        self._socket_dir = socket_dir("polar-lab-proxy-")
         os.chmod(self._socket_dir, 0o755)
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind(os.path.join(self._socket_dir, "proxy.sock"))
@@ -280,7 +296,7 @@ class Lab:
             self.loop.close()
         if self.supervisor is not None:
             self.supervisor.close()
-        elif self._first_engine is not None:
+        elif self._first_engine is not None and self._owns_engine:
             self._first_engine.close()
         if getattr(self, "_sandbox_before", None) is not None and sandbox.current() == self._sandbox_mine:
             try:  # only what this Lab set: a Lab started after it keeps its own
@@ -593,6 +609,19 @@ class Lab:
             raise LabError("this Lab is closed; create a new one")
 
 
+class _Phases:
+    """Seconds per phase of a Lab's start, in order: `done(name)` closes the phase that began at the previous one."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 4)
+        self._last = now
+
+
 class _LoopGate:
     """The proxy's PauseState (owned by the loop) driven from another thread: the supervisor's `Gate`."""
 
@@ -651,10 +680,10 @@ def _lockable(path: Path) -> bool:
 
 def check_engine_layout(config: EngineConfig) -> list[int]:
     """The engine's GPUs, and its tensor-parallel size against the model's heads (engine/layout.py)."""
-    from transformers import AutoConfig
-
     gpus = engine_gpus(config, visible_gpus())
     if config.tensor_parallel_size > 1:
+        from transformers import AutoConfig  # not before the engine launches: ~2 s of imports
+
         check_heads(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size)
     return gpus
 

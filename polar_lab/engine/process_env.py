@@ -36,7 +36,6 @@ def engine_env(config: EngineConfig, gpus: list[int]) -> dict[str, str]:
     per-process entries its launcher adds (CUDA_VISIBLE_DEVICES, TMPDIR)."""
     env = {**ENV_DEFAULTS, **os.environ}
     env.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     preload_allocator(env, config, on_gpu=bool(gpus))
     bind_threads(env, config, on_gpu=bool(gpus))
     return env
@@ -94,3 +93,17 @@ def bind_threads(env: dict[str, str], config: EngineConfig, on_gpu: bool, allowe
         cores = parse_cores(config.cpu_bind)
     env.update(OMP_NUM_THREADS=str(len(cores)), OMP_PLACES="{" + ",".join(map(str, cores)) + "}",
                OMP_PROC_BIND="true")  # as vLLM's own binding writes them (vllm/utils/ompmultiprocessing.py)
+
+
+# A unix socket's path must fit in sun_path (108 bytes on Linux, with its NUL); "/socket" or "/proxy.sock" follows
+_SOCKET_DIR_MAX = 90
+
+
+def socket_dir(prefix: str) -> str:
+    """A new private directory (mode 0700) to bind a unix socket in: under $TMPDIR as usual, under /tmp when $TMPDIR
+    is so deep that the socket's path would not fit in an AF_UNIX address (pytest's and CI's temporary dirs can be)."""
+    import tempfile
+
+    if len(tempfile.gettempdir()) + len(prefix) + 10 <= _SOCKET_DIR_MAX:
+        return tempfile.mkdtemp(prefix=prefix)
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")

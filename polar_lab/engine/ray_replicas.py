@@ -24,6 +24,7 @@ replica is replaced (`EngineConfig.max_restarts`) and brings it back at the serv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import secrets
@@ -330,7 +331,7 @@ class RayEngine(VLLMEngine):
         self._scratch = None  # the actor makes its own temp folder on its node
 
     def launch(self) -> RayEngine:
-        if self._proc is not None:
+        if self._launcher is not None:
             return self
         self._t_launch = time.perf_counter()
         self._authkey = secrets.token_bytes(32)
@@ -343,6 +344,8 @@ class RayEngine(VLLMEngine):
             self._listener.close()
             raise
         self._proc = self.process = ActorProcess(self.actor, ref)  # `process` outlives close()
+        self._launcher = concurrent.futures.Future()  # launched already: no launch thread (VLLMEngine.launch)
+        self._launcher.set_result(self._proc)
         return self
 
     def _ready_message(self, timeout: float) -> dict:
@@ -407,8 +410,7 @@ class RayReplicas:
         bundle = {"GPU": config.tensor_parallel_size, "CPU": 1} if gpu else {"CPU": config.replica_cpus}
         self.pg = _placed(bundle, n, "engine replicas")
         threads = config.replica_cpus if not gpu else 1
-        env = {**ENV_DEFAULTS, "VLLM_LOGGING_LEVEL": config.vllm_log_level,
-               "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        env = {**ENV_DEFAULTS, "VLLM_LOGGING_LEVEL": config.vllm_log_level,  # the KV cache size: EngineConfig's
                "OMP_NUM_THREADS": str(threads),  # Ray would set it to the bundle's CPUs; say it ourselves
                **(env or {})}
         self.actors = [

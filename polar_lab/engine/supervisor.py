@@ -68,10 +68,12 @@ class Restart:
 
 class EngineSupervisor:
     def __init__(self, engine: Engine, *, gate: Gate, factory: Callable[[], Engine] | None = None,
-                 max_restarts: int = 3, on_swap: Callable[[Engine], None] | None = None):
+                 max_restarts: int = 3, on_swap: Callable[[Engine], None] | None = None, owns_engine: bool = True):
         """engine: the running engine. factory: builds a launched (not yet ready) engine; None = this engine
-        cannot be replaced. on_swap(new): tell the proxy about a new engine."""
+        cannot be replaced. on_swap(new): tell the proxy about a new engine. owns_engine: False for an engine that
+        belongs to someone else (shared by several Labs): `close` leaves it running."""
         self.engine = engine
+        self.owns_engine = owns_engine
         self.gate = gate
         self.factory = factory
         self.max_restarts = max_restarts
@@ -309,9 +311,10 @@ class EngineSupervisor:
             pass
 
     def close(self) -> None:
-        """Close the live engine (after `quiesce`, once nothing may call it any more)."""
+        """Close the live engine if it is ours (after `quiesce`, once nothing may call it any more)."""
         self.quiesce()
-        self.engine.close()
+        if self.owns_engine:
+            self.engine.close()
 
 
 def load_into(engine: Engine, weights: Weights, *, version: int | None = None) -> int:

@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from polar_lab.config import EngineConfig
+from polar_lab.engine import forkserver
 from polar_lab.engine.base import Rejection
 from polar_lab.engine.layout import engine_gpus, visible_gpus
 from polar_lab.engine.process_env import engine_env
@@ -59,12 +59,16 @@ class VLLMEngine:
         self.max_model_len = 0
         self.log_path = Path(log_path) if log_path else None  # the worker's stdout/stderr (vLLM's logs)
         self.startup_seconds = 0.0
+        self.build_seconds = 0.0
+        self.forked = False
+        self.start_info: dict = {}
         self.busy_seconds = 0.0  # wall time the worker spent inside vLLM steps (busy fraction = Δbusy / Δwall)
         self.steps = 0  # vLLM steps so far (tokens per step = batching)
         self.running = 0  # requests the engine process is working on, as it last reported
         self.pid: int | None = None
         self._version = 0
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | forkserver.ForkedProcess | None = None  # once the launch thread has it
+        self._launcher: concurrent.futures.Future | None = None  # the launch thread's result: the process
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
         # request id → (its future, when it was sent, its on_delta or None)
@@ -88,8 +92,10 @@ class VLLMEngine:
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> VLLMEngine:
-        """Start the engine process and return at once (the caller can load its tokenizer meanwhile)."""
-        if self._proc is not None:
+        """Start the engine process and return at once (the caller can load its tokenizer meanwhile). The process is
+        forked from the forkserver, or started fresh where it cannot be (engine/forkserver.py), by a short-lived thread
+        ("polar-lab-engine-launch"): a server still importing answers once its imports are done."""
+        if self._launcher is not None:
             return self
         self._t_launch = time.perf_counter()
         gpus = engine_gpus(self.config, visible_gpus())
@@ -102,19 +108,30 @@ class VLLMEngine:
         # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
         self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
         env["TMPDIR"] = self._scratch
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "polar_lab.engine.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-        finally:
-            theirs.close()
-            if out is not subprocess.DEVNULL:
-                out.close()
-        self.pid = self._proc.pid
+        out = open(self.log_path, "ab") if self.log_path else None
+        self._launcher = concurrent.futures.Future()
+
+        def start() -> None:
+            try:
+                self._launcher.set_result(forkserver.launch(env, theirs.fileno(), out.fileno() if out else None,
+                                                            gpus=bool(gpus)))
+            except BaseException as exc:  # noqa: BLE001 - raised by whoever waits for the process
+                self._launcher.set_exception(exc)
+            finally:
+                theirs.close()
+                if out is not None:
+                    out.close()
+
+        threading.Thread(target=start, name="polar-lab-engine-launch", daemon=True).start()
         self._conn = Connection(ours.detach())
-        self._conn.send(("start", self.config))
+        self._conn.send(("start", self.config))  # waits in the socket until the process reads it
         return self
+
+    def _launched(self) -> None:
+        """Wait for the launch thread: `_proc` and `pid` are the engine process's from then on (or it raised)."""
+        if self._proc is None:
+            self._proc = self._launcher.result()
+            self.pid = self._proc.pid
 
     def wait_ready(self, timeout: float = 900.0) -> VLLMEngine:
         """Wait for the launched process to report ready; a start-up failure raises with its log's end."""
@@ -123,6 +140,9 @@ class VLLMEngine:
         info = self._ready_message(timeout)
         self.max_model_len = info["max_model_len"]
         self.standby = bool(info.get("standby"))
+        self.forked = bool(info.get("forked"))  # forked from the forkserver, not started fresh (engine/forkserver.py)
+        self.build_seconds = info.get("startup_seconds", 0.0)  # of startup_seconds, those spent building the engine
+        self.start_info = info  # the worker's own figures: llm_s, standby_s, imported_at_s (benchmarks/lab_startup.py)
         self.startup_seconds = time.perf_counter() - self._t_launch
         self._reader = threading.Thread(target=self._read, name="polar-lab-engine", daemon=True)
         self._reader.start()
@@ -130,6 +150,11 @@ class VLLMEngine:
 
     def _ready_message(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
+        try:
+            self._launched()
+        except BaseException:
+            self.close()
+            raise
         while time.monotonic() < deadline:
             if self._conn.poll(0.1):
                 try:
@@ -153,12 +178,17 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop the worker: ask, wait, then kill our own pid if it does not go. Safe to call twice."""
-        proc, self._proc = self._proc, None
-        if proc is None:
+        launcher, self._launcher = self._launcher, None
+        if launcher is None:
             return
+        try:
+            proc = self._proc or launcher.result()
+        except BaseException:  # noqa: BLE001 - no process was started: only the socket and the folder are left
+            proc = None
+        self._proc = None
         self._closing = True
         self._failure = self._failure or "engine closed"
-        if self._reader is None:  # not ready yet: it reads no commands while vLLM builds; end it now
+        if self._reader is None and proc is not None:  # not ready yet: it reads no commands while vLLM builds
             proc.kill()
         if self._conn is not None:
             try:
@@ -166,7 +196,8 @@ class VLLMEngine:
             except OSError:
                 pass
         try:
-            proc.wait(timeout=60)
+            if proc is not None:
+                proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             log.warning("engine process %d did not stop within 60 s; killing it", proc.pid)
             proc.kill()
@@ -191,7 +222,7 @@ class VLLMEngine:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._failure is None
+        return self._launcher is not None and self._failure is None
 
     @property
     def failure(self) -> str | None:
@@ -392,7 +423,7 @@ class VLLMEngine:
         return f"\n--- {self.log_path} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}"
 
 
-def _exit_code(proc: subprocess.Popen | None) -> int | None:
+def _exit_code(proc: subprocess.Popen | forkserver.ForkedProcess | None) -> int | None:
     """The exit code of a process whose socket just closed (it may take a moment to be reapable)."""
     if proc is None:
         return None

@@ -39,6 +39,7 @@ When the parent goes away (its end of the socket closes) the worker stops: no en
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -82,6 +83,7 @@ class Worker:
         import vllm  # deferred: importing vllm costs seconds and reads the environment the parent set
 
         t0 = time.perf_counter()
+        imported_at = _process_age()  # a fresh process's imports, or ~0 when forked from the forkserver
         c = self.config
         self.llm = vllm.LLM(
             model=c.model, runner="generate", dtype=c.dtype, max_model_len=c.max_model_len,
@@ -91,9 +93,10 @@ class Worker:
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
             **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c), **_lora_args(c),
-            **_executor_args(c),
+            **_executor_args(c), **_kv_args(c, torch.cuda.is_available()),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
+        llm_s = time.perf_counter() - t0
         # in this process vLLM's engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), scheduler included
         self.scheduler = getattr(getattr(self.llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
         if not torch.cuda.is_available() and self.scheduler is not None:
@@ -103,7 +106,8 @@ class Worker:
         standby_s = self.build_standby(torch.cuda.is_available())
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
-                "standby": self.standby is not None, "standby_s": standby_s}
+                "standby": self.standby is not None, "standby_s": standby_s, "llm_s": llm_s,
+                "imported_at_s": imported_at}
 
     def build_standby(self, cuda: bool) -> float:
         """The standby copy of the model, where the config asks for one (None: on a CPU engine); its seconds."""
@@ -331,6 +335,14 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
 
 
+def _kv_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
+    """A CPU engine's KV cache, in bytes (`kv_cache_gib`; fractions of a GiB, which vLLM's VLLM_CPU_KVCACHE_SPACE cannot
+    say). Given, it also spares the start a warm-up pass that only sizes the cache (vLLM's CPU worker skips it). A value
+    of VLLM_CPU_KVCACHE_SPACE in the environment still wins, as in vLLM; a GPU engine sizes its cache from
+    gpu_memory_utilization."""
+    return {} if cuda else {"kv_cache_memory_bytes": int(c.kv_cache_gib * 2**30)}
+
+
 def _lora_args(c: EngineConfig) -> dict[str, Any]:
     """LoRA on when a rank is set: room for two adapters in a step (the new policy's, and the old one's for
     calls still running across a sync)."""
@@ -384,11 +396,11 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
 
 
 def main(fd: int) -> int:
-    sys.meta_path.insert(0, _WithoutRay())
+    sys.meta_path.insert(0, WithoutRay())
     return serve_connection(Connection(fd))
 
 
-class _WithoutRay:
+class WithoutRay:
     """An import hook that makes Ray look absent in a local engine process. vLLM imports Ray whenever it is installed
     (vllm/v1/executor/ray_utils.py, to offer its Ray executor), and Ray's import pulls in jsonschema's format checkers,
     one of which compiles a grammar: ~1.1 s of every engine start (import of vLLM 10.0-10.2 s without, 11.1-11.3 s
@@ -401,9 +413,36 @@ class _WithoutRay:
         return None
 
 
-def serve_connection(conn: Connection) -> int:
+def note_start(config: EngineConfig, info: dict[str, Any]) -> None:
+    """Append one JSON line about this engine's start to the file named by POLAR_LAB_ENGINE_LOG, if set: the test
+    suite counts its engine starts this way (tests/conftest.py, scripts/suite_report.py), whichever process made the
+    engine (a test, a notebook kernel, `polar-lab train`). PYTEST_CURRENT_TEST, inherited, names the test."""
+    path = os.environ.get("POLAR_LAB_ENGINE_LOG")
+    if not path:
+        return
+    line = {"model": config.model, "pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST"),
+            "at": time.time(), "process_s": round(_process_age(), 3), "build_s": round(info["startup_seconds"], 3),
+            "forked": info["forked"]}
+    with open(path, "a") as fh:  # one short write per line: lines from concurrent engines do not interleave
+        fh.write(json.dumps(line) + "\n")
+
+
+def _process_age() -> float:
+    """Seconds since this process started (from /proc), 0.0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def serve_connection(conn: Connection, *, forked: bool = False) -> int:
     """Serve one parent over `conn` until it says "stop" or hangs up; 0 = a clean end, 1 = vLLM failed.
-    A local engine process calls it from `main`; a Ray replica actor from a thread (engine/ray_replicas.py)."""
+    A local engine process calls it from `main` (or, forked, from engine/forkserver.py); a Ray replica actor from a
+    thread (engine/ray_replicas.py)."""
     try:
         kind, config = conn.recv()
     except EOFError:
@@ -411,7 +450,9 @@ def serve_connection(conn: Connection) -> int:
     assert kind == "start", kind
     worker = Worker(conn, config)
     try:
-        conn.send(("ready", worker.build()))
+        info = {**worker.build(), "forked": forked}
+        note_start(config, info)
+        conn.send(("ready", info))
         worker.serve()
         return 0
     except (EOFError, BrokenPipeError, ConnectionResetError):

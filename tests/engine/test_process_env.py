@@ -1,6 +1,7 @@
 """The engine process's environment: TCMalloc preloaded, OpenMP's threads bound as vLLM binds them on CPU."""
 
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,25 @@ def test_engine_env_keeps_what_the_user_set(monkeypatch):
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     env = process_env.engine_env(EngineConfig(kv_cache_gib=1, tcmalloc=False), gpus=[])
     assert (env["HF_HUB_OFFLINE"], env["VLLM_CPU_KVCACHE_SPACE"], env["TORCHDYNAMO_DISABLE"]) == ("0", "3", "1")
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_socket_folder_fits_an_af_unix_address_however_deep_tmpdir_is(tmp_path, monkeypatch, deep):
+    import os
+    import shutil
+    import socket
+    import tempfile
+
+    base = tmp_path / ("d" * 90) if deep else Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    base.mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    folder = process_env.socket_dir("polar-lab-proxy-")
+    try:
+        assert os.stat(folder).st_mode & 0o777 == 0o700
+        assert folder.startswith(str(base)) != deep  # under TMPDIR whenever it fits
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+            unix.bind(os.path.join(folder, "proxy.sock"))  # "AF_UNIX path too long" before socket_dir
+    finally:
+        shutil.rmtree(folder)
+        if not deep:
+            shutil.rmtree(base)

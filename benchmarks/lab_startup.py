@@ -1,0 +1,173 @@
+"""How long a Lab takes to come up, phase by phase, and `vllm serve` on the same model in the same run (issue 39).
+
+Each trial is a fresh interpreter that imports polar_lab, starts a Lab, makes one call and reports (JSON) the Lab's
+own phases (`Lab.startup`: store, engine launch, tokenizer, proxy, the wait for the engine) and the engine process's
+(`VLLMEngine.start_info`: imports done at, vllm.LLM built in, the standby copy). Modes, alternated trial by trial:
+
+    cold         POLAR_LAB_FORKSERVER=off: the engine process imports torch and vLLM itself (how every Lab started
+                 before the forkserver)
+    first        the default in a fresh kernel: the Lab's first engine starts the kernel's forkserver, which imports
+                 them once; this Lab waits for those imports
+    restarted    a fresh kernel whose POLAR_LAB_FORKSERVER names a warm server (`polar-lab forkserver`, or a test
+                 session's): the engine is forked, imports done — a kernel restarted beside a running server
+    second       a second Lab in the same kernel (a restart, a second model, a test module)
+    vllm-serve   `python -m vllm.entrypoints.openai.api_server` with the Lab's engine arguments, until /v1/models answers
+
+    python benchmarks/lab_startup.py [--model data/models/tiny-calc] [--trials 5] [--modes ...] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("cold", "first", "restarted", "second", "vllm-serve")
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from polar_lab import Lab, SamplingSpec
+imported = time.perf_counter() - t0
+
+def one(model, runs):
+    t = time.perf_counter()
+    lab = Lab(model, port=0, runs_dir=runs)
+    up = time.perf_counter() - t
+    t = time.perf_counter()
+    lab.engine.submit(lab.tokenizer("What is 2+3?")["input_ids"], SamplingSpec(max_tokens=8)).result()
+    first = time.perf_counter() - t
+    row = {"up_s": up, "first_generation_s": first, **{f"lab.{k}_s": v for k, v in lab.startup.items()},
+           "forked": lab.engine.forked, **{f"engine.{k}": v for k, v in lab.engine.start_info.items()
+                                           if k in ("llm_s", "standby_s", "imported_at_s", "startup_seconds")}}
+    lab.close()
+    return row
+
+rows = [one(sys.argv[1], sys.argv[2]) for _ in range(int(sys.argv[3]))]
+print(json.dumps({"import_polar_lab_s": imported, **rows[-1]}))
+"""
+
+
+def lab_trial(model: str, mode: str, server_path: str | None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("POLAR_LAB_FORKSERVER", None)
+    if mode == "cold":
+        env["POLAR_LAB_FORKSERVER"] = "off"
+    elif mode == "restarted":
+        env["POLAR_LAB_FORKSERVER"] = server_path
+    with tempfile.TemporaryDirectory() as runs:
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", CHILD, model, runs, "2" if mode == "second" else "1"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=600)
+        wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} trial failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"mode": mode, "process_wall_s": wall, **row}
+
+
+def vllm_serve_trial(model: str) -> dict:
+    """`vllm serve` with the Lab's engine arguments (fp32, eager, processed logprobs, chunked prefill off as on the
+    Lab's CPU engine, 1 GiB of KV cache, TCMalloc as the Lab's engine where installed), from exec to /v1/models."""
+    from polar_lab.config import EngineConfig
+    from polar_lab.engine.process_env import engine_env
+
+    c = EngineConfig(model=model)
+    env = engine_env(c, [])
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vllm serve runs its engine core in a process of its own
+    env.pop("POLAR_LAB_FORKSERVER", None)
+    port = _free_port()
+    from transformers import AutoConfig
+
+    max_len = AutoConfig.from_pretrained(model).max_position_embeddings
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", c.dtype, "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_len), "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError("vllm serve did not answer within 600 s")
+        return {"mode": "vllm-serve", "up_s": time.perf_counter() - t0}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """p50 (min-max) of every figure, per mode."""
+    table = []
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
+        keys = [k for k in mine[0] if isinstance(mine[0][k], (int, float)) and not isinstance(mine[0][k], bool)]
+        table.append({"mode": mode, "trials": len(mine), **{
+            k: (round(statistics.median(r[k] for r in mine), 3), round(min(r[k] for r in mine), 3),
+                round(max(r[k] for r in mine), 3)) for k in keys}})
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--out", default="benchmarks/results/lab_startup.json")
+    args = parser.parse_args()
+    from polar_lab.config import EngineConfig
+    from polar_lab.engine.forkserver import ForkServer
+    from polar_lab.engine.process_env import engine_env
+
+    rows = []
+    warm = "restarted" in args.modes
+    with ForkServer(engine_env(EngineConfig(model=args.model), [])) if warm else contextlib.nullcontext() as server:
+        if warm:
+            lab_trial(args.model, "restarted", server.path)  # not timed: the server's imports, once
+        for trial in range(args.trials):
+            for mode in args.modes:
+                row = (vllm_serve_trial(args.model) if mode == "vllm-serve"
+                       else lab_trial(args.model, mode, server.path if warm else None))
+                rows.append({"trial": trial, **row})
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    table = summarise(rows)
+    for line in table:
+        print(f"{line['mode']:11s} Lab up {line['up_s'][0]:6.2f} s (min {line['up_s'][1]:.2f}, max {line['up_s'][2]:.2f})"
+              f"  n={line['trials']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows, "summary": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
