@@ -3,7 +3,7 @@
 Why processes: a notebook re-runs cells, and a kernel that joined a torch.distributed group cannot join
 another (one default group per process); the ranks also keep CUDA and OpenMP state out of the kernel.
 (Until the engine moved to its own process, vLLM held the kernel's group, which forced this.) Each rank
-is a `spawn`ed process running
+is a process forked from Python's forkserver (or `spawn`ed; `rank_context`) running
 `Policy`, which wraps its model in DistributedDataParallel or shards it with FSDP2 (`strategy`; gloo on
 CPU, nccl on GPU). The kernel talks to each rank
 over a pipe (pickled commands, a timeout on every answer, a dead rank is an error, never a hang).
@@ -80,7 +80,7 @@ class DistributedPolicy:
                     self._conns.append(conn)
                     self._procs.append(proc)
             else:
-                ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no vLLM, no CUDA state inherited
+                ctx = rank_context()
                 master = ("127.0.0.1", _free_port())
                 for rank in range(self.world_size):
                     parent, child = ctx.Pipe()
@@ -268,6 +268,23 @@ def rank_main(conn, *args: Any) -> int:
     """A trainer rank in a Ray actor (engine/ray_replicas.py `Host.serve`): `_worker` over `conn`."""
     _worker(*args, conn)
     return 0
+
+
+# What every rank imports before it builds its Policy: imported once, in the forkserver (`rank_context`)
+RANK_PRELOAD = ["torch.distributed", "transformers", "polar_lab.grpo.policy"]
+
+
+def rank_context():
+    """How rank processes start: Python's forkserver, whose server process imports RANK_PRELOAD once and forks each rank
+    from there (a rank then starts without paying torch's and transformers' imports: ~2-5 s of each on 2 cores), or
+    `spawn` where there is no forkserver. Either way a rank inherits no vLLM and no CUDA state from the kernel: the
+    server is a fresh interpreter that imports only RANK_PRELOAD (torch initialises CUDA lazily, at a rank's first use).
+    The server lives as long as this process (Python ends it when its parent exits)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
 
 
 def _worker(rank: int, world_size: int, master: tuple[str, int], backend: str, device: str, threads: int,
