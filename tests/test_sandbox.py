@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -65,6 +66,7 @@ def test_the_harness_config_is_validated(fields, message):
         HarnessConfig(**fields)
 
 
+@pytest.mark.ci_required
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason="bubblewrap cannot run here")
 def test_an_isolated_run_is_another_user_with_only_its_workdir_writable():
     with tempfile.NamedTemporaryFile(prefix="polar-marker-", dir="/tmp") as marker:  # in the host's /tmp
@@ -82,6 +84,7 @@ def test_an_isolated_run_is_another_user_with_only_its_workdir_writable():
     assert os.path.basename(marker.name) not in tmp and any(name.startswith("polar-sandbox-") for name in tmp)
 
 
+@pytest.mark.ci_required
 def test_concurrent_isolated_runs_get_their_own_uids_and_give_them_back():
     if sandbox.unavailable() is not None or os.geteuid() != 0:
         pytest.skip("needs the isolated level run by root (its own uids)")
@@ -92,7 +95,30 @@ def test_concurrent_isolated_runs_get_their_own_uids_and_give_them_back():
                                      level="isolated").start())
     uids = [int(box.wait(30).stdout) for box in boxes]
     assert len(set(uids)) == 3 and set(uids) <= set(isolation.pool()), uids
-    assert isolation._state.leased == set()  # all given back
+    assert isolation._state.leased == {}  # all given back
+
+
+@pytest.mark.ci_required
+def test_a_uid_a_run_of_another_kernel_holds_is_not_leased():
+    """Two kernels on one machine: a run of one never gets the uid a run of the other holds (a lock file per uid);
+    once that run ends (its process is gone), the uid is free again."""
+    if sandbox.unavailable() is not None or os.geteuid() != 0:
+        pytest.skip("needs the isolated level run by root (its own uids)")
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom polar_lab.sandbox import isolation\n"
+                               "print(isolation.lease().uid, flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = int(holder.stdout.readline())
+        assert theirs == isolation.pool()[0]  # the same pool: both kernels start at the first free uid
+        mine = isolation.lease()
+        isolation.release(mine)
+        assert mine.uid != theirs
+    finally:
+        holder.kill()
+        holder.wait()
+    again = isolation.lease()  # the control: the holder is gone, and its lock with it
+    isolation.release(again)
+    assert again.uid == theirs
 
 
 KEYRING_CALLS = ("import ctypes, errno, json\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -101,6 +127,7 @@ KEYRING_CALLS = ("import ctypes, errno, json\nlibc = ctypes.CDLL(None, use_errno
                  "print(json.dumps([got, ctypes.get_errno() == errno.ENOSYS]))\n")
 
 
+@pytest.mark.ci_required
 def test_an_isolated_run_cannot_use_kernel_keyrings():
     """Keyrings outlive a run (its uid's) or are shared by all (the kernel's session keyring): the seccomp
     filter refuses every keyring call with ENOSYS. The control: at "process" level the read-only call works."""

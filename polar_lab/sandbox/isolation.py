@@ -25,6 +25,7 @@ What an isolated run has (docs/reliability.md lists each with the test that chec
 from __future__ import annotations
 
 import atexit
+import fcntl
 import grp
 import logging
 import os
@@ -43,7 +44,9 @@ from polar_lab.errors import SandboxError
 log = logging.getLogger(__name__)
 
 LEVELS = ("isolated", "process")
-FIRST_UID = 61000  # where the search for a free uid starts (no passwd entry, no group entry)
+FIRST_UID = 61000  # where the search for a free uid starts (no passwd entry, no group entry); POLAR_LAB_SANDBOX_UID
+# moves it (the test suite gives each of its worker processes a pool of its own)
+LEASES = os.path.join(tempfile.gettempdir(), "polar-lab-sandbox-uids")  # a lock file per uid a run of any process holds
 POOL_SIZE = 1024  # uids from the first one: one per isolated run at a time (harnesses and evaluators together)
 LAUNCH = Path(__file__).with_name("launch.py")
 PACKAGE = Path(__file__).resolve().parents[1]  # polar_lab/: harness modules run from it (`-m polar_lab...`)
@@ -81,7 +84,7 @@ class _State:
     fallback: bool = False
     uid: int | None = None
     user: User | None = None
-    leased: set[int] = field(default_factory=set)  # uids runs hold now
+    leased: dict[int, int] = field(default_factory=dict)  # uids runs of this process hold now → their lock's fd
     etc: dict[int, str] = field(default_factory=dict)  # uid → its passwd/group folder
     unavailable: str | None = None  # why "isolated" cannot run here; "" once checked and fine
     checked: bool = False
@@ -183,16 +186,16 @@ def pool() -> range:
 
 
 def lease() -> User:
-    """A sandbox user for one run, given back with `release`. As root: a uid no other run of this process
-    holds (runs share nothing through their uid: not a process limit, not the per-user keyring); otherwise
-    the kernel's own uid, in a user namespace."""
+    """A sandbox user for one run, given back with `release`. As root: a uid no other run holds — of this process, or
+    of another kernel on the machine (a lock file per uid, held while the run lasts: runs share nothing through their
+    uid, not a process limit, not the per-user keyring, not a cleanup by uid); otherwise the kernel's own uid, in a
+    user namespace."""
     with _lock:
         first = _user()
         if not first.switch:
             return first
         for uid in range(first.uid, first.uid + POOL_SIZE):
-            if uid not in _state.leased and _unnamed(uid):
-                _state.leased.add(uid)
+            if uid not in _state.leased and _unnamed(uid) and _claim(uid):
                 if uid not in _state.etc:
                     _state.etc[uid] = first.etc if uid == first.uid else _etc_files(uid, uid)
                 return User(uid=uid, gid=uid, switch=True, etc=_state.etc[uid])
@@ -202,7 +205,22 @@ def lease() -> User:
 
 def release(owner: User) -> None:
     with _lock:
-        _state.leased.discard(owner.uid)
+        fd = _state.leased.pop(owner.uid, None)
+        if fd is not None:
+            os.close(fd)  # closing releases the lock: another process may take the uid now
+
+
+def _claim(uid: int) -> bool:
+    """Take the machine-wide lock of `uid` for this process (kept in `_state.leased`); False if another holds it."""
+    os.makedirs(LEASES, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(LEASES, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _state.leased[uid] = fd
+    return True
 
 
 def _unnamed(uid: int) -> bool:
@@ -220,11 +238,12 @@ def _unnamed(uid: int) -> bool:
 
 
 def _free_id() -> int:
-    """The first id from FIRST_UID with neither a passwd nor a group entry."""
-    for candidate in range(FIRST_UID, FIRST_UID + 4000):
+    """The first id from FIRST_UID (or POLAR_LAB_SANDBOX_UID) with neither a passwd nor a group entry."""
+    first = int(os.environ.get("POLAR_LAB_SANDBOX_UID") or FIRST_UID)
+    for candidate in range(first, first + 4000):
         if _unnamed(candidate):
             return candidate
-    raise SandboxError(f"no free uid in [{FIRST_UID}, {FIRST_UID + 4000}); pass one: Lab(..., sandbox_uid=N)")
+    raise SandboxError(f"no free uid in [{first}, {first + 4000}); pass one: Lab(..., sandbox_uid=N)")
 
 
 def _etc_files(uid: int, gid: int) -> str:
