@@ -112,10 +112,13 @@ envs:
 demo: setup malloc
 	$(BIN)/polar-lab demo
 
-# lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md)
+# lint-imports: the layers contract in pyproject.toml (imports only point down; docs/design-notes.md).
+# pytest runs two worker processes, a test module at a time each (pytest-xdist; the suite keeps them apart and
+# their memory bounded: tests/conftest.py): half the time of one process was spent waiting, not computing (docs/testing.md).
+TEST_WORKERS ?= 2
 test: setup malloc agents sandbox-tools browser envs
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Mutation testing (docs/testing.md): mutmut's generated mutants over the core modules listed in
 # pyproject.toml [tool.mutmut] (~15 min on 2 cores; results cached in mutants/, so a rerun checks only what

@@ -5,6 +5,7 @@ POLAR_LAB_TEST_MODEL overrides the model folder (default: the shipped data/model
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -12,11 +13,47 @@ from pathlib import Path
 import pytest
 import torch
 
+# tests.suite_report: counts the engines the run started (summary at the end), fails a CI-required skip in CI;
+# pytester: tests of that plugin run an inner pytest
+pytest_plugins = ["tests.suite_report", "pytester"]
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("POLAR_LAB_TEST_MODEL", str(ROOT / "data" / "models" / "tiny-calc"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs two pytest-xdist workers (gw0, gw1), each a whole test module at a time (--dist loadfile, with the
+# heavy modules as one unit: below): module fixtures stay whole, and each worker has its own engines and forkserver. What would mix them up is kept apart: each
+# worker's isolated runs take their sandbox uids from a pool of its own, so a test that looks for processes of its
+# pool's uids from outside sees only its own (the uids are also locked machine-wide: polar_lab/sandbox/isolation.py).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    os.environ.setdefault("POLAR_LAB_SANDBOX_UID", str(61000 + 2048 * int(_WORKER[2:])))
+
+# The modules that hold several GiB at once (SmolLM2 in the test process and its engine, a Ray cluster with engine
+# actors, trainer ranks, JupyterLab with Chromium, the recipe's ranks and agent): one worker runs them one after
+# another, so two never meet (two did: the machine ran out of its 24 GiB). Every other module is a group of its own.
+HEAVY = ("tests/integration/test_smollm2.py", "tests/integration/test_replicas.py", "tests/grpo/test_fsdp.py",
+         "tests/grpo/test_distributed.py", "tests/grpo/test_lora.py", "tests/grpo/test_cuda_check.py",
+         "tests/grpo/test_recipe.py", "tests/integration/test_dashboard_browser.py",
+         "notebooks/06_async_and_multigpu.ipynb")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s scheduling (`pytest -n 2 --dist loadfile`): xdist's loadfile — a module runs whole on one worker,
+    its fixtures set up once, a notebook's cells in one kernel — except that the HEAVY modules are one unit of work.
+    (xdist's `loadgroup` marks would say the same, but pytest 9 ignores the node ids xdist 3.8 rewrites for them.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SuiteScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "heavy" if module in HEAVY else module
+
+    return SuiteScheduling(config, log)
 
 
 def running(pid: int) -> bool:
@@ -45,6 +82,18 @@ def processes_of(uids) -> list[int]:
     return found
 
 
+def browser() -> str | None:
+    """Why the dashboard's browser test (tests/integration/test_dashboard_browser.py) cannot run here, or None."""
+    import importlib.util
+    import shutil
+
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return "no chromium binary (Debian: apt-get install chromium; make browser)"
+    if importlib.util.find_spec("playwright") is None:
+        return "playwright is not installed (pip install -e '.[dev]')"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,12 +119,103 @@ def runs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
-@pytest.fixture(scope="session")
-def lab(model_path, runs_dir):
-    """One real Lab (vLLM + proxy) for the whole test session, on a fixed free port."""
-    from polar_lab import Lab
+class SharedEngines:
+    """The suite's real engines: one per (model folder, engine settings), started at first use (forked from the
+    forkserver: engine/forkserver.py) and stopped when the session ends. A module that needs a Lab over one gets a Lab
+    of its own (`lab(...)`): its own proxy, sessions and run folder, the engine shared. A Lab that changed the served
+    weights leaves the engine to be put back on the model folder's weights before its next use (its policy version
+    keeps counting). Memory is what bounds a 2-core, 24 GiB machine running two workers: these engines keep a KV cache
+    sized to their model (a few full contexts, not the default GiB), and at most MAX_ALIVE of them live at once — an
+    engine no Lab is using is stopped to make room, and forked again (~1-2 s) if a later module wants it."""
 
-    with Lab(model_path, port=free_port(), runs_dir=str(runs_dir), run_name="shared") as lab:
+    MAX_ALIVE = 2
+
+    def __init__(self):
+        self._engines: dict[tuple, object] = {}  # in order of last use
+        self._users: dict[tuple, int] = {}  # open Labs over each engine
+        self._changed: set[tuple] = set()  # engines whose weights a Lab changed: put back at their next use
+        self._shipped: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(self, model: str, **settings):
+        """The shared engine for `model` with these EngineConfig settings, started now if it is not running."""
+        from polar_lab.config import EngineConfig
+        from polar_lab.engine import VLLMEngine
+
+        key = (str(model), tuple(sorted(settings.items())))
+        if key in self._engines:
+            self._engines[key] = self._engines.pop(key)  # the most recently used last
+            if key in self._changed:
+                self._engines[key].load_weights(self.shipped(str(model)))
+                self._changed.discard(key)
+            return self._engines[key]
+        self._make_room()
+        config = EngineConfig(model=str(model), **{"kv_cache_gib": kv_for(str(model)), **settings})
+        self._engines[key] = VLLMEngine(config).start()
+        self._changed.discard(key)
+        return self._engines[key]
+
+    def _make_room(self) -> None:
+        for key in [k for k in self._engines if not self._users.get(k)]:  # idle ones, least recently used first
+            if len(self._engines) < self.MAX_ALIVE:
+                return
+            self._engines.pop(key).close()
+
+    @contextlib.contextmanager
+    def lab(self, model: str, *, engine_settings: dict | None = None, **options):
+        """A Lab of its own over the shared engine (options: Lab keywords; port 0 unless given)."""
+        from polar_lab import Lab
+
+        settings = engine_settings or {}
+        key = (str(model), tuple(sorted(settings.items())))
+        engine = self.get(model, **settings)
+        version = engine.policy_version
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            with Lab(str(model), engine=engine, **{"port": 0, **settings, **options}) as lab:
+                yield lab
+        finally:
+            self._users[key] -= 1
+            if engine.policy_version != version:
+                self._changed.add(key)
+
+    def shipped(self, model: str) -> dict[str, torch.Tensor]:
+        """The model folder's weights as the engine takes them (`lm_head.weight` included: ENV.md gotcha 2)."""
+        if model not in self._shipped:
+            from transformers import AutoModelForCausalLM
+
+            state = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+            self._shipped[model] = {k: v.clone() for k, v in state.items()}
+        return self._shipped[model]
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+
+def kv_for(model: str) -> float:
+    """A KV cache for two full contexts of `model` in fp32, in quarter GiB (tiny models: 0.25 GiB; SmolLM2: 0.75)."""
+    import json
+    import math
+
+    c = json.loads((Path(model) / "config.json").read_text())
+    c = c.get("text_config", c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    return max(0.25, math.ceil(2 * per_token * c["max_position_embeddings"] / 2**30 * 4) / 4)
+
+
+@pytest.fixture(scope="session")
+def engines():
+    pool = SharedEngines()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def lab(model_path, runs_dir, engines):
+    """One real Lab (vLLM + proxy) for the whole test session, on a fixed free port, over the shared tiny-calc engine."""
+    with engines.lab(model_path, port=free_port(), runs_dir=str(runs_dir), run_name="shared") as lab:
         yield lab
     assert lab.closed
 

@@ -74,6 +74,7 @@ def test_the_deadline_kills_a_grandchild_the_tests_started(tmp_path):
     assert not running(grandchild), f"grandchild {grandchild} outlived the tests' deadline"
 
 
+@pytest.mark.ci_required
 def test_isolated_tests_leave_no_process_of_the_sandbox_user_behind():
     """The default ("isolated") level: the tests run as the sandbox user, so from outside every process of
     that user is the run's — three while it hangs, none after its deadline."""

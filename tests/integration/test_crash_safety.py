@@ -1,9 +1,12 @@
-"""A process SIGKILLed mid-run leaves a store from which every completed call loads."""
+"""A process SIGKILLed mid-run leaves a store from which every completed call loads.
+Its engine is the child kernel's own: a kernel killed with its engine is the subject."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,12 +16,13 @@ from tests.conftest import running
 CHILD = Path(__file__).with_name("crash_child.py")
 
 
-def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(model_path, tokenizer, tmp_path):
-    # TMPDIR inside tmp_path: the engine's scratch dir cannot be removed by a SIGKILLed kernel
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TMPDIR": str(tmp_path / "tmp")}
+def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(model_path, tokenizer, tmp_path, request):
+    # a TMPDIR of its own, removed here: what the SIGKILLed kernel made in it (its proxy's socket) it cannot remove
+    scratch = tempfile.mkdtemp(prefix="polar-lab-crash-")
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    env = {**os.environ, "TMPDIR": scratch}  # the session's forkserver is offered to it, as to a notebook kernel
     child = subprocess.Popen([sys.executable, str(CHILD), model_path, str(tmp_path), "killed"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "child.err", "w"), text=True, env=env)
     answered, engine_pid = [], None
     try:
         deadline = time.monotonic() + 300
@@ -34,7 +38,7 @@ def test_sigkill_mid_run_loses_no_completed_call_and_the_run_folder_reopens(mode
     finally:
         child.kill()
         child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    assert child.returncode == -signal.SIGKILL, (tmp_path / "child.err").read_text()[-3000:]  # not ended by itself
     assert len(answered) >= 40
     # the engine process notices its kernel is gone (the socket closes) and exits: no orphaned vLLM
     deadline = time.monotonic() + 30

@@ -27,6 +27,7 @@ except ImportError:
     playwright = None
 
 pytestmark = [
+    pytest.mark.ci_required,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (Debian: apt-get install chromium; make browser)"),
     pytest.mark.skipif(playwright is None, reason="playwright is not installed (pip install -e '.[dev]')"),
 ]

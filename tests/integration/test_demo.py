@@ -1,4 +1,5 @@
-"""The README's first command: `polar-lab demo` runs end to end and writes its run folder."""
+"""The README's first command: `polar-lab demo` runs end to end and writes its run folder (its own process and
+engine, as a newcomer runs it; forked from the suite's forkserver, which the command inherits)."""
 
 import json
 import shutil

@@ -2,7 +2,8 @@
 completed calls stay on disk exactly once. The Lab restarts it by itself (a rollout in progress completes, the
 new engine serves the synced weights at their version; a sync the death interrupted is done again), or with
 its own restarts off, `restart_engine` brings a fresh engine back behind the same proxy with the weights and
-policy version it had; closing the Lab leaves no process or scratch files behind."""
+policy version it had; closing the Lab leaves no process or scratch files behind.
+Private engines here: an engine's death and its replacement are the subject (each forked, ~1-2 s)."""
 
 from __future__ import annotations
 

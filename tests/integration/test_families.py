@@ -7,19 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from polar_lab import Lab
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import fidelity
 
 MODEL = Path("data/models/tiny-calc-qwen35")
-pytestmark = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
-                                reason="run `python scripts/build_tiny_model.py --family qwen35`")
+pytestmark = [pytest.mark.ci_required,
+              pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
+                                 reason="run `python scripts/build_tiny_model.py --family qwen35`")]
 
 
 @pytest.fixture(scope="module")
-def qwen35_lab(tmp_path_factory):
-    with Lab(str(MODEL), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="qwen35") as lab:
+def qwen35_lab(engines, tmp_path_factory):
+    with engines.lab(MODEL, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="qwen35") as lab:
         yield lab
 
 
@@ -55,16 +55,19 @@ def test_xml_calls_and_thoughts_come_back_structured_with_the_trainers_logprobs(
 
 
 def test_grpo_through_xml_calls_and_thoughts_raises_held_out_accuracy(qwen35_lab, tmp_path):
-    """Short form of the benchmark in docs/benchmarks.md (6 steps: +0.43 to +0.47 over 4 seeds)."""
+    """The families' learning acceptance, near the size docs/benchmarks.md measured over seeds ("Learning, the suite's
+    size": 8 tasks x 8 runs a step, 50 held-out tasks; after 3 steps +0.22 to +0.34 on this fixture): one step more,
+    for margin above the +0.15 asserted."""
     from polar_lab import GRPOConfig, GRPOTrainer
 
-    config = GRPOConfig(learning_rate=5e-4, eval_limit=100, seed=1, output_dir=str(tmp_path))
+    config = GRPOConfig(learning_rate=5e-4, tasks_per_step=8, eval_limit=50, seed=1, output_dir=str(tmp_path))
+    start = qwen35_lab.policy_version  # the suite's shared engine: versions before this test are other tests'
     with GRPOTrainer(qwen35_lab, config) as trainer:
         before = trainer.evaluate(progress=False)["eval_reward"]
-        trainer.train(5, progress=False)
+        trainer.train(4, progress=False)
         after = trainer.evaluate(progress=False)["eval_reward"]
-    assert after - before >= 0.15, f"held-out accuracy {before:.2f} -> {after:.2f} after 5 steps"
-    first = [c for c in qwen35_lab.recorded.call_records() if c.policy_version > 0 and c.call_index == 0]
+    assert after - before >= 0.15, f"held-out accuracy {before:.2f} -> {after:.2f} after 4 steps"
+    first = [c for c in qwen35_lab.recorded.call_records() if c.policy_version > start and c.call_index == 0]
     assert sum(c.parse["num_tool_calls"] > 0 for c in first) >= 0.8 * len(first) > 0  # still XML calls vLLM reads
 
 

@@ -13,21 +13,21 @@ import threading
 import httpx
 import pytest
 
-from polar_lab import Lab
 from polar_lab.envs import nemo_gym
 from polar_lab.envs.gym_rows import check_rows_with_gym, contiguous, gym_rows
 from polar_lab.envs.nemo_gym import GymAgent, GymEnvironment
 from polar_lab.errors import ConfigError
 from tests.conftest import free_port, session_calls
 
-pytestmark = pytest.mark.skipif(nemo_gym.missing() is not None, reason=f"NeMo Gym: {nemo_gym.missing()}")
+pytestmark = [pytest.mark.ci_required,
+              pytest.mark.skipif(nemo_gym.missing() is not None, reason=f"NeMo Gym: {nemo_gym.missing()}")]
 
 
 @pytest.fixture(scope="module")
-def gym_lab(model_path, tmp_path_factory):
+def gym_lab(model_path, engines, tmp_path_factory):
     """A Lab as NeMo Gym's vLLM backend: one shared key, each rollout's session named in the body."""
-    with Lab(model_path, port=free_port(), runs_dir=str(tmp_path_factory.mktemp("gym")), run_name="gym",
-             shared_key="auto", session_field="session_id") as lab:
+    with engines.lab(model_path, port=free_port(), runs_dir=str(tmp_path_factory.mktemp("gym")), run_name="gym",
+                     shared_key="auto", session_field="session_id") as lab:
         yield lab
 
 

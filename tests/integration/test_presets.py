@@ -11,6 +11,9 @@ from polar_lab.harness.presets import (agents_bin, claude_code, codex, gemini_cl
 from tests.conftest import running, session_calls
 
 
+pytestmark = pytest.mark.ci_required  # every agent preset is an ecosystem promise: CI installs them all (make agents)
+
+
 def _installed(name):
     try:
         return bool(agents_bin(name))
@@ -135,4 +138,7 @@ def test_each_new_preset_runs_unmodified_and_its_process_tree_is_gone_after_the_
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), preset(), num_generations=1, deadline_s=0.5,
                        progress=False)
     assert g.sessions[0].status == "timeout"  # cut off mid-run ...
+    deadline = time.monotonic() + 10  # SIGKILLed processes leave the table once the kernel has torn them down
+    while _agent_processes(agents_bin(binary)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _agent_processes(agents_bin(binary)) == []  # ... and nothing of it is left

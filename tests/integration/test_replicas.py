@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import os
 import signal
@@ -19,12 +20,15 @@ import openai
 import psutil
 import pytest
 import torch
+import yaml
 
 from polar_lab import Lab
 from polar_lab.store import load_calls
 from tests.conftest import ROOT, free_port, running
 
-pytest.importorskip("ray", reason="Ray is the optional extra .[ray] (make setup installs it)")
+pytestmark = [pytest.mark.ci_required,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="Ray is the optional extra .[ray] (make setup installs it)")]
 
 
 def ray_processes() -> set[int]:
@@ -213,16 +217,19 @@ def test_train_on_a_running_ray_cluster_learns_and_leaves_no_actor_behind(tmp_pa
             time.sleep(0.5)
         cluster = {p.pid for p in psutil.Process(head.pid).children(recursive=True)}
         out = tmp_path / "out"
+        config = yaml.safe_load((ROOT / "configs" / "tiny_calc_grpo.yaml").read_text())
+        config["grpo"]["tasks_per_step"] = 8  # the suite's learning size (docs/benchmarks.md: 3 steps, 50 held out)
+        (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
         proc = subprocess.run(
-            [sys.executable, "-m", "polar_lab.cli", "train", "configs/tiny_calc_grpo.yaml", "--max-steps", "3",
-             "--replicas", "2", "--ray-address", f"127.0.0.1:{port}", "--eval-limit", "64", "--output-dir", str(out)],
+            [sys.executable, "-m", "polar_lab.cli", "train", str(tmp_path / "train.yaml"), "--max-steps", "3",
+             "--replicas", "2", "--ray-address", f"127.0.0.1:{port}", "--eval-limit", "50", "--output-dir", str(out)],
             cwd=ROOT, capture_output=True, text=True, timeout=900,
             env={**os.environ, "RAY_AUTH_MODE": "token"})  # the cluster checks the token in ~/.ray/auth_token
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["cluster"] == "ray" and summary["replicas"] == 2 and summary["steps"] == 3
         assert summary["trainer_on_ray"]  # the trainer rank ran as a Ray actor too
-        assert summary["eval_gain"] > 0, summary
+        assert summary["eval_gain"] >= 0.15, summary
         assert {c.replica for c in load_calls(summary["run_dir"])} == {0, 1}
         assert "1 trainer rank, 2 engine replicas on Ray" in proc.stdout
         deadline = time.monotonic() + 30

@@ -113,6 +113,16 @@ def _run_hostile(lab, attempts, fields, level=None):
     return {name: outcome for name, outcome in lines}, s, results[0]
 
 
+@pytest.fixture(scope="module")
+def lab(model_path, tmp_path_factory):
+    """A Lab that owns its engine (a private engine, forked in ~1-2 s: the folder of kept weights in /dev/shm, which
+    only a Lab that owns its engine keeps, is one of the hostile program's targets)."""
+    from polar_lab import Lab
+
+    with Lab(model_path, port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="hostile") as lab:
+        yield lab
+
+
 @pytest.fixture
 def targets(lab, tmp_path):
     """What the hostile program aims at, each a thing the test can check from outside."""

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from polar_lab import Lab, SamplingSpec
+from polar_lab import SamplingSpec
 from tests.conftest import session_calls
 
 TINY = "data/models/tiny-calc"
@@ -22,8 +22,8 @@ N = 64  # tokens per streamed generation
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    with Lab(TINY, port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="streaming") as lab:
+def lab(engines, tmp_path_factory):
+    with engines.lab(TINY, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="streaming") as lab:
         # an engine's first request with logprobs pays a one-time setup (ENV.md: ~0.45 s cold), which would land in the
         # first test's time to first delta: paid here, so the timing tests measure streaming, not a cold engine
         lab.engine.submit(lab.tokenizer("warm up")["input_ids"], SamplingSpec(max_tokens=4)).result(timeout=300)
@@ -34,37 +34,39 @@ def fixed_length(lab, seed=3):
     return lab.session(sampling={"ignore_eos": True, "max_tokens": N, "seed": seed})
 
 
-def timed(t0, events, text_of):
-    """(seconds from t0 to the first non-empty delta, to the end, the deltas joined)."""
-    first, parts = None, []
+def timed(t0, events, text_of, at_first=lambda: None):
+    """(seconds from t0 to the first non-empty delta, to the end, the deltas joined, what `at_first()` said when the
+    first delta arrived)."""
+    first, parts, seen = None, [], None
     for event in events:
         text = text_of(event)
         if text:
-            first = first if first is not None else time.perf_counter() - t0
+            if first is None:
+                first, seen = time.perf_counter() - t0, at_first()
             parts.append(text)
-    return first, time.perf_counter() - t0, "".join(parts)
+    return first, time.perf_counter() - t0, "".join(parts), seen
 
 
-def openai_chat(s):
+def openai_chat(s, at_first=lambda: None):
     import openai
 
     client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
     t0 = time.perf_counter()
     stream = client.chat.completions.create(model="tiny-calc", messages=[{"role": "user", "content": "What is 2+3?"}],
                                             stream=True)
-    return timed(t0, stream, lambda c: c.choices[0].delta.content if c.choices else None)
+    return timed(t0, stream, lambda c: c.choices[0].delta.content if c.choices else None, at_first)
 
 
-def openai_responses(s):
+def openai_responses(s, at_first=lambda: None):
     import openai
 
     client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
     t0 = time.perf_counter()
     stream = client.responses.create(model="tiny-calc", input="What is 2+3?", stream=True)
-    return timed(t0, stream, lambda e: e.delta if e.type == "response.output_text.delta" else None)
+    return timed(t0, stream, lambda e: e.delta if e.type == "response.output_text.delta" else None, at_first)
 
 
-def anthropic_messages(s):
+def anthropic_messages(s, at_first=lambda: None):
     import anthropic
 
     client = anthropic.Anthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0)
@@ -72,17 +74,17 @@ def anthropic_messages(s):
     stream = client.messages.create(model="tiny-calc", max_tokens=N, stream=True,
                                     messages=[{"role": "user", "content": "What is 2+3?"}])
     return timed(t0, stream, lambda e: e.delta.text if e.type == "content_block_delta" and
-                               e.delta.type == "text_delta" else None)
+                               e.delta.type == "text_delta" else None, at_first)
 
 
-def google_genai(s):
+def google_genai(s, at_first=lambda: None):
     from google import genai
     from google.genai import types
 
     client = genai.Client(api_key=s.key, http_options=types.HttpOptions(base_url=s.google_base_url))
     t0 = time.perf_counter()
     stream = client.models.generate_content_stream(model="tiny-calc", contents="What is 2+3?")
-    return timed(t0, stream, lambda c: "".join(p.text or "" for p in c.candidates[0].content.parts or []))
+    return timed(t0, stream, lambda c: "".join(p.text or "" for p in c.candidates[0].content.parts or []), at_first)
 
 
 SDKS = {"openai.chat": openai_chat, "openai.responses": openai_responses, "anthropic": anthropic_messages,
@@ -91,13 +93,16 @@ SDKS = {"openai.chat": openai_chat, "openai.responses": openai_responses, "anthr
 
 @pytest.mark.parametrize("api", list(SDKS))
 def test_each_sdk_receives_tokens_while_they_are_sampled_and_they_are_the_record(lab, api):
+    """Ordered, not timed: when the client has its first text, the engine is still sampling the call (it runs it) and
+    the call is not recorded yet (a call is recorded once its generation ends). A proxy that waits for the whole
+    generation and replays it hands the first text over after both."""
     s = fixed_length(lab)
-    first, total, streamed = SDKS[api](s)
+    first, total, streamed, (running, recorded) = SDKS[api](s, lambda: (lab.engine.running, len(session_calls(lab, s))))
     (call,) = session_calls(lab, s)
     assert len(call.output_ids) == N and call.finish_reason == "length"
-    assert first is not None and first < 0.5 * total, f"first delta at {first:.3f} s of {total:.3f} s"
+    assert first is not None and running == 1 and recorded == 0, (running, recorded)
     # the record says when the proxy handed the first text over: after the request left, before the client had it
-    assert 0 < call.timings["first_delta_s"] <= first and call.timings["first_delta_s"] < 0.5 * call.timings["total_s"]
+    assert 0 < call.timings["first_delta_s"] <= first
     assert call.parse["has_reasoning"] is False and call.parse["num_tool_calls"] == 0
     assert streamed == lab.tokenizer.decode(call.output_ids, skip_special_tokens=True)
     assert "stream_diverged" not in call.render
@@ -112,25 +117,23 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request_and_its_partial
                            headers={"Authorization": f"Bearer {s.key}"}) as r:
             assert r.status_code == 200
             chunks = 0
-            t0 = time.perf_counter()
             for line in r.iter_lines():
                 chunks += line.startswith("data: ")
                 if chunks == 20:
                     break
-            rate = chunks / (time.perf_counter() - t0)  # ~ tokens per second
             assert lab.engine.running == 1
         t_close = time.perf_counter()  # leaving the block closed the connection
     while lab.engine.running and time.perf_counter() - t_close < 30:
         time.sleep(0.02)
     stopped_after = time.perf_counter() - t_close
-    assert lab.engine.running == 0
-    assert stopped_after < 0.5 * (max_tokens - 20) / rate, "the engine sampled on as if nobody had left"
+    assert lab.engine.running == 0, f"the engine still sampled {stopped_after:.0f} s after the client left"
     deadline = time.monotonic() + 10
     while not session_calls(lab, s) and time.monotonic() < deadline:
         time.sleep(0.05)
     (call,) = session_calls(lab, s)
     assert call.finish_reason == "abort" and call.render.get("stream_aborted") is True
-    assert 20 <= len(call.output_ids) < max_tokens and len(call.output_logprobs) == len(call.output_ids)
+    # sampled on for a few steps after the close at most, not to max_tokens (tens of thousands of tokens away)
+    assert 20 <= len(call.output_ids) < max_tokens // 4 and len(call.output_logprobs) == len(call.output_ids)
     on_disk = [orjson.loads(line) for line in (Path(lab.run_dir) / "calls.jsonl").read_bytes().splitlines()]
     assert sum(c["session_id"] == s.id for c in on_disk) == 1
     # the Lab keeps serving, and the next call of that session starts from its prompt, not from the cut turn
@@ -210,10 +213,10 @@ def test_a_weight_sync_waits_for_a_streaming_call_to_finish(lab, shipped_weights
 
 
 @pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
+def qwen35(engines, tmp_path_factory):
     if not (QWEN35 / "model.safetensors").exists():
         pytest.skip("run `python scripts/build_tiny_model.py --family qwen35`")
-    with Lab(str(QWEN35), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="qwen35") as lab:
+    with engines.lab(QWEN35, runs_dir=str(tmp_path_factory.mktemp("runs")), run_name="qwen35") as lab:
         yield lab
 
 

@@ -109,7 +109,14 @@ def test_a_forced_call_is_held_to_the_families_format_by_a_grammar(xml_lab):
 
 
 def test_an_unknown_parser_name_stops_the_lab_before_it_serves(model_path, tokenizer, tmp_path):
+    import threading
+
+    def loops() -> int:
+        return sum(t.name == "polar-lab-loop" for t in threading.enumerate())
+
     engine = ScriptedEngine(tokenizer, ["ok"], model_path=model_path)
+    before = loops()
     with pytest.raises(ConfigError, match="unknown tool_parser 'nope'"):
         Lab(port=0, engine=engine, runs_dir=str(tmp_path), run_name="bad", tool_parser="nope")
-    assert engine.alive is False  # the Lab closed what it started
+    assert loops() == before  # no proxy loop left serving
+    assert engine.alive  # the engine is the caller's: a Lab closes only what it started
