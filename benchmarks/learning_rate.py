@@ -7,6 +7,7 @@ must hold for *any* seed, not the one seen once. This runs each
 (lr, seed) from the shipped weights: evaluate (eval_seed fixed), `--steps` sync steps, evaluate again.
 
     python benchmarks/learning_rate.py [--lrs 1e-3,5e-4] [--seeds 1,2,3,4] [--steps 6] [--eval-limit 100]
+                                       [--tasks-per-step 16]
 
 Prints one row per run and the worst and mean gain per lr; writes benchmarks/results/learning_rate.json.
 """
@@ -24,7 +25,7 @@ from polar_lab import GRPOConfig, GRPOTrainer, Lab
 
 def run_once(lab: Lab, shipped: dict, lr: float, seed: int, args) -> dict:
     lab.sync_weights(shipped)  # every run starts from the shipped weights, in the engine and the trainer
-    config = GRPOConfig(tasks_per_step=16, num_generations=8, learning_rate=lr, seed=seed,
+    config = GRPOConfig(tasks_per_step=args.tasks_per_step, num_generations=8, learning_rate=lr, seed=seed,
                         eval_limit=args.eval_limit, output_dir=str(lab.run_dir / f"lr{lr:g}-seed{seed}"))
     with GRPOTrainer(lab, config) as trainer:
         t0 = time.perf_counter()
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3,4")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-limit", type=int, default=100)
+    parser.add_argument("--tasks-per-step", type=int, default=16, help="tasks per step (8 runs each)")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
