@@ -14,9 +14,13 @@ from pathlib import Path
 from mutmut.configuration import config
 from mutmut.stats import status_by_exit_code
 
-# A mutant counts as killed when a test failed, timed out or crashed on it; "no tests" means no selected
+# A mutant counts as killed only when a test failed on it (pytest's exit code 1: an assertion, or an error raised while
+# the tests ran the mutated code) or the type check caught it. A timeout, a crash, an interrupted or unusable run
+# (pytest's exit codes 2-4: a collection error, an internal error, a test id that does not exist) are counted apart as
+# "unclear" and listed: they say the run went wrong, not that a test noticed the change. "no tests" means no selected
 # test ever ran the mutated function (a gap in coverage, listed with the survivors).
-KILLED = {"killed", "timeout", "segfault", "caught by type check"}
+KILLED = {"killed", "caught by type check"}
+KNOWN = {"killed", "survived", "no tests", "not checked"}
 
 
 def main(root: Path = Path("mutants")) -> int:
@@ -27,25 +31,36 @@ def main(root: Path = Path("mutants")) -> int:
         return 2
     total = Counter()
     survivors: list[str] = []
-    print(f"{'module':42} {'mutants':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'kill rate':>9}")
+    print(f"{'module':42} {'mutants':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'unclear':>7} "
+          f"{'kill rate':>9}")
+    unclear: list[str] = []
     for meta in metas:
         module = str(meta.relative_to(root)).removesuffix(".meta")
-        statuses = {key: status_by_exit_code[code] for key, code in
-                    json.loads(meta.read_text())["exit_code_by_key"].items()}
-        counts = Counter("killed" if s in KILLED else s for s in statuses.values())
-        survivors += sorted(k for k, s in statuses.items() if s in ("survived", "no tests", "suspicious"))
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        statuses = {key: status_by_exit_code[code] for key, code in codes.items()}
+        if any(code == 3 for code in codes.values()):  # mutmut reads pytest's internal error as killed; it is not
+            statuses.update({key: "internal error" for key, code in codes.items() if code == 3})
+        statuses = {key: "killed" if s in KILLED else s if s in KNOWN else "unclear: " + s
+                    for key, s in statuses.items()}
+        counts = Counter("unclear" if s.startswith("unclear") else s for s in statuses.values())
+        unclear += sorted(f"{k} ({s[9:]})" for k, s in statuses.items() if s.startswith("unclear"))
+        survivors += sorted(k for k, s in statuses.items() if s in ("survived", "no tests"))
         total.update(counts)
         n = sum(counts.values())
         print(f"{module:42} {n:7} {counts['killed']:7} {counts['survived']:8} {counts['no tests']:8} "
-              f"{counts['killed'] / max(n, 1):9.1%}")
+              f"{counts['unclear']:7} {counts['killed'] / max(n, 1):9.1%}")
     n = sum(total.values())
     print(f"{'all':42} {n:7} {total['killed']:7} {total['survived']:8} {total['no tests']:8} "
-          f"{total['killed'] / max(n, 1):9.1%}")
+          f"{total['unclear']:7} {total['killed'] / max(n, 1):9.1%}")
     if total["not checked"]:
         print(f"{total['not checked']} mutants not checked (an interrupted run?)")
-    print("\nsurviving (survived / no tests / suspicious):")
+    print("\nsurviving (survived / no tests):")
     for name in survivors:
         print(" ", name)
+    if unclear:
+        print("\nunclear (timed out, crashed or the run could not run its tests; not counted as killed):")
+        for name in unclear:
+            print(" ", name)
     return 0
 
 
