@@ -57,7 +57,19 @@ def test_the_recipe_runs_two_steps_on_cpu_with_the_qwen35_fixture(tmp_path):
     assert len(list((checkpoint / "training_state").glob("*.distcp"))) == 2  # one shard file per FSDP rank
 
 
-def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options():
+@pytest.fixture
+def agents_named(tmp_path, monkeypatch):
+    """Stand-in executables named codex and claude: these tests build presets (which find their agent when built) but
+    run none, so they need no npm."""
+    folder = tmp_path / "agents" / "node_modules" / ".bin"
+    folder.mkdir(parents=True)
+    for name in ("codex", "claude"):
+        (folder / name).write_text("#!/bin/sh\nexit 1\n")
+        (folder / name).chmod(0o755)
+    monkeypatch.setenv("POLAR_LAB_AGENTS_DIR", str(tmp_path / "agents"))
+
+
+def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options(agents_named):
     from polar_lab.harness.command import Command
     from polar_lab.harness.registry import get_harness
 
@@ -71,7 +83,7 @@ def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options()
     assert get_harness(codex) is codex  # a Command (unhashable) passed as it is
 
 
-def test_an_agent_with_its_own_guards_off_refuses_to_run_outside_the_isolated_sandbox():
+def test_an_agent_with_its_own_guards_off_refuses_to_run_outside_the_isolated_sandbox(agents_named):
     import asyncio
 
     from polar_lab.errors import SandboxError

@@ -3,6 +3,7 @@
 
 `make test` installs Chromium where it can (root with apt: `make browser`); elsewhere this skips with the reason.
 Set POLAR_LAB_SCREENSHOT=path to keep a screenshot of the dashboard as the browser drew it.
+Its engine is the notebook kernel's own Lab's, as a user's is (forked from the session's forkserver).
 """
 
 import os

