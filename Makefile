@@ -124,9 +124,11 @@ test: setup malloc agents sandbox-tools browser envs
 # pyproject.toml [tool.mutmut] (~15 min on 2 cores; results cached in mutants/, so a rerun checks only what
 # changed), then the hand-written named mutants of issue 14 (~5 min). Not part of `make test`.
 # mutmut is pinned: scripts/mutants_report.py reads its result files (mutants/*.py.meta).
+# OMP_NUM_THREADS=1: mutmut forks its own process for each mutant, and a fork of a process whose OpenMP pool has
+# run (the loss tests' torch ops) hangs in its first parallel op; with one thread there is no pool to inherit.
 mutants: setup
 	$(BIN)/pip install --quiet "mutmut==3.8.1"
-	$(BIN)/mutmut run --max-children 2
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2
 	$(BIN)/python scripts/mutants_report.py
 	$(BIN)/python scripts/named_mutants.py
 
