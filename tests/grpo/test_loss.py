@@ -160,3 +160,36 @@ def test_a_masked_position_whose_log_ratios_overflow_leaves_loss_and_gradient_fi
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert torch.isfinite(stats["kl_weighted"]) and stats["log_is"].tolist() == [0.0]
+
+
+def test_only_models_whose_logits_are_their_heads_take_the_chunked_path():
+    """`_plain_head`: the model type (or its text config's, for a multimodal wrapper) is on the allow-list and the
+    model has a decoder and an output head; anything else — a softcapped family, a missing piece — is not."""
+    from types import SimpleNamespace
+
+    from polar_lab.grpo.loss import _plain_head
+
+    class Model:
+        def __init__(self, config, decoder=True, head=True):
+            self.config, self._decoder, self._head = config, decoder, head
+
+        def get_decoder(self):
+            if self._decoder is None:
+                raise NotImplementedError
+            return object() if self._decoder else None
+
+        def get_output_embeddings(self):
+            return object() if self._head else None
+
+    class Wrapper(SimpleNamespace):  # a multimodal config: the text model's type is in its text config
+        def get_text_config(self):
+            return self.text
+
+    assert _plain_head(Model(SimpleNamespace(model_type="qwen3")))
+    assert not _plain_head(Model(SimpleNamespace(model_type="gemma2")))  # softcapped logits
+    assert _plain_head(Model(Wrapper(model_type="qwen3_5_vl", text=SimpleNamespace(model_type="qwen3_5_text"))))
+    assert not _plain_head(Model(Wrapper(model_type="gemma3", text=SimpleNamespace(model_type="gemma3_text"))))
+    assert not _plain_head(Model(SimpleNamespace(model_type="llama"), decoder=False))
+    assert not _plain_head(Model(SimpleNamespace(model_type="llama"), decoder=None))  # it raises: not plain
+    assert not _plain_head(Model(SimpleNamespace(model_type="llama"), head=False))
+    assert not _plain_head(SimpleNamespace())  # no config at all

@@ -221,3 +221,48 @@ def test_choices_of_a_forced_seed_do_not_reuse_the_next_runs_seed(replies_lab):
     replies_lab.rollout(TASKS[:1], two_choices, num_generations=2, seed=100, progress=False)
     seeds = sorted(c.sampling["seed"] for c in replies_lab.recorded.call_records())
     assert seeds == sorted([100, mix_seed(100, "choice", 1), 101, mix_seed(101, "choice", 1)])
+
+
+def test_each_rollout_gets_the_configs_settings_and_the_kth_is_seeded_from_the_config(replies_lab, monkeypatch):
+    """What SyncRollouts hands lab.rollout, step by step: the k-th rollout's seed is mix_seed(config.seed, "rollout",
+    k) (k counts from 0, one per step), and concurrency, deadline and builder are the config's."""
+    from polar_lab.grpo.rollouts import trajectory_builder
+
+    seen, real = [], replies_lab.rollout
+    monkeypatch.setattr(replies_lab, "rollout", lambda tasks, harness, **kw: seen.append(kw) or real(tasks, harness,
+                                                                                                       **kw))
+    config = GRPOConfig(seed=5, tasks_per_step=1, num_generations=2, concurrency=3, deadline_s=77.0,
+                        train_constrained=True)
+    rollouts = SyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=5))
+    for _ in range(3):
+        groups, stats = rollouts.next_groups(0)
+        assert len(groups) == 1 and len(groups[0].sessions) == 2
+    assert [kw["seed"] for kw in seen] == [mix_seed(5, "rollout", k) for k in range(3)]
+    assert all((kw["concurrency"], kw["deadline_s"], kw["progress"]) == (3, 77.0, False) for kw in seen)
+    builder = seen[0]["builder"]
+    assert builder.keywords == {"train_constrained": True} and builder.func is trajectory_builder(config).func
+    assert trajectory_builder(GRPOConfig()) == "prefix_merging"  # by name, as the Lab's own builders are
+
+
+def test_the_task_stream_reshuffles_each_epoch_and_puts_requeued_tasks_first():
+    with pytest.raises(ValueError, match="^no training tasks$"):
+        TaskStream([], seed=0)
+    tasks = [{"id": i} for i in range(5)]
+    stream = TaskStream(tasks, seed=3)
+    assert stream.epoch == 0
+    first = stream.take(5)
+    assert stream.epoch == 1 and sorted(t["id"] for t in first) == list(range(5))
+    assert [t["id"] for t in first] == [t["id"] for t in TaskStream(tasks, seed=3).take(5)]  # seeded
+    stream.take(2)
+    assert stream.epoch == 2
+    stream.take(3)
+    assert stream.epoch == 2  # the second epoch's five, no more
+    stream.take(1)
+    assert stream.epoch == 3
+    task = first[0]
+    assert stream.requeue(task, max_reruns=2) and stream.requeue(task, max_reruns=2)
+    assert stream.take(2) == [task, task]  # re-queued tasks come first
+    assert not stream.requeue(task, max_reruns=2)  # a third time in a row: dropped
+    assert stream.requeue(task, max_reruns=2)  # ... and its count starts again
+    stream.settled(task)
+    assert stream.requeue(task, max_reruns=1) and not stream.requeue(task, max_reruns=1)

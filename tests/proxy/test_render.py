@@ -274,3 +274,23 @@ def test_decode_is_exact_whatever_the_tokenizers_cleanup_default(model_path):
         tokenizer = AutoTokenizer.from_pretrained(model_path, clean_up_tokenization_spaces=cleanup)
         r = Renderer(tokenizer)
         assert r.decode(r.encode(text)) == text
+
+
+def test_xml_templates_get_each_calls_json_arguments_as_an_object_and_anything_else_as_sent():
+    """XML-format templates iterate over a call's arguments: a JSON object string becomes the object, in the
+    OpenAI shape ({"function": {...}}) and the flat one ({"name", "arguments"}) alike; arguments that are not a JSON
+    object (not JSON, a list) stay the string the harness sent. The harness's message is not changed."""
+    from polar_lab.proxy.render import _arguments_as_objects
+
+    nested = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    flat = {"name": "g", "arguments": '{"b": [2]}'}
+    odd = [{"function": {"name": "h", "arguments": "not json"}}, {"name": "k", "arguments": "[1, 2]"}]
+    message = {"role": "assistant", "content": "", "tool_calls": [nested, flat, *odd]}
+    out = _arguments_as_objects(message)
+    assert out["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+        {"name": "g", "arguments": {"b": [2]}},  # flat stays flat: no "function" key added
+        {"function": {"name": "h", "arguments": "not json"}},
+        {"name": "k", "arguments": "[1, 2]"}]
+    assert nested["function"]["arguments"] == '{"a": 1}' and flat["arguments"] == '{"b": [2]}'  # not mutated
+    assert out["role"] == "assistant" and out["content"] == ""
