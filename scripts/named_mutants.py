@@ -367,7 +367,9 @@ def judge(report: Path, mutated_file: str) -> tuple[str, str]:
             text = f"{node.get('message', '')}\n{node.text or ''}"
             if "Timeout >" in text or "Timeout (>" in text or "from pytest-timeout" in text:
                 return "unclear", f"{case.get('name')}: the runner's timeout"
-            if kind == "failure" and ("AssertionError" in text or "assert " in text or mutated_file in text):
+            # pytest.raises that saw nothing raised is an assertion too ("Failed: DID NOT RAISE")
+            if kind == "failure" and ("AssertionError" in text or "assert " in text or "DID NOT RAISE" in text
+                                      or mutated_file in text):
                 return "killed", f"{case.get('name')}: {node.get('message', '')[:140]}"
             if mutated_file in text:
                 return "killed", f"{case.get('name')}: an error raised in {mutated_file}"
