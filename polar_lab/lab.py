@@ -43,8 +43,8 @@ import uvicorn
 
 from polar_lab import sandbox
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
-from polar_lab.engine.process_env import socket_dir
 from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, visible_gpus
+from polar_lab.engine.process_env import socket_dir
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.engine.weights import remove_weights, weights_size, write_weights
@@ -124,15 +124,15 @@ class Lab:
         self.sandbox_level = self._start_sandbox()
         clock.done("store")
         try:
-            engine_given = engine is not None
             engine = self._launch_engine(engine, clock)
             self._start_server(engine)  # no call can reach it before this returns: sessions come later
             clock.done("proxy")
             engine.wait_ready()
             clock.done("engine_wait")
             self.supervisor = EngineSupervisor(
-                engine, gate=_LoopGate(self.service.gate, self.loop), factory=None if engine_given else self._new_engine,
-                max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine, owns_engine=not engine_given)
+                engine, gate=_LoopGate(self.service.gate, self.loop),
+                factory=self._new_engine if self._owns_engine else None,
+                max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine, owns_engine=self._owns_engine)
             self.service.engine_status = self.supervisor.status
             self.registry.on_close.append(self._forget_route)
         except BaseException:

@@ -59,7 +59,6 @@ class VLLMEngine:
         self.max_model_len = 0
         self.log_path = Path(log_path) if log_path else None  # the worker's stdout/stderr (vLLM's logs)
         self.startup_seconds = 0.0
-        self.build_seconds = 0.0
         self.forked = False
         self.start_info: dict = {}
         self.busy_seconds = 0.0  # wall time the worker spent inside vLLM steps (busy fraction = Δbusy / Δwall)
@@ -141,7 +140,6 @@ class VLLMEngine:
         self.max_model_len = info["max_model_len"]
         self.standby = bool(info.get("standby"))
         self.forked = bool(info.get("forked"))  # forked from the forkserver, not started fresh (engine/forkserver.py)
-        self.build_seconds = info.get("startup_seconds", 0.0)  # of startup_seconds, those spent building the engine
         self.start_info = info  # the worker's own figures: llm_s, standby_s, imported_at_s (benchmarks/lab_startup.py)
         self.startup_seconds = time.perf_counter() - self._t_launch
         self._reader = threading.Thread(target=self._read, name="polar-lab-engine", daemon=True)
