@@ -126,3 +126,18 @@ def test_the_labs_sandbox_level_holds_while_it_is_open_and_is_recorded(tokenizer
         assert lab.sandbox_level == "process" and sandbox.run(["true"], timeout=5).level == "process"
         assert json.loads((lab.run_dir / "config.json").read_text())["sandbox_level"] == "process"
     assert sandbox.current() == before
+
+
+def test_a_lab_starts_under_a_tmpdir_too_deep_for_a_unix_socket(tokenizer, model_path, tmp_path, monkeypatch):
+    """pytest's and CI's temporary folders can be deeper than an AF_UNIX address allows (108 bytes): the proxy's
+    socket for isolated sandboxes then goes under /tmp ("AF_UNIX path too long" before), and is removed at close."""
+    import os
+    import tempfile
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path / "runs")) as lab:
+        path = os.path.join(lab._socket_dir, "proxy.sock")
+        assert os.path.exists(path) and len(path) < 108 and not path.startswith(str(deep))
+    assert not os.path.exists(path)
