@@ -5,10 +5,10 @@ Input items are kept as loose dicts with a `type`: Codex and the Agents SDK send
 to understand in full. Non-function tools (Codex's `namespace`, `web_search`, `local_shell`...) are accepted
 and not offered to the model. Items map onto chat messages: `message` → a message (developer → system),
 consecutive `function_call` items → one assistant turn's tool calls, `function_call_output` → a tool message,
-`reasoning` → the next assistant turn's reasoning. Responses are stored (`StoredResponses`) unless the request
-says `store: false`: `previous_response_id` continues one of its own session's (its items go before the new
-input, and the chain stays token-exact: they are the items this proxy answered), `GET /v1/responses/{id}`
-returns one.
+`reasoning` → the thought that opens an assistant turn (a thought alone is a turn of its own). Responses are
+stored (`StoredResponses`) unless the request says `store: false`: `previous_response_id` continues one of its
+own session's (its items go before the new input, and the chain stays token-exact: they are the items this proxy
+answered), `GET /v1/responses/{id}` returns one.
 """
 
 from __future__ import annotations
@@ -108,13 +108,28 @@ def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
 
 
 def _messages(items: list[dict[str, Any]], signer: ThoughtSigner | None = None) -> list[dict[str, Any]]:
+    """Input items → chat messages. A `reasoning` item opens the assistant turn the model's output began with: the
+    assistant message and function calls after it join that turn. A thought followed by anything else (a user
+    message, a tool result, the end of the input) is a turn of its own, its thought and no content, as the model
+    produced it — dropping it would lose a turn from the prompt and break the session's chain."""
     out: list[dict[str, Any]] = []
-    reasoning: list[str] = []
+    thought_only = False  # out[-1] is a turn a reasoning item opened, with nothing after its thought yet
     for item in items:
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            text = _reasoning_text(item, signer)
+            if thought_only:  # consecutive reasoning items: one thought
+                out[-1]["reasoning_content"] += text
+            else:
+                out.append({"role": "assistant", "content": None, "reasoning_content": text})
+            thought_only = True
+            continue
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role", "user"), item.get("role", "user"))
-            out.append({"role": role, "content": _text(item.get("content"))})
+            if role == "assistant" and thought_only:
+                out[-1]["content"] = _text(item.get("content"))
+            else:
+                out.append({"role": role, "content": _text(item.get("content"))})
         elif kind == "function_call":
             # calls join the assistant turn they follow; after a tool result a new turn starts
             turn = out[-1] if out and out[-1]["role"] == "assistant" else None
@@ -125,14 +140,9 @@ def _messages(items: list[dict[str, Any]], signer: ThoughtSigner | None = None) 
                 "name": item.get("name", ""), "arguments": item.get("arguments", "{}")}})
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
-        elif kind == "reasoning":
-            reasoning.append(_reasoning_text(item, signer))
-            continue
         else:
             raise RequestError(f"input items of type '{kind}' are not supported", param="input")
-        if reasoning and out[-1]["role"] == "assistant":
-            out[-1]["reasoning_content"] = "".join(reasoning)
-            reasoning = []
+        thought_only = False
     return out
 
 
@@ -279,9 +289,11 @@ def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRe
         output.append({"type": "function_call", "id": "fc_" + tc["id"].removeprefix("call_"), "call_id": tc["id"],
                        "name": tc["name"], "arguments": tc["arguments"], "status": "completed"})
     truncated = choice.finish_reason == "length"
-    usage = {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens,
-             "total_tokens": len(call.prompt_ids) + call.completion_tokens,
-             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    usage = {"input_tokens": call.prompt_tokens, "output_tokens": call.completion_tokens,
+             "total_tokens": call.prompt_tokens + call.completion_tokens,
+             "input_tokens_details": {"cached_tokens": call.cached_tokens, "cache_write_tokens": 0,  # no cache writes
+                                      "cache_write_tokens_details": {"ttl_30m_tokens": 0, "ttl_12h_tokens": 0}},
+             "output_tokens_details": {"reasoning_tokens": call.thought_tokens}}
     response = {**_envelope(call.request_id, req, body, call.model),
                 "status": "incomplete" if truncated else "completed",
                 "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
