@@ -5,6 +5,8 @@ Each is an ordinary openai-SDK program doing something real harnesses do:
     reserializing_agent  re-serialises tool-call JSON compactly before sending it back (LangChain-style)
     compacting_agent     replaces its history with a summary after a few turns (context compaction)
     subagent_harness     hands a sub-task to a helper with its own system prompt, then carries on
+    rewriting_agent      rewrites its history before the next call: edits an earlier user turn in place, or puts a
+                         reminder turn ahead of it (as Claude Code's system reminders do) — nothing is dropped
 Run any of them in a session opened with `chat_template=with_empty_think(...)` to get "thinking stripped".
 Re-serialised JSON and stripped thoughts break a chain only under `continuity="template"`: the default,
 "splice", puts the turns the proxy produced back as their sampled ids (proxy/splice.py).
@@ -95,5 +97,27 @@ async def subagent_harness(session: Session, question: str) -> list[dict[str, An
         checker = [{"role": "system", "content": "You check arithmetic. Reply with the correct result."},
                    {"role": "user", "content": question}]
         await _turn(client, checker, force_tool=False)
+        await _turn(client, messages, force_tool=False)
+    return messages
+
+
+REMINDER = "Reminder: answer with the calculator's result only."
+
+
+async def rewriting_agent(session: Session, question: str, follow_up: str, *, how: str = "edit",
+                          ) -> list[dict[str, Any]]:
+    """One turn, then the history is rewritten — `how="edit"`: the first question gets a reminder appended in
+    place; `how="insert"`: the reminder becomes a user turn of its own ahead of the question — and the follow-up
+    is asked. Every earlier turn is still there: history rewritten, not compacted."""
+    if how not in ("edit", "insert"):
+        raise ValueError(f"how must be 'edit' or 'insert', got {how!r}")
+    messages = _start(question)
+    async with _client(session) as client:
+        await _turn(client, messages, force_tool=False)
+        if how == "edit":
+            messages[1] = {"role": "user", "content": f"{question}\n{REMINDER}"}
+        else:
+            messages.insert(1, {"role": "user", "content": REMINDER})
+        messages.append({"role": "user", "content": follow_up})
         await _turn(client, messages, force_tool=False)
     return messages

@@ -6,8 +6,10 @@ Classes (checked in this order; the first that explains the break wins):
     thinking_stripped     removing `<think>` blocks from the chain's text makes it a prefix again
     tool_call_rerendered  the texts part inside a `<tool_call>` whose JSON means the same thing
     whitespace            the texts agree once whitespace is ignored
-    truncation_compaction the prompt keeps the start but drops or rewrites earlier turns
-    other                 none of the above
+    history_rewritten     no turn lost: the chain's turns are all in the prompt in another order (or with a turn put
+                          between them), or each is still in its place, by role, with one or more texts changed
+    truncation_compaction the prompt keeps the start but drops turns, or merges them into fewer (a summary)
+    other                 none of the above (e.g. the template's own scaffolding changed)
 One more class comes from the proxy, not the texts (report.chain_breaks): `turn_edited`, a call whose history
 held a turn the proxy produced, changed by the harness (its render info's "edited" says what changed), so it
 was rendered by the template instead of spliced (proxy/splice.py). Under the default "splice" continuity an
@@ -20,11 +22,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from typing import Any
 
 from polar_lab.proxy.render import common_prefix_len
 
-TURN_END = "<|im_end|>"
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
 _THINK = re.compile(r"<think>.*?</think>\n?\n?", re.DOTALL)  # the template glue only: content may start with whitespace
 _TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SPACE = re.compile(r"\s+")
@@ -47,9 +50,38 @@ def classify(chain_text: str, prompt_text: str) -> tuple[str, dict[str, Any]]:
         return "tool_call_rerendered", detail
     if _SPACE.sub("", prompt_text).startswith(_SPACE.sub("", chain_text)):
         return "whitespace", detail
+    if _rewritten(_turns(chain_text), _turns(prompt_text)):
+        return "history_rewritten", detail
     if chain_text.rfind("<|im_start|>assistant", 0, len(chain_text)) > at or len(prompt_text) < len(chain_text):
         return "truncation_compaction", detail
     return "other", detail
+
+
+def _turns(text: str) -> list[str]:
+    """The text's turns, each from its `<|im_start|>` to its `<|im_end|>` (the newline between turns and a trailing
+    generation prompt's open turn left out)."""
+    turns = []
+    for piece in text.split(TURN_START)[1:]:
+        end = piece.find(TURN_END)
+        if end != -1:
+            turns.append(piece[:end])
+    return turns
+
+
+def _rewritten(chain: list[str], prompt: list[str]) -> bool:
+    """Every turn of the chain is still in the prompt — re-ordered, or with turns put between — or the prompt keeps
+    at least as many turns, the same roles in the same places, and one or more texts changed in place."""
+    if not chain:
+        return False
+    left = Counter(prompt)
+    left.subtract(chain)
+    if all(n >= 0 for n in left.values()):
+        return True
+    return len(prompt) >= len(chain) and [_role(t) for t in prompt[:len(chain)]] == [_role(t) for t in chain]
+
+
+def _role(turn: str) -> str:
+    return turn.partition("\n")[0]
 
 
 def _inside_tool_call(text: str, at: int) -> bool:

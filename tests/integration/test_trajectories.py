@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from polar_lab.harness.chain_breakers import compacting_agent, multi_turn_agent, reserializing_agent, subagent_harness
+from polar_lab.harness.chain_breakers import (compacting_agent, multi_turn_agent, reserializing_agent,
+                                             rewriting_agent, subagent_harness)
 from polar_lab.templates import with_empty_think
 from polar_lab.trajectory import fidelity, per_request, prefix_merging
 
@@ -104,6 +105,17 @@ def test_an_edited_echoed_turn_is_not_spliced_and_its_break_says_so(lab):
 def test_compaction_starts_a_new_chain_classified_as_compaction(lab):
     s = _until_tool_call(lab, compacting_agent, "What is 37*12+5?", "What is 2*21?", name="compacting")
     assert _break_kinds(lab, s) == ["truncation_compaction"]
+
+
+@pytest.mark.parametrize("how", ["edit", "insert"])
+def test_a_rewritten_history_is_its_own_class_not_compaction(lab, how):
+    """A harness that edits an earlier user turn in place, or puts a reminder turn ahead of it, loses no turn: the
+    break is `history_rewritten`, and the assistant turn the proxy produced still went back as its sampled ids."""
+    s = lab.session(harness=f"rewriting-{how}")
+    lab.run(rewriting_agent(s, "What is 37*12+5?", "And 2*21?", how=how), timeout=300)
+    first, second = _calls(lab, s)
+    assert _break_kinds(lab, s) == ["history_rewritten"]
+    assert second.render["spliced"] == [first.call_id]
 
 
 def test_a_subagent_with_its_own_system_prompt_is_a_separate_chain(lab):

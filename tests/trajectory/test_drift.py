@@ -26,8 +26,19 @@ NEXT = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im
     # history replaced by a summary
     (CHAIN + NEXT + "The answer is 5.<|im_end|>", SYS + "<|im_start|>user\nSummary: 5. Next?<|im_end|>\n",
      "truncation_compaction"),
-    # the latest assistant turn's content was edited by the harness
-    (CHAIN.replace(CALL, "The answer is 5."), CHAIN.replace(CALL, "The answer is 6.") + NEXT, "other"),
+    # the harness edited a turn in place (every turn still there, same roles): rewritten, not compacted
+    (CHAIN.replace(CALL, "The answer is 5."), CHAIN.replace(CALL, "The answer is 6.") + NEXT, "history_rewritten"),
+    (CHAIN + NEXT + "5<|im_end|>", CHAIN.replace("What is 2+3?", "What is 2+3? Be brief.") + NEXT + "5<|im_end|>\n"
+     + "<|im_start|>user\nNext?<|im_end|>\n", "history_rewritten"),
+    # the harness re-ordered its history (the same turns, another order)
+    (SYS + USER + "<|im_start|>user\nAnd 4+4?<|im_end|>\n<|im_start|>assistant\n" + CALL + "<|im_end|>",
+     SYS + "<|im_start|>user\nAnd 4+4?<|im_end|>\n" + USER + "<|im_start|>assistant\n" + CALL + "<|im_end|>" + NEXT,
+     "history_rewritten"),
+    # a turn dropped from the middle (the rest kept in order): truncation, not a rewrite
+    (CHAIN + NEXT + "5<|im_end|>", SYS + USER + "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>user\nNext?<|im_end|>\n",
+     "truncation_compaction"),
+    # the template's own scaffolding changed (the assistant header): none of the classes above
+    (CHAIN, CHAIN.replace("<|im_start|>assistant", "<|im_start|>model") + NEXT, "other"),
 ])
 def test_classes(chain, prompt, kind):
     got, detail = classify(chain, prompt)
