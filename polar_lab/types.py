@@ -196,6 +196,7 @@ class Generation:
     engine_seconds: float = 0.0  # from submission to the final output, queueing included
     replica: int = 0  # which engine replica sampled it (engine/replicas.py); 0 for a single engine
     moved_from: int | None = None  # its session's previous replica, when this call moved it (dead, queue full)
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (vLLM's num_cached_tokens)
 
 
 @dataclass

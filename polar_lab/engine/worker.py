@@ -298,6 +298,7 @@ class Worker:
             finish_reason=c.finish_reason or "abort",
             stop_reason=c.stop_reason,
             top_logprobs=[{t: lp.logprob for t, lp in d.items()} for d in logprob_dicts],
+            cached_tokens=output.num_cached_tokens or 0,
         )
 
 

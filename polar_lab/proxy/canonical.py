@@ -71,6 +71,7 @@ class Choice:
     parsed: ParsedOutput
     finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
     seed: int | None = None  # the seed the engine sampled this choice with (see service._nth_seed)
+    thought_tokens: int = 0  # of its output ids, those of its thought, delimiters in (OutputParser.thought_tokens)
 
 
 @dataclass
@@ -88,9 +89,25 @@ class CompletedCall:
     choices: list[Choice]
     timings: dict[str, float]
 
+    # Usage, counted once here and written by each API in its own shape, streamed or not (the same figures)
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.generation.output_ids) for c in self.choices)
+
+    @property
+    def thought_tokens(self) -> int:
+        """Of `completion_tokens`, those inside thoughts (the APIs' reasoning / thinking / thoughts tokens)."""
+        return sum(c.thought_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of the prompt's tokens, those the engine's prefix cache served (for its first choice: the others share
+        the prompt)."""
+        return self.choices[0].generation.cached_tokens if self.choices else 0
 
 
 class Lenient(BaseModel):

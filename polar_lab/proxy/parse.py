@@ -160,6 +160,7 @@ class OutputParser:
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.own = reads_own(tool_parser, reasoning_parser)
         self.thinking = THINKING.get(reasoning_parser or "")
+        self._single_tokens: dict[str, int | None] = {}  # a thought's closing marker → its one token id, if it is one
         if not self.own:
             self._vllm_class(tool_parser, reasoning_parser)  # import vLLM's parsers now, not on the first call
 
@@ -168,6 +169,28 @@ class OutputParser:
         reasoning). Searched in place: prompts are long, and this runs on every call."""
         return self.thinking is not None and \
             prompt.rfind(self.thinking[0], 0, end) > prompt.rfind(self.thinking[1], 0, end)
+
+    def thought_tokens(self, output_ids: list[int], parsed: ParsedOutput, prefill: str = "") -> int:
+        """How many of the output's tokens are its thought, up to and including the token that closes it (all of
+        them when the thought never closed): what the APIs report as reasoning / thinking / thoughts tokens. 0 when
+        there was no thought, the prefill closed it (a forced call after an empty thought), or the family's thoughts
+        have no closing marker this reader knows (gpt-oss channels: not counted rather than miscounted)."""
+        close = self.thinking[1] if self.thinking else (THINK_CLOSE if self.own else None)
+        if parsed.reasoning is None or close is None or close in prefill:
+            return 0
+        if close not in self._single_tokens:  # the marker as one token id, when the vocabulary has it
+            token = self.tokenizer.convert_tokens_to_ids(close)
+            one = isinstance(token, int) and self.tokenizer.decode([token], skip_special_tokens=False) == close
+            self._single_tokens[close] = token if one else None
+        token = self._single_tokens[close]
+        if token is not None:
+            return output_ids.index(token) + 1 if token in output_ids else len(output_ids)
+        text = ""
+        for i, piece in enumerate(self.tokenizer.batch_decode([[t] for t in output_ids], skip_special_tokens=False)):
+            text += piece
+            if close in text[-len(close) - len(piece):]:
+                return i + 1
+        return len(output_ids)
 
     def parse(self, text: str, *, tools: list[dict[str, Any]] | None = None, parse_tools: bool = True,
               in_thought: bool = False) -> ParsedOutput:

@@ -167,7 +167,8 @@ class CallService:
             parsed = self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
                                        in_thought=p.in_thought)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
-            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=p.specs[i].seed))
+            choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=p.specs[i].seed,
+                                  thought_tokens=self.parser.thought_tokens(gen.output_ids, parsed, p.prefill)))
             if session.closed_at is not None or gen.finish_reason == "abort":
                 continue  # answered after its run ended, or cut off by its caller: nothing will continue it
             sampled = self.renderer.decode(gen.output_ids)

@@ -108,6 +108,94 @@ def test_each_sdk_receives_tokens_while_they_are_sampled_and_they_are_the_record
     assert "stream_diverged" not in call.render
 
 
+# Each SDK's usage of one call, streamed (where that API puts it in its events) and whole: (streamed, whole), as the
+# SDK parsed them. Anthropic's is the `message_delta` event's (cumulative: frameworks read input tokens there).
+def _chat_usage(s, **kw):
+    import openai
+
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    return chunks[-1].usage.model_dump(), client.chat.completions.create(**kw).usage.model_dump()
+
+
+def _responses_usage(s, *, messages, **kw):
+    import openai
+
+    client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.key, max_retries=0)
+    kw["input"] = messages[0]["content"]
+    (done,) = [e for e in client.responses.create(stream=True, **kw)
+               if e.type in ("response.completed", "response.incomplete")]  # incomplete: cut at max tokens
+    return done.response.usage.model_dump(), client.responses.create(**kw).usage.model_dump()
+
+
+def _anthropic_usage(s, **kw):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0)
+    events = list(client.messages.create(stream=True, max_tokens=N, **kw))
+    (start,) = [e for e in events if e.type == "message_start"]
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    assert start.message.usage.input_tokens == delta.usage.input_tokens  # known from the start, as Anthropic's
+    return delta.usage.model_dump(), client.messages.create(max_tokens=N, **kw).usage.model_dump()
+
+
+def _google_usage(s, *, messages, **kw):
+    from google import genai
+    from google.genai import types
+
+    client = genai.Client(api_key=s.key, http_options=types.HttpOptions(base_url=s.google_base_url))
+    chunks = list(client.models.generate_content_stream(model="tiny-calc", contents=messages[0]["content"]))
+    whole = client.models.generate_content(model="tiny-calc", contents=messages[0]["content"])
+    return chunks[-1].usage_metadata.model_dump(), whole.usage_metadata.model_dump()
+
+
+USAGE = {"openai.chat": _chat_usage, "openai.responses": _responses_usage, "anthropic": _anthropic_usage,
+         "google": _google_usage}
+# fields about what this proxy does not have (server tools, tool-use prompts, regions, tiers of speed or traffic)
+NOT_HERE = {"server_tool_use", "inference_geo", "speed", "tool_use_prompt_token_count",
+            "tool_use_prompt_tokens_details", "traffic_type"}
+CACHE = {"cached_tokens", "cached_content_token_count", "cache_tokens_details"}  # the engine's prefix-cache hits
+
+
+def _flat(usage, prefix=""):
+    """{dotted field: value} of a usage object, nested objects and lists of modality counts opened."""
+    out = {}
+    for key, value in usage.items():
+        if key in NOT_HERE:
+            continue
+        if isinstance(value, dict):
+            out.update(_flat(value, prefix + key + "."))
+        elif isinstance(value, list):
+            out.update(_flat({str(i): v for i, v in enumerate(value)}, prefix + key + "."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _by_name(flat):
+    return {k.replace("_", "").lower(): v for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("api", list(USAGE))
+def test_streamed_usage_fills_every_field_as_the_whole_call_does(lab, api):
+    """The usage a streamed call reports in its events has every field its API defines, equal to the same call's
+    non-streamed figures (its recorded body) and to a non-streamed twin's; only the prefix-cache hits may differ
+    between the twins (the second finds the first's prompt cached)."""
+    s = fixed_length(lab, seed=13)
+    streamed, whole = USAGE[api](s, model="tiny-calc", messages=[{"role": "user", "content": "What is 2+3?"}])
+    first, second = session_calls(lab, s)
+    recorded = first.response.get("usage") or first.response.get("usageMetadata")
+    missing = [k for k, v in _flat(streamed).items() if v is None]
+    assert not missing, f"streamed usage leaves {missing} empty"
+    got, kept = _by_name(_flat(streamed)), _by_name(_flat(recorded))  # the SDK's names against the wire's
+    assert got == {k: kept.get(k) for k in got}
+    differ = {k for k, v in _flat(streamed).items() if _flat(whole).get(k) != v}
+    assert all(k.split(".")[-1] in CACHE or k.split(".")[0] in CACHE for k in differ), differ
+    prompt = len(first.prompt_ids)
+    assert prompt == len(second.prompt_ids) and len(first.output_ids) == len(second.output_ids) == N
+    assert prompt in _flat(streamed).values() and N in _flat(streamed).values()
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_its_request_and_its_partial_call_is_recorded_once(lab):
     s = lab.session(sampling={"ignore_eos": True, "seed": 5})
     max_tokens = lab.engine.max_model_len - 64  # minutes of work if nothing stops it

@@ -150,3 +150,43 @@ def test_anthropic_thinking_is_validated_as_anthropic_does(lab, thinking, max_to
     r = _post(lab.session(), "/v1/messages", {"max_tokens": max_tokens, "messages": USER, "thinking": thinking})
     assert r.status_code == 400 and ("budget_tokens" in provider_error("anthropic.messages", r)
                                      or "thinking.type" in provider_error("anthropic.messages", r))
+
+
+def _events(session, path: str, body: dict) -> list[dict]:
+    """A streamed call's JSON events (SSE `data:` lines)."""
+    with httpx.stream("POST", f"{session.base_url}/s/{session.key}{path}", json=body, timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# (path, body, where a streamed call's usage is, the thought's count in a usage object): each API's own names
+THOUGHT_COUNTS = [
+    ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}},
+     lambda events: events[-1]["usage"], lambda u: u["completion_tokens_details"]["reasoning_tokens"]),
+    ("/v1/responses", {"input": "What is 2+2?"}, lambda events: events[-1]["response"]["usage"],
+     lambda u: u["output_tokens_details"]["reasoning_tokens"]),
+    ("/v1/messages", {"max_tokens": 64, "messages": USER},
+     lambda events: next(e["usage"] for e in events if e["type"] == "message_delta"),
+     lambda u: u["output_tokens_details"]["thinking_tokens"]),
+    ("/v1beta/models/m:generateContent", {"contents": [{"role": "user", "parts": [{"text": "What is 2+2?"}]}]},
+     lambda events: events[-1]["usageMetadata"], lambda u: u["thoughtsTokenCount"]),
+]
+
+
+@pytest.mark.parametrize("path, body, streamed_usage, thought", THOUGHT_COUNTS,
+                         ids=["chat", "responses", "anthropic", "google"])
+def test_usage_counts_the_thoughts_tokens_streamed_as_whole(lab, path, body, thought, streamed_usage):
+    """Reasoning tokens = the output's tokens up to and including `</think>` (the thought and its delimiter), the
+    same in a streamed call's events as in the whole body."""
+    s = lab.session()
+    whole = _post(s, path, body).json()
+    whole_usage = whole.get("usage") or whole["usageMetadata"]
+    stream_path = path.replace(":generateContent", ":streamGenerateContent?alt=sse")
+    streamed = streamed_usage(_events(s, stream_path, {**body, **({} if "v1beta" in path else {"stream": True})}))
+    (call, _) = sorted(lab.call_records([s.id]), key=lambda c: c.call_index)
+    expected = call.output_ids.index(lab.tokenizer.convert_tokens_to_ids("</think>")) + 1
+    assert 1 < expected < len(call.output_ids)  # a thought, then an answer
+    assert thought(whole_usage) == thought(streamed) == expected
+    assert all(streamed[k] == whole_usage[k] for k in streamed)
+    if "v1beta" in path:  # Gemini counts the answer apart from the thought
+        assert whole_usage["candidatesTokenCount"] == len(call.output_ids) - expected

@@ -220,7 +220,22 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolAr
     reason = _STOP_REASONS.get(choice.finish_reason, "stop_sequence" if stop else "end_turn")
     return {"id": "msg_" + call.request_id, "type": "message", "role": "assistant", "model": req.model or call.model,
             "content": blocks, "stop_reason": reason, "stop_sequence": stop,
-            "usage": {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens}}
+            "usage": usage(call.prompt_tokens, call.completion_tokens, call.thought_tokens)}
+
+
+def usage(prompt: int, output: int, thinking: int) -> dict[str, Any]:
+    """Anthropic's usage object. Its cache fields count explicit prompt caching (`cache_control`), which this proxy
+    does not do: 0, and `input_tokens` is the whole prompt (the engine's own prefix cache is not billed apart)."""
+    return {"input_tokens": prompt, "output_tokens": output, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+            "output_tokens_details": {"thinking_tokens": thinking}, "service_tier": "standard"}
+
+
+# the fields `message_delta` carries (the SDK's MessageDeltaUsage): cumulative, the input's included — frameworks read
+# a streamed call's input tokens there
+DELTA_USAGE = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+               "output_tokens_details")
 
 
 class MessageStream:
@@ -231,7 +246,7 @@ class MessageStream:
     def __init__(self, p: Prepared, model: str, tool_args: ToolArgs, signer: ThoughtSigner):
         self.message = {"id": "msg_" + p.request_id, "type": "message", "role": "assistant",
                         "model": p.req.model or model, "content": [], "stop_reason": None, "stop_sequence": None,
-                        "usage": {"input_tokens": len(p.rendered.prompt_ids), "output_tokens": 0}}
+                        "usage": usage(len(p.rendered.prompt_ids), 0, 0)}
         self.tool_args, self.signer = tool_args, signer
         self.index = -1  # the open block's index
         self.open: str | None = None  # the open block's kind
@@ -277,7 +292,7 @@ class MessageStream:
     def finish(self, message: dict[str, Any]) -> bytes:
         return self._close() + self.event(
             "message_delta", delta={"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-            usage={"output_tokens": message["usage"]["output_tokens"]}) + self.event("message_stop")
+            usage={k: message["usage"][k] for k in DELTA_USAGE}) + self.event("message_stop")
 
     def error(self, status: int, message: str) -> bytes:
         return self.event("error", error=orjson.loads(anthropic_error(status, message).body)["error"])

@@ -173,11 +173,23 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tool_args: ToolAr
         if req.logprobs:
             candidate.update(_logprobs(choice.generation, tokenizer, req.top_logprobs))
         candidates.append(candidate)
-    prompt = len(call.prompt_ids)
-    return {"candidates": candidates,
-            "usageMetadata": {"promptTokenCount": prompt, "candidatesTokenCount": call.completion_tokens,
-                              "totalTokenCount": prompt + call.completion_tokens},
+    return {"candidates": candidates, "usageMetadata": usage_metadata(call),
             "modelVersion": req.model or call.model, "responseId": call.request_id}
+
+
+def usage_metadata(call: CompletedCall) -> dict[str, Any]:
+    """Gemini's usageMetadata: candidates count the answer and calls, thoughts apart (`thoughtsTokenCount`), the
+    total both; cached = the engine's prefix-cache hits (as Gemini's implicit caching reports them). Text only."""
+    answer = call.completion_tokens - call.thought_tokens
+    return {"promptTokenCount": call.prompt_tokens, "candidatesTokenCount": answer,
+            "thoughtsTokenCount": call.thought_tokens, "cachedContentTokenCount": call.cached_tokens,
+            "totalTokenCount": call.prompt_tokens + call.completion_tokens,
+            "promptTokensDetails": _text_tokens(call.prompt_tokens), "candidatesTokensDetails": _text_tokens(answer),
+            "cacheTokensDetails": _text_tokens(call.cached_tokens)}
+
+
+def _text_tokens(n: int) -> list[dict[str, Any]]:
+    return [{"modality": "TEXT", "tokenCount": n}]
 
 
 def _finish(reason: str) -> str:

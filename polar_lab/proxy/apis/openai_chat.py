@@ -216,18 +216,28 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer,
         if with_ids:
             choice["token_ids"] = list(c.generation.output_ids)
         choices.append(choice)
-    prompt_tokens = len(call.prompt_ids)
     response = {
         "id": "chatcmpl-" + call.request_id, "object": "chat.completion", "created": int(time.time()),
         "model": req.model or call.model, "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": call.completion_tokens,
-                  "total_tokens": prompt_tokens + call.completion_tokens},
+        "usage": usage(call),
         "system_fingerprint": f"polar_lab-v{call.choices[0].generation.output_versions[-1]}"
         if call.choices[0].generation.output_versions else None,
     }
     if with_ids:
         response["prompt_token_ids"] = list(call.prompt_ids)
     return response
+
+
+def usage(call: CompletedCall) -> dict[str, Any]:
+    """OpenAI's usage object, every field: cached = the engine's prefix-cache hits (OpenAI's automatic caching is
+    the same idea), reasoning = the thoughts' tokens; all text: no audio, images, predicted outputs or cache writes."""
+    prompt, completion = call.prompt_tokens, call.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": call.cached_tokens, "cache_write_tokens": 0,
+                                      "text_tokens": prompt, "audio_tokens": 0, "image_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": call.thought_tokens, "text_tokens": completion,
+                                          "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0}}
 
 
 def token_logprobs(gen, tokenizer, top_k: int, *, as_ids: bool = False) -> list[dict[str, Any]]:
