@@ -48,7 +48,7 @@ from polar_lab.engine.process_env import socket_dir
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.engine.weights import remove_weights, weights_size, write_weights
-from polar_lab.errors import LabError, SandboxError
+from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
 from polar_lab.proxy.formats import resolve_parsers, tool_format
 from polar_lab.proxy.parse import OutputParser
@@ -244,16 +244,12 @@ class Lab:
 
     def _start_sandbox(self) -> str | None:
         """Set this process's sandbox from the harness section; returns the level programs will run at, or
-        None where "isolated" cannot run and fallback is off (programs are then refused, saying why)."""
+        None where "isolated" cannot run and fallback is off: programs are then refused when they are about to
+        run, saying why and how to install bubblewrap; not here, where a Lab that runs none would alarm for nothing."""
         cfg = self.config.harness
         self._sandbox_before = sandbox.current()  # put back when this Lab closes
-        try:
-            level = sandbox.configure(cfg.sandbox, fallback=cfg.sandbox_fallback, uid=cfg.sandbox_uid)
-        except SandboxError as exc:
-            log.warning("%s", exc)
-            return None
-        finally:
-            self._sandbox_mine = sandbox.current()
+        level = sandbox.configure(cfg.sandbox, fallback=cfg.sandbox_fallback, uid=cfg.sandbox_uid)
+        self._sandbox_mine = sandbox.current()
         log.info("harness programs and evaluators run at the %r sandbox level", level)
         return level
 
@@ -299,10 +295,7 @@ class Lab:
         elif self._first_engine is not None and self._owns_engine:
             self._first_engine.close()
         if getattr(self, "_sandbox_before", None) is not None and sandbox.current() == self._sandbox_mine:
-            try:  # only what this Lab set: a Lab started after it keeps its own
-                sandbox.configure(**self._sandbox_before)
-            except SandboxError:  # the level before cannot run here either: it said so when it was set
-                pass
+            sandbox.configure(**self._sandbox_before)  # only what this Lab set: a Lab started after it keeps its own
         if getattr(self, "_socket_dir", None) is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         for path in self._weights_paths:  # handed out by weights_path() and never synced

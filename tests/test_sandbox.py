@@ -33,17 +33,20 @@ def no_bubblewrap(fresh_state, monkeypatch):
     monkeypatch.setattr(isolation.shutil, "which", lambda name: None if name == "bwrap" else real(name))
 
 
-def test_without_bubblewrap_isolated_is_refused_with_the_way_out(no_bubblewrap):
+def test_without_bubblewrap_isolated_is_refused_when_a_program_is_about_to_run_with_the_way_out(no_bubblewrap,
+                                                                                               caplog):
+    with caplog.at_level(logging.DEBUG, logger="polar_lab.sandbox.isolation"):
+        assert sandbox.configure("isolated") is None  # runs will be refused: known, and not said yet
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing alarming before a program runs
     with pytest.raises(SandboxError, match="bubblewrap.*apt-get install bubblewrap.*sandbox_fallback=True"):
-        sandbox.configure("isolated")
-    with pytest.raises(SandboxError, match="bubblewrap"):  # and every run asking for it, not only the Lab
         sandbox.run(["true"], timeout=5)
     assert sandbox.run(["true"], timeout=5, level="process").returncode == 0  # asked for explicitly
 
 
-def test_the_fallback_is_taken_only_when_allowed_and_said_once(no_bubblewrap, caplog):
+def test_the_fallback_is_taken_only_when_allowed_and_said_once_when_a_program_runs(no_bubblewrap, caplog):
     with caplog.at_level(logging.WARNING, logger="polar_lab.sandbox.isolation"):
         assert sandbox.configure("isolated", fallback=True) == "process"
+        assert not caplog.records  # said when a program runs, not when the level is set
         outcomes = [sandbox.run(["true"], timeout=5) for _ in range(3)]
     assert [o.level for o in outcomes] == ["process"] * 3
     said = [r for r in caplog.records if "cannot run here" in r.getMessage()]

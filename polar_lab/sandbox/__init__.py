@@ -45,10 +45,10 @@ from pathlib import Path
 from polar_lab.errors import SandboxError
 from polar_lab.sandbox import files, isolation, seccomp
 from polar_lab.sandbox.cgroup import Cgroup
-from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, current, resolve, unavailable
+from polar_lab.sandbox.isolation import LEVELS, Proxy, configure, current, expected, resolve, unavailable
 
-__all__ = ["LEVELS", "Limits", "Outcome", "Proxy", "Sandbox", "configure", "current", "environment", "resolve",
-           "run", "unavailable", "workdir", "write_files"]
+__all__ = ["LEVELS", "Limits", "Outcome", "Proxy", "Sandbox", "configure", "current", "environment", "expected",
+           "resolve", "run", "unavailable", "workdir", "write_files"]
 
 log = logging.getLogger(__name__)
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "HF_HUB_OFFLINE", "TZ")  # the only variables taken from the kernel

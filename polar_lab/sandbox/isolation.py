@@ -95,8 +95,10 @@ _state = _State()
 _lock = threading.Lock()
 
 
-def configure(level: str = "isolated", *, fallback: bool = False, uid: int | None = None) -> str:
-    """Set the default level of every sandbox in this process; returns the level runs will get.
+def configure(level: str = "isolated", *, fallback: bool = False, uid: int | None = None) -> str | None:
+    """Set the default level of every sandbox in this process; returns the level runs will get (None: they will be
+    refused), found quietly — what cannot run here is said when a program is about to run (`resolve`), not before:
+    a Lab that runs no harness program prints nothing about a sandbox it never uses.
 
     level: "isolated" (bubblewrap + an unprivileged user) or "process" (own workdir, environment, limits
     and process group; same user and filesystem as the kernel). fallback: where "isolated" cannot run
@@ -109,7 +111,7 @@ def configure(level: str = "isolated", *, fallback: bool = False, uid: int | Non
         if uid != _state.uid:
             _state.user, _state.checked, _state.etc = None, False, {}
         _state.level, _state.fallback, _state.uid = level, fallback, uid
-    return resolve(None)
+    return expected(None)
 
 
 def current() -> dict[str, object]:
@@ -118,18 +120,26 @@ def current() -> dict[str, object]:
         return {"level": _state.level, "fallback": _state.fallback, "uid": _state.uid}
 
 
+def expected(level: str | None) -> str | None:
+    """The level a run asking for `level` (None: the configured default) would get, found without a word: None
+    where it would be refused."""
+    level = level or _state.level
+    if level == "process" or unavailable() is None:
+        return level
+    return "process" if _state.fallback else None
+
+
 def resolve(level: str | None) -> str:
-    """The level a run asking for `level` (None: the configured default) gets; refuses (SandboxError) when
-    "isolated" cannot run here and fallback is off."""
+    """The level a run asking for `level` (None: the configured default) gets, as it is about to run; refuses
+    (SandboxError, saying how to install bubblewrap) when "isolated" cannot run here and fallback is off, and says
+    once per process that it fell back when it does."""
     if level is not None and level not in LEVELS:
         raise SandboxError(f"sandbox level must be one of {LEVELS}, got {level!r}")
-    level = level or _state.level
-    if level == "process":
-        return level
+    got = expected(level)
+    if got == (level or _state.level):
+        return got
     why = unavailable()
-    if why is None:
-        return level
-    if not _state.fallback:
+    if got is None:
         raise SandboxError(f"the isolated sandbox cannot run here: {why}. Install bubblewrap (Debian: "
                            f"apt-get install bubblewrap), or allow the weaker level explicitly: "
                            f"Lab(..., sandbox_fallback=True) or sandbox='process'")
@@ -138,7 +148,7 @@ def resolve(level: str | None) -> str:
             log.warning("the isolated sandbox cannot run here (%s): harnesses and evaluators run at the "
                         "'process' level (same user and filesystem as the kernel)", why)
             _state.warned = True
-    return "process"
+    return got
 
 
 def unavailable() -> str | None:
