@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from polar_lab.errors import ContextLengthError, EngineError, RequestError
 from polar_lab.proxy import streaming
-from polar_lab.proxy.service import CallService
+from polar_lab.proxy.service import MAX_TOKENS_HEADER, CallService, max_tokens_header
 from polar_lab.proxy.sessions import SHARED
 from polar_lab.types import Session
 
@@ -107,7 +107,8 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
     except Exception as exc:
         note_call_error(session, exc)  # why a run failed decides its reward (rollout.failure_cause)
         raise
-    return Response(orjson.dumps(response), media_type="application/json")
+    header = max_tokens_header(call.sampling["max_tokens"], call.sampling["max_tokens_source"])
+    return Response(orjson.dumps(response), media_type="application/json", headers={MAX_TOKENS_HEADER: header})
 
 
 def session_of(request: Request, service: CallService, raw: dict[str, Any] | None = None, *,

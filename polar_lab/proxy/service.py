@@ -67,6 +67,7 @@ class Prepared:
     histories: list[str]  # splice.history_keys of the messages (empty when not splicing)
     in_thought: bool  # the prompt ends inside a thought the template opened
     timings: dict[str, float] = field(default_factory=dict)
+    max_tokens_source: str = "request"  # where the first choice's max_tokens came from (max_tokens_source)
 
 
 class CallService:
@@ -75,6 +76,7 @@ class CallService:
         self.engine = engine
         self.renderer = renderer
         self.parser = parser or OutputParser(renderer.tokenizer)  # the model family's parsers (parse.py)
+        self._said_default = False  # that an answer was cut at the default max_tokens: said once per Lab
         self.registry = registry
         self.store = store
         self.config = config
@@ -112,12 +114,14 @@ class CallService:
                                    cap=session.sampling.get("max_tokens"))
         call_index = self.registry.next_call_index(session)
         spec = _override(requested, session.sampling, call_index)
+        source = max_tokens_source(req.max_tokens, self.config.default_max_tokens, requested.max_tokens,
+                                   spec.max_tokens)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
         return Prepared(session=session, req=req, api=api, request_id=uuid.uuid4().hex[:16], call_index=call_index,
                         rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs,
-                        splicing=splicing,
-                        histories=histories, in_thought=in_thought, timings={"received": received})
+                        splicing=splicing, histories=histories, in_thought=in_thought, timings={"received": received},
+                        max_tokens_source=source)
 
     async def prompt(self, session: Session, req: CanonicalRequest, *, inline: bool = False
                      ) -> tuple[Rendered, str, str | None, bool, list[str]]:
@@ -163,6 +167,12 @@ class CallService:
         req, session, rendered = p.req, p.session, p.rendered
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = []
+        if p.max_tokens_source == "default" and not self._said_default and \
+                any(g.finish_reason == "length" for g in generations):
+            self._said_default = True
+            log.warning("an answer was cut at the Lab's default max_tokens (%d): the request set no cap. Raise it with "
+                        "Lab(..., default_max_tokens=N); lab.calls().max_tokens_source says which calls took it "
+                        "(said once per Lab)", p.specs[0].max_tokens)
         for i, gen in enumerate(generations):
             parsed = self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
                                        in_thought=p.in_thought)
@@ -182,7 +192,8 @@ class CallService:
         return CompletedCall(
             session=session, call_index=p.call_index, request_id=p.request_id, api=p.api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
-            sampling=_spec_dict(p.specs[0], p.requested, p.constraint), choices=choices,
+            sampling={**_spec_dict(p.specs[0], p.requested, p.constraint), "max_tokens_source": p.max_tokens_source},
+            choices=choices,
             timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
 
     def splitter(self, p: Prepared) -> Splitter:
@@ -365,6 +376,30 @@ class CallService:
                             logit_bias=tuple(req.logit_bias.items()), structure=structure,
                             thinking_budget=req.thinking_budget if self.parser.thinking and req.thinking is not False
                             else None)  # a family without thoughts has no budget to keep
+
+
+MAX_TOKENS_HEADER = "polar-lab-max-tokens"  # on every answer: `1024; source=default` (docs/api-conformance.md)
+
+
+def max_tokens_header(max_tokens: int, source: str) -> str:
+    """The header's value: a client whose long answer was cut sees the cap it got and why (a request that sets
+    none gets the Lab's `default_max_tokens`)."""
+    return f"{max_tokens}; source={source}"
+
+
+def max_tokens_source(asked: int | None, default: int, fitted: int, applied: int) -> str:
+    """Where a call's max_tokens came from: "request" (it asked, and that fit), "default" (it set none: the Lab's
+    `default_max_tokens`), "clipped" (what it asked or the default did not fit the context: the room left), or
+    "session" (the session's forced cap was lower).
+
+    >>> max_tokens_source(None, 1024, 1024, 1024), max_tokens_source(32000, 1024, 3900, 3900)
+    ('default', 'clipped')
+    """
+    if applied < fitted:
+        return "session"
+    if fitted < (asked or default):
+        return "clipped"
+    return "request" if asked else "default"
 
 
 def _override(spec: SamplingSpec, forced: dict[str, Any], call_index: int) -> SamplingSpec:

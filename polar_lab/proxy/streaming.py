@@ -31,6 +31,7 @@ from starlette.responses import Response
 
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.service import MAX_TOKENS_HEADER, max_tokens_header
 from polar_lab.types import Generation, Session, TokenDelta
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ class EventStream(Response):
         content_type = getattr(self.writer, "content_type", b"text/event-stream; charset=utf-8")
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", content_type), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
+            (b"x-accel-buffering", b"no"), (MAX_TOKENS_HEADER.encode(), max_tokens_header(
+                self.prepared.specs[0].max_tokens, self.prepared.max_tokens_source).encode())]})
         sender = asyncio.create_task(self._deliver(send))
         gone = asyncio.create_task(_disconnected(receive))
         done, _ = await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
