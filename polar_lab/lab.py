@@ -287,6 +287,7 @@ class Lab:
                 self._serving.result(timeout=30)
             except Exception:  # noqa: BLE001 - shutting down regardless
                 log.debug("server shutdown raised", exc_info=True)
+            self._cancel_pending()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
             self.loop.close()
@@ -317,6 +318,22 @@ class Lab:
 
     def _same_setup(self, cfg: LabConfig) -> bool:
         return not self._closed and cfg == self.config
+
+    def _cancel_pending(self, timeout: float = 30.0) -> None:
+        """Cancel what still runs on the loop — a rollout the close cut off — and wait for it to unwind: its harness
+        programs are killed and their workdirs removed by their own cleanup, and whoever waits in `run` gets the
+        cancellation instead of waiting forever on a stopped loop."""
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout + 5)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            log.warning("runs still on the loop did not unwind within %.0f s", timeout, exc_info=True)
 
     @property
     def closed(self) -> bool:

@@ -1,5 +1,6 @@
 """The sandbox's levels, their fallback, and what a program's result may carry out of its workdir."""
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -91,12 +92,16 @@ def test_an_isolated_run_is_another_user_with_only_its_workdir_writable():
 def test_concurrent_isolated_runs_get_their_own_uids_and_give_them_back():
     if sandbox.unavailable() is not None or os.geteuid() != 0:
         pytest.skip("needs the isolated level run by root (its own uids)")
-    boxes = []
-    for _ in range(3):
-        where = tempfile.mkdtemp()
-        boxes.append(sandbox.Sandbox(["sh", "-c", "id -u; sleep 1"], workdir=where, env=sandbox.environment(where),
-                                     level="isolated").start())
-    uids = [int(box.wait(30).stdout) for box in boxes]
+    with contextlib.ExitStack() as stack:
+        boxes = []
+        for _ in range(3):
+            where = stack.enter_context(sandbox.workdir())
+            boxes.append(sandbox.Sandbox(["sh", "-c", "id -u; getent passwd $(id -u)"], workdir=where, level="isolated",
+                                         env=sandbox.environment(where)).start())
+        outs = [box.wait(30).stdout.split("\n") for box in boxes]
+    uids = [int(out[0]) for out in outs]
+    # each run's own uid is named in the passwd it sees (programs such as Node's os.userInfo() need it)
+    assert all(out[1].startswith(f"sandbox:x:{uid}:{uid}:") for uid, out in zip(uids, outs)), outs
     assert len(set(uids)) == 3 and set(uids) <= set(isolation.pool()), uids
     assert isolation._state.leased == {}  # all given back
 

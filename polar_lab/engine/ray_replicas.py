@@ -114,11 +114,14 @@ class Host:
 
     def __init__(self) -> None:
         self.staged: dict[str, str] = {}  # staged path → the folder to remove
-        # what an earlier process of this actor staged and could not remove (it was killed): remove it now
-        self.prefix = f"polar-lab-staged-{ray.get_runtime_context().get_actor_id()}-"
+        # what an earlier process of this actor staged or used and could not remove (it was killed): remove it now
+        actor_id = ray.get_runtime_context().get_actor_id()
+        self.prefix = f"polar-lab-staged-{actor_id}-"
         shm = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
         for folder in shm.glob(self.prefix + "*"):
             shutil.rmtree(folder, ignore_errors=True)
+        remove_scratch([actor_id])
+        self.scratch_prefix = scratch_prefix(actor_id)
 
     async def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
@@ -132,7 +135,8 @@ class Host:
     async def serve(self, target: str, address: tuple[str, int], authkey: bytes, args: tuple = (),
                     log_path: str | None = None) -> int:
         """Run `module:function(conn, *args)` with a connection back to `address`; its return code."""
-        return await asyncio.to_thread(_serve_back, target, tuple(address), authkey, args, log_path)
+        return await asyncio.to_thread(_serve_back, target, tuple(address), authkey, args, log_path,
+                                       self.scratch_prefix)
 
     async def stage(self, payload: Any) -> str:
         """Write shipped weights (`ship_weights`; Ray resolves the reference) to this node's shared memory;
@@ -147,7 +151,22 @@ class Host:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _serve_back(target: str, address: tuple[str, int], authkey: bytes, args: tuple, log_path: str | None) -> int:
+def scratch_prefix(actor_id: str) -> str:
+    """The name an actor's scratch folders start with, in its node's temp dir: the actor's id, so whoever outlives the
+    process — the actor's next process, or the kernel that ended it — can find and remove what it left."""
+    return f"polar-lab-actor-{actor_id}-"
+
+
+def remove_scratch(actor_ids: list[str]) -> None:
+    """Remove these actors' scratch folders from this node's temp dir (those of a process that was killed: one that
+    ends removes its own)."""
+    for actor_id in actor_ids:
+        for folder in Path(tempfile.gettempdir()).glob(scratch_prefix(actor_id) + "*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve_back(target: str, address: tuple[str, int], authkey: bytes, args: tuple, log_path: str | None,
+                prefix: str) -> int:
     import importlib
 
     if log_path and os.path.isdir(os.path.dirname(log_path)):  # the run folder is on this node: log there
@@ -155,7 +174,7 @@ def _serve_back(target: str, address: tuple[str, int], authkey: bytes, args: tup
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    scratch = tempfile.mkdtemp(prefix="polar-lab-actor-")  # vLLM's rendezvous files, the worker's adapter copies
+    scratch = tempfile.mkdtemp(prefix=prefix)  # vLLM's rendezvous files, the worker's adapter copies
     os.environ["TMPDIR"] = scratch
     tempfile.tempdir = None
     os.environ["POLAR_LAB_IN_RAY_ACTOR"] = "1"  # the engine keeps vLLM's own workers off Ray (worker.py)
@@ -476,16 +495,33 @@ def _placed(bundle: dict[str, float], n: int, what: str):
 
 
 def _end(actors: list, pg) -> None:
-    """End `actors` for good (no restart) and free their placement group."""
+    """End `actors` for good (no restart), remove the scratch folders they leave on this node (a killed process
+    removes nothing; on another node, its actor's next process would) and free their placement group."""
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)
         except ValueError:
             pass  # already gone
+    for actor in actors:
+        _wait_gone(actor)
+    remove_scratch([actor._actor_id.hex() for actor in actors])
     try:
         remove_placement_group(pg)
     except Exception:  # noqa: BLE001 - the cluster may be gone already
         pass
+
+
+def _wait_gone(actor, timeout: float = 10.0) -> None:
+    """Until a killed actor answers no more (its process is gone: nothing writes into its scratch after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        except Exception:  # noqa: BLE001 - the cluster itself may be gone
+            return
+        time.sleep(0.05)
 
 
 def ray_replica_set(config: EngineConfig, *, log_dir: Path | None, weights_dir: Path | None, target: str = WORKER,

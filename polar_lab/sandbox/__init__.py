@@ -121,6 +121,7 @@ class Sandbox:
         self._watcher: threading.Thread | None = None
         self._owner: isolation.User | None = None  # the uid an isolated run holds
         self._seccomp: int | None = None  # the filter's descriptor, open while bwrap starts
+        self._etc: tuple[int, ...] = ()  # the passwd and group descriptors, open while bwrap starts
         self._lock = threading.Lock()  # the watcher and close() both kill
         self._closed = threading.Event()  # set once close() has ended the run and kept its outcome
 
@@ -130,11 +131,12 @@ class Sandbox:
             self._owner = isolation.lease() if self.level == "isolated" else None  # its own uid, given back at close
             self.cgroup = Cgroup.create(max_pids=self.limits.processes, memory_mb=self.limits.memory_mb)
             _say_once_what_is_missing(self.cgroup)
-            self._seccomp = seccomp.filter_fd() if self.level == "isolated" else None
+            if self.level == "isolated":
+                self._seccomp, self._etc = seccomp.filter_fd(), isolation.etc_fds(self._owner)
             self.proc = subprocess.Popen(
                 self._command(), cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self._out,
                 stderr=self._err, start_new_session=True,  # its own process group: the deadline kills its children
-                pass_fds=(self._seccomp,) if self._seccomp is not None else ())
+                pass_fds=(*self._etc, *(() if self._seccomp is None else (self._seccomp,))))
         except BaseException:  # e.g. EAGAIN when processes are scarce: leave no cgroup, uid or files behind
             if self.cgroup is not None:
                 self.cgroup.close()
@@ -145,8 +147,8 @@ class Sandbox:
             self._out = None
             raise
         finally:
-            if self._seccomp is not None:  # bwrap has its copy
-                os.close(self._seccomp)
+            for fd in (*self._etc, *(() if self._seccomp is None else (self._seccomp,))):  # bwrap has its copies
+                os.close(fd)
         self._watcher = threading.Thread(target=self._watch, name="polar-lab-sandbox-watch", daemon=True)
         self._watcher.start()
         return self
@@ -162,7 +164,8 @@ class Sandbox:
         if self.level == "isolated":
             isolation.prepare_workdir(self.workdir, self._owner)
             argv = isolation.wrap(argv, workdir=self.workdir, tmp_mb=self.limits.disk_mb, readonly=self.readonly,
-                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner, seccomp_fd=self._seccomp)
+                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner, seccomp_fd=self._seccomp,
+                                  etc=self._etc)
         return ["/bin/sh", "-c", shell, "sh", *_limits_argv(self._prlimit, self.limits, nproc=nproc), *argv]
 
     def _watch(self) -> None:

@@ -9,8 +9,8 @@ What an isolated run has (docs/reliability.md lists each with the test that chec
 - new user, PID, IPC, UTS, cgroup and network namespaces: no other process is visible or can be signalled,
   no socket of the host can be reached;
 - a read-only view of the system: /usr (and the /bin, /lib... links to it), /etc with a passwd and group
-  that name the sandbox user, the interpreter (`sys.base_prefix`, `sys.prefix`), the polar_lab package,
-  and the paths the harness names (its own install, e.g. .cache/agents). Nothing else of the host: not the
+  that name the sandbox user (handed to bwrap in memory, per run: nothing on disk to leave behind), the
+  interpreter (`sys.base_prefix`, `sys.prefix`), the polar_lab package, and the paths the harness names (its own install, e.g. .cache/agents). Nothing else of the host: not the
   run folder, the project tree, /root, /home, /dev/shm's weight files, other sandboxes' workdirs;
 - its workdir read-write at its own path, a private /tmp and /dev/shm (memory-backed, each capped at the
   run's disk quota);
@@ -24,7 +24,6 @@ What an isolated run has (docs/reliability.md lists each with the test that chec
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import grp
 import logging
@@ -75,7 +74,6 @@ class User:
     uid: int
     gid: int
     switch: bool
-    etc: str  # a folder holding the passwd and group files the sandbox sees
 
 
 @dataclass
@@ -85,7 +83,6 @@ class _State:
     uid: int | None = None
     user: User | None = None
     leased: dict[int, int] = field(default_factory=dict)  # uids runs of this process hold now → their lock's fd
-    etc: dict[int, str] = field(default_factory=dict)  # uid → its passwd/group folder
     unavailable: str | None = None  # why "isolated" cannot run here; "" once checked and fine
     checked: bool = False
     warned: bool = False
@@ -109,7 +106,7 @@ def configure(level: str = "isolated", *, fallback: bool = False, uid: int | Non
         raise SandboxError(f"sandbox level must be one of {LEVELS}, got {level!r}")
     with _lock:
         if uid != _state.uid:
-            _state.user, _state.checked, _state.etc = None, False, {}
+            _state.user, _state.checked = None, False
         _state.level, _state.fallback, _state.uid = level, fallback, uid
     return expected(None)
 
@@ -164,11 +161,15 @@ def unavailable() -> str | None:
 def _trial() -> str:
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
+    fds = etc_fds(_user())
     try:
-        done = subprocess.run(wrap(["true"], workdir=None, tmp_mb=1, owner=_user()), capture_output=True,
-                              timeout=30, stdin=subprocess.DEVNULL)
+        done = subprocess.run(wrap(["true"], workdir=None, tmp_mb=1, owner=_user(), etc=fds), capture_output=True,
+                              timeout=30, stdin=subprocess.DEVNULL, pass_fds=fds)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"a trial sandbox failed: {exc}"
+    finally:
+        for fd in fds:
+            os.close(fd)
     if done.returncode != 0:
         return f"a trial sandbox failed: {done.stderr.decode(errors='replace').strip()[:300]}"
     return ""
@@ -185,7 +186,7 @@ def _user() -> User:
         switch = os.geteuid() == 0
         uid = (_state.uid or _free_id()) if switch else os.geteuid()
         gid = uid if switch else os.getegid()
-        _state.user = User(uid=uid, gid=gid, switch=switch, etc=_etc_files(uid, gid))
+        _state.user = User(uid=uid, gid=gid, switch=switch)
     return _state.user
 
 
@@ -206,9 +207,7 @@ def lease() -> User:
             return first
         for uid in range(first.uid, first.uid + POOL_SIZE):
             if uid not in _state.leased and _unnamed(uid) and _claim(uid):
-                if uid not in _state.etc:
-                    _state.etc[uid] = first.etc if uid == first.uid else _etc_files(uid, uid)
-                return User(uid=uid, gid=uid, switch=True, etc=_state.etc[uid])
+                return User(uid=uid, gid=uid, switch=True)
     raise RuntimeError(f"all {POOL_SIZE} sandbox uids from {first.uid} are in use: too many isolated runs at once "
                        f"(lower the rollout's concurrency)")  # this run fails; the machine can still sandbox
 
@@ -256,20 +255,21 @@ def _free_id() -> int:
     raise SandboxError(f"no free uid in [{first}, {first + 4000}); pass one: Lab(..., sandbox_uid=N)")
 
 
-def _etc_files(uid: int, gid: int) -> str:
-    """passwd and group files naming the sandbox user (programs such as Node's os.userInfo() need an
-    entry for their uid); removed when the process exits."""
-    folder = tempfile.mkdtemp(prefix="polar-sandbox-etc-")
-    os.chmod(folder, 0o755)
-    (Path(folder) / "passwd").write_text(
-        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-        f"sandbox:x:{uid}:{gid}:polar_lab sandbox:/tmp:/bin/sh\n"
-        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    (Path(folder) / "group").write_text(f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n")
-    for name in ("passwd", "group"):
-        os.chmod(Path(folder) / name, 0o644)
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
+def etc_fds(owner: User) -> tuple[int, int]:
+    """In-memory passwd and group files naming the sandbox user (programs such as Node's os.userInfo() need an entry
+    for their uid), as two descriptors for bwrap's `--ro-bind-data`: the caller passes them to the run and closes
+    them once it has started (bwrap copies them). Nothing on disk, so nothing a killed kernel leaves behind."""
+    texts = ("root:x:0:0:root:/root:/usr/sbin/nologin\n"
+             f"sandbox:x:{owner.uid}:{owner.gid}:polar_lab sandbox:/tmp:/bin/sh\n"
+             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+             f"root:x:0:\nsandbox:x:{owner.gid}:\nnogroup:x:65534:\n")
+    fds = []
+    for name, text in zip(("passwd", "group"), texts):
+        fd = os.memfd_create(f"polar-sandbox-{name}")
+        os.write(fd, text.encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        fds.append(fd)
+    return fds[0], fds[1]
 
 
 def prepare_workdir(workdir: str | Path, owner: User | None = None) -> None:
@@ -283,10 +283,11 @@ def prepare_workdir(workdir: str | Path, owner: User | None = None) -> None:
     os.chown(workdir, owner.uid, owner.gid)
 
 
-def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, readonly: tuple[str, ...] = (),
-         proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None,
+def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, etc: tuple[int, int],
+         readonly: tuple[str, ...] = (), proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None,
          seccomp_fd: int | None = None) -> list[str]:
-    """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher."""
+    """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher. etc: the
+    passwd and group descriptors (`etc_fds`), passed to the run with the seccomp filter's."""
     owner = owner or user()
     if proxy is not None:  # the forwarder first, then the program
         argv = [sys.executable, "-I", "-S", str(LAUNCH), "--listen", proxy.host, str(proxy.port), "--to",
@@ -297,7 +298,8 @@ def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, readonly: 
     box = ["bwrap", *([] if owner.switch else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
            "--unshare-uts", "--unshare-net", "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent",
            *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []), *_system(),
-           "--ro-bind", f"{owner.etc}/passwd", "/etc/passwd", "--ro-bind", f"{owner.etc}/group", "/etc/group",
+           "--perms", "0644", "--ro-bind-data", str(etc[0]), "/etc/passwd",
+           "--perms", "0644", "--ro-bind-data", str(etc[1]), "/etc/group",
            "--proc", "/proc", "--dev", "/dev",
            "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
            "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]

@@ -93,3 +93,51 @@ def test_a_process_flood_is_capped_even_for_root_and_cleaned_up(lab, tmp_path):
     assert not any(running(p) for p in made)
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), CALC_CLI, num_generations=1, progress=False)
     assert g.sessions[0].status == "closed"
+
+
+def test_every_sandboxed_run_removes_what_it_made_however_it_ends(engines, model_path, runs_dir, tmp_path,
+                                                                   monkeypatch):
+    """Isolated runs that exit, crash, pass a limit, hit their deadline, or are cut off by `Lab.close()` (and the Lab
+    itself): the temp dir they all used holds nothing afterwards. A training run makes thousands of these."""
+    import threading
+
+    import torch._dynamo  # noqa: F401 - its import makes torch's machine-wide cache folder (torchinductor_<user>)
+
+    engines.get(model_path)  # the suite's shared engine outlives this test: started before the count begins
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # every folder made from here on: in this one, counted
+    py = ["{python}", "-c"]
+    endings = [(Command([*py, "print(4)"], name="exits"), 60),
+               (Command([*py, "import os; os.abort()"], name="crashes"), 60),
+               (Command([*py, "while True: pass"], cpu_seconds=1, name="limit"), 60),
+               (Command([*py, "import time; time.sleep(600)"], name="deadline"), 3)]
+    lab = None
+    try:
+        with engines.lab(model_path, runs_dir=str(runs_dir), run_name="leftovers") as lab:
+            for harness, deadline_s in endings:
+                (g,) = lab.rollout([{"id": harness.name}], harness, num_generations=2, deadline_s=deadline_s,
+                                   progress=False)
+                assert all(s.info.get("sandbox", "isolated") == "isolated" for s in g.sessions)
+            statuses = set(lab.sessions().status)
+            assert {"closed", "error", "timeout"} <= statuses, statuses
+            sleeper = Command([*py, "import time; time.sleep(600)"], name="cut-off")
+            cut_off = threading.Thread(target=lambda: _quietly(lab.rollout, [{"id": "cut"}], sleeper,
+                                                               num_generations=2, progress=False), daemon=True)
+            cut_off.start()
+            deadline = time.monotonic() + 60
+            while len(list(temp.glob("polar-cut-off-*"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(list(temp.glob("polar-cut-off-*"))) == 2  # both running when the Lab closes
+        cut_off.join(60)
+        assert not cut_off.is_alive()
+    finally:
+        monkeypatch.undo()
+    assert sorted(p.name for p in temp.iterdir()) == []
+
+
+def _quietly(call, *args, **kwargs):
+    try:
+        call(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the Lab closed under it: what it left behind is the test's subject
+        pass

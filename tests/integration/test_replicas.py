@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def ray_lab(model_path, tmp_path_factory):
     before = ray_processes()
     lab = Lab(model_path, replicas=2, cluster="ray", port=0, runs_dir=str(tmp_path_factory.mktemp("ray")))
     lab.ray_started = ray_processes() - before
+    lab.actor_folders = actor_folders()  # what earlier runs left: not this Lab's (only Ray tests make these)
     try:
         yield lab
     finally:
@@ -181,6 +183,12 @@ def test_close_stops_every_ray_process_the_lab_started(ray_lab):
     while any(running(pid) for pid in started):
         assert time.monotonic() < deadline, [pid for pid in started if running(pid)]
         time.sleep(0.2)
+    # and no actor's scratch folder is left, the one of the replica killed mid-rollout included
+    assert actor_folders() - ray_lab.actor_folders == set()
+
+
+def actor_folders() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("polar-lab-actor-*")}
 
 
 def test_local_replicas_route_sticky_and_sync_together(model_path, shipped_weights, tmp_path):
