@@ -499,6 +499,10 @@ def main(listen_fd: int, owner_fd: int) -> None:
     preload()
     _IMPORT_THREADS[0] = _native_threads()
     log.info("forkserver %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)
-    serve(socket.socket(fileno=listen_fd), owner_fd)
+    listener = socket.socket(fileno=listen_fd)
+    folder = os.path.dirname(listener.getsockname())
+    serve(listener, owner_fd)
     sys.stderr.flush()
+    # the owner is gone: its folder goes too, even when the owner was killed and could not remove it itself
+    shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)

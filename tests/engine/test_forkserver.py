@@ -86,18 +86,20 @@ def test_a_request_with_another_import_time_environment_is_refused_and_forks_not
 
 
 def test_the_forkserver_ends_with_the_process_that_owns_it(tmp_path):
-    """The owner is killed outright (no atexit): its server notices its pipe close and exits by itself."""
+    """The owner is killed outright (no atexit): its server notices its pipe close, removes the socket's folder the
+    owner could not, and exits by itself."""
     owner = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from polar_lab.config import EngineConfig\n"
         "from polar_lab.engine.forkserver import ForkServer\n"
         "from polar_lab.engine.process_env import engine_env\n"
         "server = ForkServer(engine_env(EngineConfig(), [])).start()\n"
-        "print(server.pid, flush=True)\n"
+        "print(server.pid, server.path, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        server = int(owner.stdout.readline())
-        assert running(server)
+        pid, path = owner.stdout.readline().split()
+        server = int(pid)
+        assert running(server) and os.path.exists(path)
     finally:
         owner.kill()
         owner.wait()
@@ -105,6 +107,7 @@ def test_the_forkserver_ends_with_the_process_that_owns_it(tmp_path):
     while running(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running(server)
+    assert not os.path.exists(os.path.dirname(path))
 
 
 @pytest.mark.parametrize("env, refused", [
