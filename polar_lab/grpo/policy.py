@@ -440,26 +440,41 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def shard_model(model: TokenLogprobs, config: GRPOConfig, device: torch.device) -> None:
+def shard_model(model: TokenLogprobs, config: GRPOConfig, device: torch.device, *, precision=None) -> None:
     """FSDP2 (`fully_shard`), in place: one unit per decoder layer (its parameters are gathered just before
     it runs and freed after), then the wrapper as the root unit (embeddings, final norm, lm_head). On GPU
-    with dtype bfloat16, parameters are gathered in bf16 and gradients reduced in fp32; on CPU they stay
-    fp32 (autocast does the bf16 compute, as without FSDP). `cpu_offload` keeps the shards and the
-    optimiser state in host memory."""
+    with dtype bfloat16, parameters are gathered in bf16 and gradients reduced in fp32 (`fsdp_precision`); on CPU
+    they stay fp32 (autocast does the bf16 compute, as without FSDP). `cpu_offload` keeps the shards and the
+    optimiser state in host memory. precision: (the layers' policy, the root's), default `fsdp_precision`'s."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     import torch.distributed as dist
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers_policy, root_policy = precision or fsdp_precision(device.type, config.dtype)
     options: dict[str, Any] = {"mesh": mesh}
-    if device.type == "cuda" and config.dtype == "bfloat16":
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model.model):
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+        fully_shard(layer, **options, **({"mp_policy": layers_policy} if layers_policy else {}))
+    fully_shard(model, **options, **({"mp_policy": root_policy} if root_policy else {}))
+
+
+def fsdp_precision(device_type: str, dtype: str) -> tuple[Any, Any]:
+    """FSDP2's mixed-precision policies (the decoder layers', the root's); (None, None): none (fp32, or CPU).
+
+    The root keeps its floating-point inputs as they are (`cast_forward_inputs=False`): FSDP2 casts them to the
+    parameter dtype by default, and the root's inputs include each sample's temperature — 0.7 in bf16 is 0.69921875,
+    so the trainer would score every token at another temperature than the engine sampled at. The layers' inputs
+    are activations: those are cast, as the policy intends."""
+    if device_type != "cuda" or dtype != "bfloat16":
+        return None, None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    layers = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return layers, root
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
