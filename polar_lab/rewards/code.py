@@ -113,7 +113,8 @@ def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
     What the harness may have done to its own workdir does not count: the evaluator starts from the task's
     pristine files, applies only the changes `apply_changes` allows (`task["editable"]` globs narrow them),
     and re-copies every test file from the task. `task["test_files"]` names the tests (default: pytest's
-    conventions; only .py files are passed to pytest, the rest are re-copied); `task["test_command"]` (argv,
+    conventions; only .py files are passed to pytest, the rest are re-copied); `task["test_ids"]` (pytest node ids,
+    SWE-bench's FAIL_TO_PASS + PASS_TO_PASS: envs/swe.py) are run instead of the files when given; `task["test_command"]` (argv,
     `{python}` allowed, run in the repository) replaces pytest, and then its exit status alone decides. With
     pytest, a pass also needs its report: tests ran, none failed, errored or skipped (code that exits 0 at
     import does not pass; code that forges the report from inside the test run is not caught — see
@@ -128,10 +129,10 @@ def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
     if missing:
         raise KeyError(f"the task's test_files {missing} are not among its files")
     files.update({path: task["files"][path] for path in tests})  # whatever the harness did to them
-    py_tests = [p for p in tests if p.endswith(".py")]
+    run = task.get("test_ids") or [p for p in tests if p.endswith(".py")]  # node ids (SWE rows), else the files
     command = task.get("test_command")
-    expected = None if command else expected_tests(task["files"], py_tests)
-    passed, _ = run_repo_tests(files, py_tests, command, expected=expected)
+    expected = None if command else expected_tests(task["files"], run)
+    passed, _ = run_repo_tests(files, run, command, expected=expected)
     return {"total": float(passed), "passed": float(passed), "refused": float(len(refused))}
 
 
