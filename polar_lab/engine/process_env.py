@@ -38,7 +38,21 @@ def engine_env(config: EngineConfig, gpus: list[int]) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
     preload_allocator(env, config, on_gpu=bool(gpus))
     bind_threads(env, config, on_gpu=bool(gpus))
+    torchvision_stand_in(env)
     return env
+
+
+SHIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims")
+
+
+def torchvision_stand_in(env: dict[str, str]) -> None:
+    """Where torchvision is not installed (the CPU setup removes it), put `shims/` (a sitecustomize with a
+    torchvision stand-in) first on the engine's PYTHONPATH: vLLM's Qwen3.5 class imports torchvision through its vision
+    sibling, in every process of the engine (shims/sitecustomize.py says what it covers and what breaks)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SHIMS]
+    env["PYTHONPATH"] = os.pathsep.join([SHIMS, *paths])
 
 
 def tcmalloc_library() -> str | None:

@@ -86,7 +86,7 @@ class Worker:
         imported_at = _process_age()  # a fresh process's imports, or ~0 when forked from the forkserver
         c = self.config
         self.llm = vllm.LLM(
-            model=c.model, runner="generate", dtype=c.dtype, max_model_len=c.max_model_len,
+            model=c.model, runner="generate", dtype=_dtype(c, torch.cuda.is_available()), max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
@@ -324,16 +324,37 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
     """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
     `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
     ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
-    a step budget of a whole context."""
+    a step budget of a whole context. A hybrid model (linear-attention layers: Qwen3.5) needs chunked prefill on
+    ("required for mamba cache mode 'align'"): on CPU it gets it with the same whole-context budget, so no prefill
+    is ever split."""
     chunked = c.chunked_prefill if c.chunked_prefill is not None else cuda
     if chunked:
         return {}
-    max_len = c.max_model_len
-    if max_len is None:
-        from transformers import AutoConfig
+    max_len = c.max_model_len or _model_config(c.model).max_position_embeddings
+    return {"enable_chunked_prefill": hybrid(c.model), "max_num_batched_tokens": max_len}
 
-        max_len = AutoConfig.from_pretrained(c.model).max_position_embeddings
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}
+
+def _dtype(c: EngineConfig, cuda: bool) -> str:
+    """The engine's dtype: the config's, except a hybrid model's on CPU, which runs in bf16 (vLLM's CPU Gated-DeltaNet
+    kernel takes nothing else: "CPU GDN attention requires BF16"); the trainer recomputes in fp32 and the gap is
+    measured (tests/engine/test_qwen35_hybrid.py)."""
+    if not cuda and c.dtype != "bfloat16" and hybrid(c.model):
+        log.info("%s has linear-attention layers: the CPU engine runs it in bfloat16, not %s", c.model, c.dtype)
+        return "bfloat16"
+    return c.dtype
+
+
+def hybrid(model: str) -> bool:
+    """Whether a model mixes linear-attention layers into its stack (`layer_types`, as Qwen3.5's config has)."""
+    config = _model_config(model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def _model_config(model: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
 
 
 def _kv_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
