@@ -81,4 +81,5 @@ def _chain() -> None:
 
 
 _install()
-_chain()
+if __name__ == "sitecustomize":  # not when the engine's worker loads this file itself (engine/worker.py)
+    _chain()
