@@ -61,14 +61,15 @@ def _torchvision_stand_in() -> None:
     """Make sure this engine process, and the interpreters vLLM starts from it, have the torchvision stand-in where
     torchvision is not installed (engine/shims/sitecustomize.py). Its sitecustomize normally did it at interpreter
     start; an engine process whose PYTHONPATH lacked the shims (started by another launcher, or before they were
-    there) loads it here, and puts the shims on the PYTHONPATH its own subprocesses inherit. Says when it had to."""
+    there: a Ray actor's, whose environment Ray makes) loads it here, and puts the shims on the PYTHONPATH its own
+    subprocesses inherit."""
     import importlib.util
 
     shims = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if importlib.util.find_spec("torchvision") is not None:  # installed, or the stand-in already answers
         return
-    log.warning("loading the torchvision stand-in in the engine process itself (PYTHONPATH was %r)",
+    log.info("loading the torchvision stand-in in the engine process itself (PYTHONPATH was %r)",
                 os.environ.get("PYTHONPATH"))
     spec = importlib.util.spec_from_file_location("polar_lab_torchvision_stand_in",
                                                   os.path.join(shims, "sitecustomize.py"))

@@ -128,9 +128,10 @@ def changes(repo: str | Path, pristine: dict[str, str], max_entries: int = 200_0
     the walk's depth. A workspace the program replaced by a link or a file counts as all deleted.
 
     >>> import tempfile, pathlib
-    >>> root = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (root / "a.py").write_text("x = 2\\n"); _ = (root / "new.txt").write_text("hi")
-    >>> changes(root, {"a.py": "x = 1\\n", "b.py": "y = 1\\n"})
+    >>> with tempfile.TemporaryDirectory() as where:
+    ...     root = pathlib.Path(where)
+    ...     _ = (root / "a.py").write_text("x = 2\\n"); _ = (root / "new.txt").write_text("hi")
+    ...     changes(root, {"a.py": "x = 1\\n", "b.py": "y = 1\\n"})
     ({'a.py': 'x = 2\\n', 'new.txt': 'hi', 'b.py': None}, [])
     """
     found: dict[str, str | None] = {}
