@@ -39,6 +39,7 @@ When the parent goes away (its end of the socket closes) the worker stops: no en
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -65,18 +66,16 @@ def _torchvision_stand_in() -> None:
     subprocesses inherit."""
     import importlib.util
 
-    shims = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims")
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    from polar_lab.engine.process_env import SHIMS, torchvision_stand_in
+
     if importlib.util.find_spec("torchvision") is not None:  # installed, or the stand-in already answers
         return
     log.info("loading the torchvision stand-in in the engine process itself (PYTHONPATH was %r)",
-                os.environ.get("PYTHONPATH"))
-    spec = importlib.util.spec_from_file_location("polar_lab_torchvision_stand_in",
-                                                  os.path.join(shims, "sitecustomize.py"))
+             os.environ.get("PYTHONPATH"))
+    torchvision_stand_in(os.environ)  # first: it checks for torchvision, which the stand-in then answers
+    spec = importlib.util.spec_from_file_location("polar_lab_torchvision_stand_in", os.path.join(SHIMS,
+                                                                                                  "sitecustomize.py"))
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    if shims not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([shims, *paths])
-
 
 _torchvision_stand_in()
 
@@ -375,7 +374,9 @@ def hybrid(model: str) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
+@functools.lru_cache(maxsize=4)
 def _model_config(model: str):
+    """The model's config, read once per engine process (the dtype, the prefill budget and `hybrid` each ask)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model)
