@@ -166,6 +166,33 @@ def weights_size(path: str | Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
+def unplaced_names(worker, path: str) -> list[str]:
+    """Run inside a vLLM worker before a load: the file's tensors for which the served model has no parameter.
+    vLLM's `load_weights` passes over a name it does not know in silence, so a trainer tensor the engine would never
+    receive (a renamed layer, a hybrid's projection under another name) is found here and the load refused. A name is
+    placed when the model's own checkpoint mapper (`hf_to_vllm_mapper`: prefixes; None drops a name, which counts as
+    unplaced) and its fused projections (`packed_modules_mapping`: q/k/v into qkv_proj, gate/up into gate_up_proj,
+    Qwen3.5's in_proj_qkv/z into in_proj_qkvz and in_proj_b/a into in_proj_ba) lead to one of its parameters."""
+    from safetensors import safe_open
+
+    model = worker.model_runner.model
+    # an engine serving LoRA wraps its layers: the base weight is `<layer>.base_layer.weight`
+    params = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters(remove_duplicate=False)}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    fused = [(f".{part}.", f".{whole}.") for whole, parts in packed.items() for part in parts]
+    with safe_open(str(path), framework="pt") as f:
+        names = list(f.keys())
+    out = []
+    for name in names:
+        mapped = mapper.map_name(name) if mapper is not None and hasattr(mapper, "map_name") else name
+        for part, whole in fused if mapped is not None else ():
+            mapped = mapped.replace(part, whole)
+        if mapped not in params:
+            out.append(name)
+    return out
+
+
 def reload_from_file(worker, path: str) -> None:
     """Run inside each vLLM worker (`LLM.collective_rpc(reload_from_file, args=(path,))`): load the file's
     tensors into that worker's shard of the model. A function, not an iterator, crosses to tensor-parallel

@@ -231,9 +231,13 @@ class Worker:
         (default: the current one + 1)."""
         if os.path.isdir(path):
             return self.load_adapter(path, version)
-        from polar_lab.engine.weights import reload_from_file
+        from polar_lab.engine.weights import reload_from_file, unplaced_names
 
         try:
+            unplaced = self.llm.collective_rpc(unplaced_names, args=(path,))[0]
+            if unplaced:  # refused before anything moves: the old weights keep serving at the old version
+                return (f"weight load refused: the served model has no parameter for {len(unplaced)} of the file's "
+                        f"tensors, e.g. {unplaced[:3]} (vLLM would pass over them in silence)")
             if self.standby is not None and self.standby.holds(path):
                 self.standby.swap_in()  # staged while the engine served: a swap between two steps
             else:
@@ -347,14 +351,16 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
     """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
     `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
     ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
-    a step budget of a whole context. A hybrid model (linear-attention layers: Qwen3.5) needs chunked prefill on
-    ("required for mamba cache mode 'align'"): on CPU it gets it with the same whole-context budget, so no prefill
-    is ever split."""
+    a step budget of a whole context. A hybrid model (linear-attention layers: Qwen3.5) on CPU also runs without
+    prefix caching: with it, vLLM caches the DeltaNet state in 'align' mode, which needs chunked prefill and splits
+    prompts at block boundaries — a seeded Codex session killed the engine that way. Each turn then prefills its
+    whole context (on CPU a hybrid's model is a test fixture; on a GPU both stay on)."""
     chunked = c.chunked_prefill if c.chunked_prefill is not None else cuda
     if chunked:
         return {}
     max_len = c.max_model_len or _model_config(c.model).max_position_embeddings
-    return {"enable_chunked_prefill": hybrid(c.model), "max_num_batched_tokens": max_len}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len,
+            **({"enable_prefix_caching": False} if hybrid(c.model) else {})}
 
 
 def _dtype(c: EngineConfig, cuda: bool) -> str:

@@ -1,0 +1,97 @@
+"""Engine vs trainer logprobs on Qwen3.5's hybrid architecture (issue 41): the CPU engine serves a hybrid in bf16
+(vLLM's CPU Gated-DeltaNet kernel takes nothing else); how far are its logprobs from what the trainer computes?
+
+One Lab on the hybrid fixture; `--sessions` calculator-style chats of three turns each at T=0.7 (seeded); every
+sampled token of each session's one chain is rescored by the trainer four ways:
+  fp32                 the trainer's default (fp32 weights and compute) — the issue's reference
+  fp32, bf16 weights   fp32 compute on the weights rounded to bf16, as the engine holds them
+  bf16 autocast        GRPOConfig(dtype="bfloat16"): fp32 master weights, bf16 matmuls
+  bf16 model           weights and compute in bf16
+Printed per way: mean and max |Δ logprob| and the mean TIS weight exp(trainer − engine), over all sampled tokens.
+
+    python benchmarks/hybrid_fidelity.py [--model data/models/tiny-calc-qwen35-hybrid] [--sessions 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from polar_lab import Lab
+from polar_lab.grpo.loss import token_logprobs
+
+QUESTIONS = ["What is 2+3?", "What is 17*4?", "Compute 120-45.", "What is (8+9)*3?", "What is 250+175?",
+             "Compute 13*13.", "What is 99-27?", "What is 6*(7+5)?"]
+
+
+def chains(lab: Lab, sessions: int) -> list:
+    import openai
+
+    out = []
+    for i in range(sessions):
+        s = lab.session(sampling={"temperature": 0.7, "seed": 100 + i})
+        client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        for follow_up in ("And times two?", "Thanks."):
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=48)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": follow_up}]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=48)
+        out += lab.trajectories(session_ids=[s.id])
+    return out
+
+
+def scorers(model_path: str) -> dict:
+    fp32 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    rounded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    bf16 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+
+    def plain(model):
+        return lambda ids: token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([0.7]))[0].float()
+
+    def autocast(ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return token_logprobs(fp32, ids, torch.ones_like(ids), torch.tensor([0.7]))[0].float()
+
+    return {"fp32": plain(fp32), "fp32, bf16 weights": plain(rounded), "bf16 autocast": autocast,
+            "bf16 model": plain(bf16)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc-qwen35-hybrid")
+    parser.add_argument("--sessions", type=int, default=8)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    with Lab(args.model, port=0, kv_cache_gib=0.25, max_model_len=4096) as lab:
+        found = chains(lab, args.sessions)
+    rows = {}
+    with torch.no_grad():
+        for name, score in scorers(args.model).items():
+            gaps, ratios = [], []
+            for chain in found:
+                trainer = score(torch.tensor([chain.token_ids]))
+                for i, m in enumerate(chain.loss_mask):
+                    if m:
+                        delta = trainer[i - 1].item() - chain.behavior_logprobs[i]
+                        gaps.append(abs(delta))
+                        ratios.append(math.exp(delta))
+            rows[name] = {"tokens": len(gaps), "mean": sum(gaps) / len(gaps), "max": max(gaps),
+                          "tis_mean": sum(ratios) / len(ratios)}
+            print(json.dumps({"way": name, **rows[name]}), flush=True)
+    print(f"\n{len(found)} chains, {time.perf_counter() - t0:.0f} s; engine: vLLM CPU, bf16\n")
+    print("| trainer | tokens | mean \\|Δ\\| | max \\|Δ\\| | TIS mean |\n|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['tokens']} | {r['mean']:.2e} | {r['max']:.2e} | {r['tis_mean']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
