@@ -16,7 +16,9 @@ from transformers import AutoConfig
 
 from polar_lab.grpo.memory import GIB, ModelShape, format_plan, plan
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# every projection: attention, MLP, and a hybrid's DeltaNet ones (names a model lacks count nothing)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+           "out_proj"]
 
 
 def main() -> None:
