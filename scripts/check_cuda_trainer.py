@@ -56,8 +56,8 @@ def reference_logprobs(model_path: str, samples: list[Sample]) -> tuple[list[tor
     return out, "transformers fp32 (CPU)"
 
 
-def make_samples(model_path: str, device: str, new_tokens: int, seed: int) -> list[Sample]:
-    """Sample completions of calculator prompts on the device; advantages alternate +1/-1."""
+def make_samples(model_path: str, device: str, new_tokens: int, seed: int, temperature: float = 1.0) -> list[Sample]:
+    """Sample completions of calculator prompts on the device at `temperature`; advantages alternate +1/-1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
@@ -71,14 +71,14 @@ def make_samples(model_path: str, device: str, new_tokens: int, seed: int) -> li
         prompt = tok.apply_chat_template(messages, tools=[CALC_TOOL], add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
         ids = torch.tensor([prompt], device=device)
-        full = model.generate(ids, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
-                              pad_token_id=tok.pad_token_id or 0)[0].cpu()
+        full = model.generate(ids, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                              max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id or 0)[0].cpu()
         n = len(full)
         weights = torch.zeros(n - 1)
         weights[len(prompt) - 1:] = 1.0
         samples.append(Sample(input_ids=full, weights=weights, advantage=1.0 if i % 2 == 0 else -1.0,
                               behavior_logprobs=torch.zeros(n - 1), versions=torch.zeros(n - 1, dtype=torch.long),
-                              temperature=1.0, session_id=f"check-{i}"))
+                              temperature=temperature, session_id=f"check-{i}"))
     total = sum(float(s.weights.sum()) for s in samples)
     for s in samples:
         s.weights /= total  # token-mean over the batch

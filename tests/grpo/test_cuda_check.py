@@ -1,4 +1,5 @@
-"""The accelerator check script stays runnable: CI runs its CPU form; a GPU machine runs the CUDA form."""
+"""The accelerator check scripts stay runnable: CI runs check_cuda_trainer.py's CPU form and sees check_gpu.py refuse;
+a GPU machine runs both (docs/recipe-polar.md reads check_gpu.py's table)."""
 
 import subprocess
 import sys
@@ -29,3 +30,10 @@ def test_the_check_passes_on_cuda_in_bf16():
     ranks = "2" if torch.cuda.device_count() >= 2 else "1"
     done = _run("--device", "cuda", "--dtype", "bfloat16", "--world-size", ranks)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the check runs instead of refusing")
+def test_the_gpu_check_refuses_in_one_line_on_a_machine_without_cuda():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_gpu.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout.startswith("refused: no CUDA device") and done.stdout.count("\n") == 1
