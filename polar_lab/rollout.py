@@ -149,8 +149,9 @@ async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harnes
         forced = dict(sampling or {}) | ({"seed": derived_seed(seed, i)} if seed is not None else {})
         async with gate:
             session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator,
-                                    deadline_s=deadline_s, name=name, failed_reward=failed_reward,
-                                    timeout_reward=timeout_reward, overflow_reward=overflow_reward, sampling=forced)
+                                    deadline_s=deadline_s, name=harness_name(harness, task),
+                                    failed_reward=failed_reward, timeout_reward=timeout_reward,
+                                    overflow_reward=overflow_reward, sampling=forced)
         bar.update(1)
         return session
 
@@ -176,6 +177,10 @@ def make_groups(host: Host, tasks: list[dict[str, Any]], group_ids: list[str], s
     return groups
 
 
-def harness_name(harness: Harness) -> str:
+def harness_name(harness: Harness, task: dict[str, Any] | None = None) -> str:
+    """What a session records as its harness: the function's or class's name; a mixture's, the one that runs `task`
+    (harness/mixture.py)."""
+    if task is not None and hasattr(harness, "name_for"):
+        return harness.name_for(task)
     inner = getattr(harness, "func", harness)  # functools.partial
     return getattr(inner, "__name__", type(inner).__name__)

@@ -24,9 +24,11 @@ class GRPOConfig:
 
     # ---- rollouts (what one step collects) -----------------------------------------------------
     tasks: str = _f("data/tasks/calc_train.jsonl", "training tasks, JSON lines; cycled in a seeded shuffle")
-    harness: str = _f("calculator", "a built-in harness name (polar_lab.harness.registry.HARNESSES) or 'module:function'")
+    harness: str | list[str] = _f("calculator", "a built-in harness name (polar_lab.harness.registry.HARNESSES), "
+                                  "'module:function', or a list of names: one harness per task, in turn")
     harness_options: dict[str, Any] | None = _f(None, "keyword options of a preset harness (codex, claude_code, "
-                                                      "mini_swe_agent), e.g. {task_field: prompt, workspace: files}")
+                                                      "mini_swe_agent), e.g. {task_field: prompt, workspace: files}; "
+                                                      "for a list of harnesses, keyed by name")
     evaluator: str = _f("final_answer", "reward function name (polar_lab.rewards.registry)")
     num_generations: int = _f(8, "runs per task: the GRPO group size")
     tasks_per_step: int = _f(16, "groups (tasks) per optimiser step")

@@ -166,7 +166,7 @@ class AsyncRollouts:
         try:
             sessions = await asyncio.gather(*(
                 run_one(self.lab, task, self.harness, group_id=group_id, evaluator=self.evaluator,
-                        deadline_s=c.deadline_s, name=harness_name(self.harness),
+                        deadline_s=c.deadline_s, name=harness_name(self.harness, task),
                         sampling=rollout_sampling(c) | {"seed": derived_seed(seed, i)}, **failure_rewards(c))
                 for i in range(c.num_generations)))
             groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions), trajectory_builder(c))

@@ -7,6 +7,7 @@ import importlib
 
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.harness.code_agent import code_agent
+from polar_lab.harness.mixture import HarnessMixture
 from polar_lab.harness.multiagent import planner_solver
 from polar_lab.harness.presets import claude_code, codex, gemini_cli, mini_swe_agent, opencode, pi, qwen_code
 from polar_lab.types import Harness
@@ -28,10 +29,17 @@ PRESETS = {  # real CLI agents (harness/presets.py): a Command from keyword opti
 }
 
 
-def get_harness(name: str | Harness, options: dict | None = None) -> Harness:
+def get_harness(name: str | list[str] | Harness, options: dict | None = None) -> Harness:
     """A registered name, a preset with its `options` (keyword arguments of harness/presets.py's function,
     e.g. {"task_field": "prompt", "workspace": "files"}), or 'module:attribute' naming any async callable (or
-    Command) importable here."""
+    Command) importable here. A list of names is a mixture, one harness per task (harness/mixture.py); its
+    `options` are keyed by name."""
+    if isinstance(name, (list, tuple)):
+        unknown = set(options or {}) - set(name)
+        if unknown:
+            raise ValueError(f"harness_options for a list of harnesses are keyed by their names; {sorted(unknown)} "
+                             f"is not among {list(name)}")
+        return HarnessMixture({n: get_harness(n, (options or {}).get(n)) for n in name})
     if isinstance(name, str) and name in PRESETS:  # (a Command is a dataclass: unhashable)
         return PRESETS[name](**(options or {}))
     if options:
