@@ -9,7 +9,7 @@ must hold for *any* seed, not the one seen once. This runs each
     python benchmarks/learning_rate.py [--lrs 1e-3,5e-4] [--seeds 1,2,3,4] [--steps 6] [--eval-limit 100]
                                        [--tasks-per-step 16]
 
-Prints one row per run and the worst and mean gain per lr; writes benchmarks/results/learning_rate.json.
+Prints one row per run and the worst and mean gain per lr; writes benchmarks/results/learning_rate.json (--out).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-limit", type=int, default=100)
     parser.add_argument("--tasks-per-step", type=int, default=16, help="tasks per step (8 runs each)")
+    parser.add_argument("--out", default="benchmarks/results/learning_rate.json")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -71,9 +72,9 @@ def main() -> None:
         summary[f"{lr:g}"] = {"runs": len(gains), "min_gain": min(gains), "mean_gain": sum(gains) / len(gains)}
         print(f"lr {lr:g}: {args.steps} steps, {len(gains)} seeds, held-out gain min {min(gains):+.3f}, "
               f"mean {sum(gains) / len(gains):+.3f}")
-    out = Path("benchmarks/results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learning_rate.json").write_text(json.dumps({"model": args.model, "steps": args.steps,
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "steps": args.steps,
                                                         "eval_limit": args.eval_limit, "runs": runs,
                                                         "summary": summary}, indent=2))
 
