@@ -16,10 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from polar_lab.errors import ContextLengthError, EngineError, RequestError
+from polar_lab.errors import RequestError
 from polar_lab.proxy import streaming
 from polar_lab.proxy.service import MAX_TOKENS_HEADER, CallService, max_tokens_header
-from polar_lab.proxy.sessions import SHARED
+from polar_lab.proxy.sessions import SHARED, note_call_error
 from polar_lab.types import Session
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -143,16 +143,6 @@ def body_field(raw: dict[str, Any], path: str) -> Any:
     for part in path.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
-
-
-def note_call_error(session: Session, exc: Exception) -> None:
-    """Count a failed call on its session: a prompt too long for the model (the policy's doing), or an engine or
-    proxy failure (the infrastructure's). Other refusals are the harness's own malformed requests."""
-    kind = ("context_length" if isinstance(exc, ContextLengthError) else "engine" if isinstance(exc, EngineError)
-            else None if isinstance(exc, RequestError) else "proxy")
-    if kind is not None:
-        session.call_errors[kind] = session.call_errors.get(kind, 0) + 1
-        session.last_call_error = kind
 
 
 def canonical(to_canonical, body):

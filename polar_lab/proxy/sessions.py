@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from polar_lab.errors import AuthError, ConfigError
+from polar_lab.errors import AuthError, ConfigError, ContextLengthError, EngineError, RequestError
 from polar_lab.store import RunStore
 from polar_lab.types import CONTINUITY, SamplingSpec, Session
 
@@ -151,3 +151,13 @@ class SessionRegistry:
         for hook in self.on_close:
             hook(session)
         return session
+
+
+def note_call_error(session: Session, exc: Exception) -> None:
+    """Count a failed call on its session: a prompt too long for the model (the policy's doing), or an engine or
+    proxy failure (the infrastructure's). Other refusals are the harness's own malformed requests."""
+    kind = ("context_length" if isinstance(exc, ContextLengthError) else "engine" if isinstance(exc, EngineError)
+            else None if isinstance(exc, RequestError) else "proxy")
+    if kind is not None:
+        session.call_errors[kind] = session.call_errors.get(kind, 0) + 1
+        session.last_call_error = kind

@@ -32,6 +32,7 @@ from starlette.responses import Response
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.service import MAX_TOKENS_HEADER, max_tokens_header
+from polar_lab.proxy.sessions import note_call_error
 from polar_lab.types import Generation, Session, TokenDelta
 
 if TYPE_CHECKING:
@@ -240,8 +241,6 @@ class EventStream(Response):
         self._record(call, response)
 
     def _failed(self, exc: Exception) -> None:
-        from polar_lab.proxy.http import note_call_error
-
         note_call_error(self.prepared.session, exc)
         self.recorded = True  # nothing more will be recorded, as for a non-streamed call that fails
 
