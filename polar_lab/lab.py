@@ -1,8 +1,9 @@
-"""The Lab: the one object a notebook holds. It owns the engine process, the proxy's loop thread and the run store.
+"""The Lab: the one object a notebook holds. It owns the engine process, the proxy server (proxy/server.py: its sockets
+and loop thread) and the run store.
 
 Threads:
     caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
-    polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines
+    polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines (proxy/server.py)
     polar-lab-engine         reads finished generations from the engine process (see engine/vllm_engine.py)
     polar-lab-heal           replaces an engine process that died (see engine/supervisor.py)
 The vLLM engine itself runs in a child process the Lab starts and stops; its log is <run>/engine.log. If it
@@ -16,7 +17,6 @@ same port closes the old Lab first. `close()` is idempotent and frees the port, 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import atexit
 import concurrent.futures
@@ -24,9 +24,7 @@ import fcntl
 import ipaddress
 import logging
 import os
-import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -39,23 +37,15 @@ from typing import Any, ClassVar, TypeVar
 
 import pandas as pd
 import torch
-import uvicorn
 
 from polar_lab import sandbox
 from polar_lab.config import DEFAULT_MODEL, EngineConfig, HarnessConfig, LabConfig, ProxyConfig, StoreConfig
 from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, visible_gpus
-from polar_lab.engine.process_env import socket_dir
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.supervisor import EngineSupervisor, Restart
 from polar_lab.engine.weights import remove_weights, weights_size, write_weights
 from polar_lab.errors import LabError
-from polar_lab.proxy.app import create_app
-from polar_lab.proxy.formats import resolve_parsers, tool_format
-from polar_lab.proxy.parse import OutputParser
-from polar_lab.proxy.pause import PAUSED, PauseState
-from polar_lab.proxy.render import Renderer
-from polar_lab.proxy.service import CallService
-from polar_lab.proxy.sessions import SessionRegistry
+from polar_lab.proxy.server import ProxyServer
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rollout import rollout_async
 from polar_lab.run import Run
@@ -113,7 +103,7 @@ class Lab:
         _warn_if_exposed(cfg.proxy.host)
         clock = _Phases()
         self.startup = clock.seconds
-        self.supervisor, self._weights_dir, self._first_engine = None, None, None
+        self.supervisor, self._weights_dir, self._first_engine, self.server = None, None, None, None
         self._owns_engine = engine is None  # one passed in stays its owner's (left running at close)
         self._weights_paths: set[Path] = set()  # weights_path()s not synced yet
         run_name = check_run_name(cfg.store.run_name or new_run_name())
@@ -130,7 +120,7 @@ class Lab:
             engine.wait_ready()
             clock.done("engine_wait")
             self.supervisor = EngineSupervisor(
-                engine, gate=_LoopGate(self.service.gate, self.loop),
+                engine, gate=self.server.gate(),
                 factory=self._new_engine if self._owns_engine else None,
                 max_restarts=cfg.engine.max_restarts, on_swap=self._swap_engine, owns_engine=self._owns_engine)
             self.service.engine_status = self.supervisor.status
@@ -195,52 +185,14 @@ class Lab:
         self.service.engine = engine  # calls read it after the gate lets them in
 
     def _start_server(self, engine) -> None:
-        cfg = self.config.proxy
-        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say so, and without it
-        # each keep-alive response waits ~40 ms for a delayed ACK (Nagle).
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.port or 0))
-        except OSError as exc:
-            sock.close()
-            raise LabError(f"cannot bind {cfg.host}:{cfg.port} ({exc}); is another Lab or server on it? "
-                           f"leave port unset for a free one") from exc
-        self.port = sock.getsockname()[1]
-        self.url = f"http://{cfg.host}:{self.port}"
-        unix = self._proxy_socket()
-        shared = "pl-shared-" + secrets.token_urlsafe(32) if cfg.shared_key == "auto" else cfg.shared_key
-        self.registry = SessionRegistry(self.store, base_url=self.url, auto_sessions=cfg.auto_sessions,
-                                        proxy_socket=unix.getsockname(), shared_key=shared,
-                                        create_named=cfg.create_named_sessions)
-        tool, reasoning = resolve_parsers(self.config.engine.tool_parser, self.config.engine.reasoning_parser,
-                                          self.tokenizer.chat_template or "")
-        self.parsers = {"tool_parser": tool, "reasoning_parser": reasoning}  # what reads the model's output
+        """The proxy, serving (proxy/server.py); its parts the Lab's callers read stay reachable from the Lab."""
+        self.server = ProxyServer(self.config.proxy, engine, self.tokenizer, self.store,
+                                  tool_parser=self.config.engine.tool_parser,
+                                  reasoning_parser=self.config.engine.reasoning_parser)
+        self.port, self.url, self.parsers = self.server.port, self.server.url, self.server.parsers
+        self.registry, self.service, self.loop = self.server.registry, self.server.service, self.server.loop
         self.store.write_json("config.json", {**self.config.to_record(), "parsers": self.parsers,
                                               "sandbox_level": self.sandbox_level})
-        renderer = Renderer(self.tokenizer, tool_format(tool, self.tokenizer.chat_template or ""))
-        self.service = CallService(engine, renderer, self.registry, self.store, cfg,
-                                   parser=OutputParser(self.tokenizer, tool, reasoning))
-        server_config = uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level, lifespan="off",
-                                       timeout_keep_alive=30, access_log=False)
-        self._server = uvicorn.Server(server_config)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="polar-lab-loop", daemon=True)
-        self._thread.start()
-        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[sock, unix]), self.loop)
-        self._wait_started(sock)
-
-    def _proxy_socket(self) -> socket.socket:
-        """The proxy's second door: a unix socket that isolated sandboxes (no network of their own) reach it
-        by (polar_lab/sandbox/launch.py forwards the session's address to it). Any local user may connect,
-        as to the TCP port; a session key is still needed."""
-        self._socket_dir = socket_dir("polar-lab-proxy-")
-        os.chmod(self._socket_dir, 0o755)
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        unix.bind(os.path.join(self._socket_dir, "proxy.sock"))
-        os.chmod(unix.getsockname(), 0o666)  # connecting needs write permission on the socket file
-        return unix
 
     def _start_sandbox(self) -> str | None:
         """Set this process's sandbox from the harness section; returns the level programs will run at, or
@@ -252,16 +204,6 @@ class Lab:
         self._sandbox_mine = sandbox.current()
         log.info("harness programs and evaluators run at the %r sandbox level", level)
         return level
-
-    def _wait_started(self, sock: socket.socket) -> None:
-        for _ in range(600):
-            if self._server.started:
-                return
-            if self._serving.done():
-                self._serving.result()  # re-raises the start-up error
-                raise LabError("the proxy server stopped during start-up")
-            threading.Event().wait(0.05)
-        raise LabError("the proxy server did not start within 30 s")
 
     def close(self) -> None:
         """Stop the server, the loop and the engine; close the store. Safe to call twice."""
@@ -281,24 +223,14 @@ class Lab:
                 del self._live[key]
         if self.supervisor is not None:
             self.supervisor.quiesce()  # a restart or load in progress finishes while the loop still runs
-        if getattr(self, "_server", None) is not None:
-            self._server.should_exit = True
-            try:
-                self._serving.result(timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down regardless
-                log.debug("server shutdown raised", exc_info=True)
-            self._cancel_pending()
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=30)
-            self.loop.close()
+        if getattr(self, "server", None) is not None:
+            self.server.close()  # stops serving, cancels runs cut off, stops the loop, removes the socket
         if self.supervisor is not None:
             self.supervisor.close()
         elif self._first_engine is not None and self._owns_engine:
             self._first_engine.close()
         if getattr(self, "_sandbox_before", None) is not None and sandbox.current() == self._sandbox_mine:
             sandbox.configure(**self._sandbox_before)  # only what this Lab set: a Lab started after it keeps its own
-        if getattr(self, "_socket_dir", None) is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
         for path in self._weights_paths:  # handed out by weights_path() and never synced
             remove_weights(path)
         if self._weights_dir is not None:
@@ -318,22 +250,6 @@ class Lab:
 
     def _same_setup(self, cfg: LabConfig) -> bool:
         return not self._closed and cfg == self.config
-
-    def _cancel_pending(self, timeout: float = 30.0) -> None:
-        """Cancel what still runs on the loop — a rollout the close cut off — and wait for it to unwind: its harness
-        programs are killed and their workdirs removed by their own cleanup, and whoever waits in `run` gets the
-        cancellation instead of waiting forever on a stopped loop."""
-        async def cancel() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout)
-
-        try:
-            asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout + 5)
-        except Exception:  # noqa: BLE001 - shutting down regardless
-            log.warning("runs still on the loop did not unwind within %.0f s", timeout, exc_info=True)
 
     @property
     def closed(self) -> bool:
@@ -382,12 +298,12 @@ class Lab:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the Lab's loop and wait for it (works inside Jupyter's own running loop)."""
         self._check_open()
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.server.run(coro, timeout)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start a coroutine on the Lab's loop and return at once."""
         self._check_open()
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self.server.submit(coro)
 
     def rollout(self, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int = 8,
                 evaluator: str | Evaluator | None = None, concurrency: int = 32, deadline_s: float = 600.0,
@@ -630,32 +546,6 @@ class _Phases:
         now = time.perf_counter()
         self.seconds[name] = round(now - self._last, 4)
         self._last = now
-
-
-class _LoopGate:
-    """The proxy's PauseState (owned by the loop) driven from another thread: the supervisor's `Gate`."""
-
-    def __init__(self, state: PauseState, loop: asyncio.AbstractEventLoop):
-        self.state = state
-        self.loop = loop
-
-    def pause(self, drain_timeout: float) -> int:
-        pausing = asyncio.run_coroutine_threadsafe(self.state.pause(drain_timeout), self.loop)
-        try:
-            return pausing.result()
-        except BaseException:  # e.g. a notebook interrupt during the drain: the pause still completes on the
-            pausing.add_done_callback(lambda _: self._resume_soon())  # loop, so undo it once it has
-            raise
-
-    def resume(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.state.resume(), self.loop).result(timeout=30)
-
-    def _resume_soon(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(
-                lambda: self.state.state == PAUSED and self.loop.create_task(self.state.resume()))
-        except RuntimeError:
-            pass  # the loop is closed: the Lab is gone, and its gate with it
 
 
 def _weights_dir() -> tuple[str, int]:

@@ -138,6 +138,6 @@ def test_a_lab_starts_under_a_tmpdir_too_deep_for_a_unix_socket(tokenizer, model
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path / "runs")) as lab:
-        path = os.path.join(lab._socket_dir, "proxy.sock")
+        path = os.path.join(lab.server.socket_dir, "proxy.sock")
         assert os.path.exists(path) and len(path) < 108 and not path.startswith(str(deep))
     assert not os.path.exists(path)
