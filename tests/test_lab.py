@@ -141,3 +141,31 @@ def test_a_lab_starts_under_a_tmpdir_too_deep_for_a_unix_socket(tokenizer, model
         path = os.path.join(lab.server.socket_dir, "proxy.sock")
         assert os.path.exists(path) and len(path) < 108 and not path.startswith(str(deep))
     assert not os.path.exists(path)
+
+
+def test_an_engine_that_fails_while_the_lab_waits_for_it_leaves_no_proxy_behind(tokenizer, model_path, tmp_path,
+                                                                                 monkeypatch):
+    """The proxy is already serving when the Lab waits for its engine (the two start side by side): a failure there
+    closes the proxy server — its loop thread, its socket folder, its port — and puts the sandbox level back."""
+    import os
+
+    from polar_lab import sandbox
+    from polar_lab.errors import EngineError
+
+    class FailsToStart(ScriptedEngine):
+        def wait_ready(self, timeout: float = 900.0):
+            raise EngineError("the engine process exited during start-up")
+
+    loops, level = len(_threads("polar-lab-loop")), sandbox.current()
+    seen = {}
+    original = Lab._start_server
+
+    def spy(self, engine):
+        original(self, engine)
+        seen.update(port=self.port, socket_dir=self.server.socket_dir)
+
+    monkeypatch.setattr(Lab, "_start_server", spy)
+    with pytest.raises(EngineError, match="exited during start-up"):
+        Lab(port=0, engine=FailsToStart(tokenizer, ["ok"], model_path=model_path), runs_dir=str(tmp_path))
+    assert seen and len(_threads("polar-lab-loop")) == loops and sandbox.current() == level
+    assert not os.path.exists(seen["socket_dir"]) and _port_is_free(seen["port"])
