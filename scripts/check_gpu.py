@@ -21,6 +21,7 @@ SKIP with its figure) and the whole table at the end; exit 1 if a row failed. Ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -72,18 +73,13 @@ class Table:
         return sum(r["status"] == "FAIL" for r in self.rows)
 
 
+@contextlib.contextmanager
 def guarded(table: Table, check: str, model: str):
-    """A decorator-free guard: one row's crash is that row's FAIL, and the next rows still run."""
-    class Guard:
-        def __enter__(self):
-            self.t0 = time.perf_counter()
-            return self
-
-        def __exit__(self, kind, error, _tb):
-            if error is not None:
-                table.add(check, model, "FAIL", f"{kind.__name__}: {str(error).splitlines()[0][:160]}")
-            return True
-    return Guard()
+    """One row's crash is that row's FAIL, and the next rows still run."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - reported in the table, the check goes on
+        table.add(check, model, "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
 
 
 def sync(device: str) -> None:
@@ -182,12 +178,20 @@ def random_model(config_path: str, folder: str, device: str):
     return folder
 
 
-def write_time(policy, folder: str) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    size = policy.write_weights(f"{folder}/sync.safetensors")
-    seconds = time.perf_counter() - t0
-    os.unlink(f"{folder}/sync.safetensors")
-    return seconds, size / 2**30
+def write_time(policy, scratch: str) -> tuple[float, float]:
+    """Seconds and GiB of the weights file a sync writes, in /dev/shm as the sync does where it has room (else in
+    `scratch`); the file is removed after."""
+    import shutil
+
+    size = 4 * sum(p.numel() for p in policy.model.parameters())
+    try:
+        shm = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 1.2 * size else scratch
+    except OSError:
+        shm = scratch
+    with tempfile.TemporaryDirectory(dir=shm) as folder:
+        t0 = time.perf_counter()
+        written = policy.write_weights(f"{folder}/sync.safetensors")
+        return time.perf_counter() - t0, written / 2**30
 
 
 def sync_rows(args, table: Table, scratch: str) -> None:
@@ -199,22 +203,10 @@ def sync_rows(args, table: Table, scratch: str) -> None:
     for model in models:
         with guarded(table, "sync", Path(model).name):
             policy = Policy(model, GRPOConfig(dtype=args.dtype, device=args.device), device=args.device)
-            seconds, gib = write_time(policy, shm_or(scratch, 4 * sum(p.numel() for p in policy.model.parameters())))
+            seconds, gib = write_time(policy, scratch)
             table.add("sync", "smollm2-135m" if "smollm2" in model else Path(model).name, "PASS",
                       f"file path: write {seconds:.2f} s, {gib:.2f} GiB fp32 (engine side: the engine row)",
                       seconds=seconds, gib=gib)
-
-
-def shm_or(scratch: str, size: int) -> str:
-    """/dev/shm where it has room for `size` bytes (the sync's own choice), else the scratch folder."""
-    import shutil
-
-    try:
-        if shutil.disk_usage("/dev/shm").free > 1.2 * size:
-            return tempfile.mkdtemp(dir="/dev/shm")
-    except OSError:
-        pass
-    return scratch
 
 
 def memory(args, table: Table, scratch: str) -> None:
@@ -249,7 +241,7 @@ def memory(args, table: Table, scratch: str) -> None:
                   f"measured peak {peak / GIB:.1f} GiB, plan {predicted / GIB:.1f} GiB (×{ratio:.2f}); "
                   f"load {load_s:.0f} s, update {step_s:.1f} s", peak_gib=peak / GIB, plan_gib=predicted / GIB,
                   tokens=tokens, checkpointing=checkpointing)
-    seconds, gib = write_time(policy, shm_or(scratch, 4 * shape.params))
+    seconds, gib = write_time(policy, scratch)
     table.add("sync", "qwen3.5-4b (random weights)", "PASS", f"file path: write {seconds:.1f} s, {gib:.1f} GiB fp32",
               seconds=seconds, gib=gib)
 

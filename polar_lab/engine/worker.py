@@ -77,6 +77,7 @@ def _torchvision_stand_in() -> None:
                                                                                                   "sitecustomize.py"))
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
+
 _torchvision_stand_in()
 
 

@@ -49,12 +49,12 @@ def to_task(row: dict[str, Any], repos: str | Path) -> dict[str, Any]:
     """One row as a repository task (module docstring)."""
     base, skipped = base_files(row["repo"], row["base_commit"], repos)
     files = apply_patch(base, row["test_patch"])
-    tests = [*_ids(row["FAIL_TO_PASS"]), *_ids(row["PASS_TO_PASS"])]
+    fail_to_pass, pass_to_pass = _ids(row["FAIL_TO_PASS"]), _ids(row["PASS_TO_PASS"])
     return {"id": row["instance_id"], "prompt": row["problem_statement"], "files": files,
-            "test_files": sorted(patched_paths(row["test_patch"])), "test_ids": tests,
+            "test_files": sorted(patched_paths(row["test_patch"])), "test_ids": [*fail_to_pass, *pass_to_pass],
             "reference_patch": row["patch"],
-            "swe": {"repo": row["repo"], "base_commit": row["base_commit"], "FAIL_TO_PASS": _ids(row["FAIL_TO_PASS"]),
-                    "PASS_TO_PASS": _ids(row["PASS_TO_PASS"]), "skipped": skipped}}
+            "swe": {"repo": row["repo"], "base_commit": row["base_commit"], "FAIL_TO_PASS": fail_to_pass,
+                    "PASS_TO_PASS": pass_to_pass, "skipped": skipped}}
 
 
 def convert(rows_path: str | Path, repos: str | Path, out: str | Path) -> int:

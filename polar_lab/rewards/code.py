@@ -114,10 +114,10 @@ def repo_tests(task: dict[str, Any], result: Any) -> dict[str, float]:
     pristine files, applies only the changes `apply_changes` allows (`task["editable"]` globs narrow them),
     and re-copies every test file from the task. `task["test_files"]` names the tests (default: pytest's
     conventions; only .py files are passed to pytest, the rest are re-copied); `task["test_ids"]` (pytest node ids,
-    SWE-bench's FAIL_TO_PASS + PASS_TO_PASS: envs/swe.py) are run instead of the files when given; `task["test_command"]` (argv,
-    `{python}` allowed, run in the repository) replaces pytest, and then its exit status alone decides. With
-    pytest, a pass also needs its report: tests ran, none failed, errored or skipped (code that exits 0 at
-    import does not pass; code that forges the report from inside the test run is not caught — see
+    SWE-bench's FAIL_TO_PASS + PASS_TO_PASS: envs/swe.py) are run instead of the files when given;
+    `task["test_command"]` (argv, `{python}` allowed, run in the repository) replaces pytest, and then its exit status
+    alone decides. With pytest, a pass also needs its report: tests ran, none failed, errored or skipped (code that
+    exits 0 at import does not pass; code that forges the report from inside the test run is not caught — see
     docs/reliability.md). Components: `passed`, `refused` (changes dropped).
     """
     changes = result.get("changes") if isinstance(result, dict) else None

@@ -25,6 +25,13 @@ def lab(tmp_path_factory):
         yield lab
 
 
+@pytest.fixture(scope="module")
+def shipped():
+    """The fixture's own weights in fp32, as the trainer holds them (read once; tests that change weights load their
+    own copy)."""
+    return AutoModelForCausalLM.from_pretrained(HYBRID, dtype=torch.float32).eval()
+
+
 def _chat(lab, seed: int):
     """Three turns at T=0.7 in one session; returns (its one chain, its calls)."""
     import openai
@@ -66,18 +73,19 @@ def _perturbed(state: dict, scale: float) -> dict:
     return {k: v * (1 + scale * torch.randn(v.shape, generator=generator)) for k, v in state.items()}
 
 
-def test_the_hybrid_architecture_serves_multi_turn_as_one_chain_within_bf16s_reach_of_a_fp32_recomputation(lab):
+def test_the_hybrid_architecture_serves_multi_turn_as_one_chain_within_bf16s_reach_of_a_fp32_recomputation(lab,
+                                                                                                            shipped):
     chain, calls = _chat(lab, seed=7)
     assert len(calls) == 3 and chain.token_ids == calls[-1].prompt_ids + calls[-1].output_ids
     # the engine (bf16, as vLLM's CPU GDN kernel requires) against transformers in fp32, every sampled token, T=0.7
-    model = AutoModelForCausalLM.from_pretrained(HYBRID, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3_5ForCausalLM" and "linear_attention" in model.config.layer_types
-    mean, worst, tis, n = _gaps(model, chain)
+    assert type(shipped).__name__ == "Qwen3_5ForCausalLM" and "linear_attention" in shipped.config.layer_types
+    mean, worst, tis, n = _gaps(shipped, chain)
     print(f"{n} tokens: mean |Δ| {mean:.2e}, max {worst:.2e}, TIS weight mean {tis:.4f}")
     assert n >= 30 and mean <= MEAN and worst <= WORST and abs(tis - 1) <= TIS, (mean, worst, tis)
 
 
-def test_a_tensor_the_engine_has_no_parameter_for_refuses_the_load_and_the_old_weights_keep_serving(lab, tmp_path):
+def test_a_tensor_the_engine_has_no_parameter_for_refuses_the_load_and_the_old_weights_keep_serving(lab, tmp_path,
+                                                                                                    shipped):
     from polar_lab.engine.weights import read_weights, write_weights
     from polar_lab.errors import EngineError
 
@@ -89,10 +97,10 @@ def test_a_tensor_the_engine_has_no_parameter_for_refuses_the_load_and_the_old_w
         lab.engine.load_weights_file(tmp_path / "renamed.safetensors")
     assert lab.engine.policy_version == version
     chain, _ = _chat(lab, seed=3)  # still the shipped weights: the fp32 recomputation of them still matches
-    assert _gaps(AutoModelForCausalLM.from_pretrained(HYBRID, dtype=torch.float32).eval(), chain)[0] <= MEAN
+    assert _gaps(shipped, chain)[0] <= MEAN
 
 
-def test_a_lora_adapter_on_attention_and_deltanet_projections_is_served_live(lab, tmp_path):
+def test_a_lora_adapter_on_attention_and_deltanet_projections_is_served_live(lab, tmp_path, shipped):
     """The adapter alone reaches the engine (a PEFT folder: vLLM applies it to its fused in_proj_qkvz and qkv_proj
     layers); the engine then scores like the trainer's merged weights, not like the base model."""
     from polar_lab.grpo import GRPOConfig
@@ -112,9 +120,8 @@ def test_a_lora_adapter_on_attention_and_deltanet_projections_is_served_live(lab
     chain, _ = _chat(lab, seed=9)
     merged = AutoModelForCausalLM.from_pretrained(HYBRID, dtype=torch.float32).eval()
     merged.load_state_dict(policy.state_dict())  # the merged weights, as the file path would ship them
-    base = AutoModelForCausalLM.from_pretrained(HYBRID, dtype=torch.float32).eval()
     served, _, tis, n = _gaps(merged, chain)
-    unadapted = _gaps(base, chain)[0]
+    unadapted = _gaps(shipped, chain)[0]
     print(f"{n} tokens: vs merged mean |Δ| {served:.2e} (TIS {tis:.4f}), vs base {unadapted:.2e}")
     # vLLM adds the adapter's product in bf16 beside the bf16 base layer: seen 3.1e-3 here, 9e-3 and 1.8e-2 with
     # other B scales (0.03, 0.1), so the bound is twice the full-weight one; the base model is 30× off
