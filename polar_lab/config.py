@@ -259,3 +259,17 @@ class LabConfig:
         if out["proxy"]["shared_key"] not in (None, "auto"):
             out["proxy"]["shared_key"] = "(set)"
         return out
+
+
+def make_config(model: str | None, config: LabConfig | None, overrides: dict[str, Any]) -> LabConfig:
+    """Merge `model` and flat keyword overrides into a LabConfig (each name belongs to one section)."""
+    base = config.to_dict() if config is not None else LabConfig().to_dict()
+    if model is not None:
+        base["engine"]["model"] = str(model)
+    sections = {"engine": EngineConfig, "proxy": ProxyConfig, "store": StoreConfig, "harness": HarnessConfig}
+    for name, value in overrides.items():
+        owner = [s for s, cls in sections.items() if name in cls.__dataclass_fields__]
+        if not owner:
+            raise TypeError(f"Lab() got an unexpected keyword '{name}'")
+        base[owner[0]][name] = value
+    return LabConfig.from_dict(base)

@@ -4,7 +4,7 @@ import pytest
 
 from polar_lab.config import EngineConfig, LabConfig, ProxyConfig
 from polar_lab.errors import ConfigError
-from polar_lab.lab import _make_config
+from polar_lab.config import make_config
 
 
 @pytest.mark.parametrize("make, needle", [
@@ -26,10 +26,10 @@ def test_unknown_yaml_keys_are_an_error_not_a_silent_noop():
 
 
 def test_flat_lab_keywords_land_in_their_section():
-    cfg = _make_config("m", None, {"port": 0, "run_name": "r", "max_model_len": 4096})
+    cfg = make_config("m", None, {"port": 0, "run_name": "r", "max_model_len": 4096})
     assert (cfg.engine.model, cfg.proxy.port, cfg.store.run_name, cfg.engine.max_model_len) == ("m", 0, "r", 4096)
     with pytest.raises(TypeError, match="prot"):
-        _make_config("m", None, {"prot": 1})
+        make_config("m", None, {"prot": 1})
 
 
 def test_round_trip_through_dict():

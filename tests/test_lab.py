@@ -9,6 +9,7 @@ import pytest
 from polar_lab import Lab
 from polar_lab.engine import ScriptedEngine
 from polar_lab.errors import LabError
+from polar_lab.parts import LabParts
 from tests.conftest import free_port
 
 
@@ -158,14 +159,66 @@ def test_an_engine_that_fails_while_the_lab_waits_for_it_leaves_no_proxy_behind(
 
     loops, level = len(_threads("polar-lab-loop")), sandbox.current()
     seen = {}
-    original = Lab._start_server
+    original = LabParts._start_server
 
     def spy(self, engine):
         original(self, engine)
-        seen.update(port=self.port, socket_dir=self.server.socket_dir)
+        seen.update(port=self.server.port, socket_dir=self.server.socket_dir)
 
-    monkeypatch.setattr(Lab, "_start_server", spy)
+    monkeypatch.setattr(LabParts, "_start_server", spy)
     with pytest.raises(EngineError, match="exited during start-up"):
         Lab(port=0, engine=FailsToStart(tokenizer, ["ok"], model_path=model_path), runs_dir=str(tmp_path))
     assert seen and len(_threads("polar-lab-loop")) == loops and sandbox.current() == level
     assert not os.path.exists(seen["socket_dir"]) and _port_is_free(seen["port"])
+
+
+STAGES = ["store", "engine_launch", "tokenizer", "proxy", "engine_wait", "supervisor"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_start_that_fails_at_any_stage_leaves_nothing_behind(stage, tokenizer, model_path, tmp_path, monkeypatch):
+    """A Lab that owns its engine (launched by its EngineLauncher — a scripted one here: the Lab's start is the
+    subject) fails at the end of each stage in turn: what the stages before it made is undone — the engine closed,
+    the kept-weights folder in /dev/shm removed, the proxy's loop thread, socket folder and port gone, the sandbox
+    level put back, the run store's files closed."""
+    import os
+
+    from polar_lab import parts as parts_module
+    from polar_lab import sandbox
+
+    class Boom(Exception):
+        pass
+
+    def done(self, name):
+        if name == stage:
+            raise Boom(name)
+        self.seconds[name] = 0.0
+
+    engines, folders, labs, start = [], [], [], LabParts.__init__
+
+    def launch(self):
+        folders.append(self.weights_dir)
+        engines.append(_scripted(tokenizer, model_path))
+        return engines[-1]
+
+    def spy(self, config, engine=None):
+        labs.append(self)
+        start(self, config, engine)
+
+    monkeypatch.setattr(parts_module._Phases, "done", done)
+    monkeypatch.setattr(parts_module.EngineLauncher, "__call__", launch)
+    monkeypatch.setattr(LabParts, "__init__", spy)
+    loops, level = len(_threads("polar-lab-loop")), sandbox.current()
+    with pytest.raises(Boom):
+        Lab(port=0, runs_dir=str(tmp_path), keep_weights=True)
+    (lab,) = labs
+    assert len(_threads("polar-lab-loop")) == loops and sandbox.current() == level
+    assert lab.store._calls.closed and lab.store._sessions.closed
+    made = STAGES.index(stage)
+    assert (len(engines) == 1) == (made >= 1)  # the engine is launched in the second stage
+    assert all(not engine.alive for engine in engines)
+    if made >= 1:
+        assert folders[0].startswith("/dev/shm/polar-lab-weights-") and not os.path.exists(folders[0])
+    if made >= 3:
+        assert not os.path.exists(lab.server.socket_dir) and _port_is_free(lab.server.port)
+    assert lab.supervisor is None or (made >= 5 and lab.supervisor.engine is engines[0])

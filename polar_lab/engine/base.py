@@ -13,6 +13,8 @@ supervisor and the trainer call nothing else, and probe for nothing:
     requests      submit, generate
     weights       load_weights(state_dict, version=), preload_weights_file(path), load_weights_file(path, version=)
     lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
+    replicas      replica_status(), replica_counts(), moves, forget(route), weights_transport — one engine
+                  process is replica 0 (`OneProcess` gives it these), a ReplicaSet has a row per replica
 `VLLMEngine` (engine/vllm_engine.py) is the real one; `ReplicaSet` (engine/replicas.py) puts several behind
 one (local processes, or Ray actors: engine/ray_replicas.py); `ScriptedEngine` (engine/fake.py) serves unit tests.
 """
@@ -23,7 +25,7 @@ import concurrent.futures
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -87,6 +89,46 @@ class Engine(Protocol):
 
     def close(self) -> None:
         ...
+
+    # ---- replica views (the Lab's `replicas()`, `replica_moves()` and `stats()` read these) ----
+    moves: Any  # the sessions moved to another replica, oldest first (engine/replicas.py: Move)
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """One row per replica: replica, serving, pid, in_flight, sessions, policy_version, busy_s, restarts,
+        failure."""
+        ...
+
+    def replica_counts(self) -> dict[str, Any]:
+        """What `Lab.stats()` adds for replicas (replicas, replicas_serving, replica_moves); {} for one process."""
+        ...
+
+    def forget(self, route: str) -> None:
+        """The session `route` closed: its replica is not remembered."""
+        ...
+
+    @property
+    def weights_transport(self) -> str | None:
+        """How the last weights reached the engine when not as a file in local shared memory (Ray: "shm",
+        "object-store"); None otherwise."""
+        ...
+
+
+class OneProcess:
+    """The replica views of an engine that is one process: it is replica 0, it moves no session."""
+
+    moves: tuple = ()
+    weights_transport: str | None = None
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        return [{"replica": 0, "serving": self.alive, "pid": self.pid, "in_flight": self.running, "sessions": None,
+                 "policy_version": self.policy_version, "busy_s": self.busy_seconds, "restarts": 0,
+                 "failure": self.failure}]
+
+    def replica_counts(self) -> dict[str, Any]:
+        return {}
+
+    def forget(self, route: str) -> None:
+        pass
 
 
 @dataclass(frozen=True)

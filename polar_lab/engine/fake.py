@@ -14,11 +14,12 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from polar_lab.engine.base import OneProcess
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 
-class ScriptedEngine:
+class ScriptedEngine(OneProcess):
     def __init__(self, tokenizer, replies: list[str] | None = None, *, model_path: str,
                  model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>",
                  delay_s: float = 0.0, keep_prompts: bool = True):

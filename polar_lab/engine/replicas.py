@@ -155,6 +155,17 @@ class ReplicaSet:
                  "restarts": sum(r.ok and r.replica == slot for r in self.restarts),
                  "failure": e.failure} for slot, e in enumerate(self.engines)]
 
+    def replica_counts(self) -> dict[str, Any]:
+        return {"replicas_serving": sum(self._usable(slot) for slot in range(len(self.engines))),
+                "replicas": len(self.engines), "replica_moves": self.moved}
+
+    @property
+    def weights_transport(self) -> str | None:
+        """How the last weights were shipped to the replicas (Ray: "shm" on this node, else "object-store")."""
+        if self.ship is None or self.shipped is None:
+            return None
+        return "+".join(sorted(self.shipped.transports)) or None
+
     def _usable(self, slot: int) -> bool:
         return self.serving[slot] and self.engines[slot].alive
 

@@ -36,7 +36,7 @@ import torch
 
 from polar_lab.config import EngineConfig
 from polar_lab.engine import forkserver
-from polar_lab.engine.base import Rejection
+from polar_lab.engine.base import OneProcess, Rejection
 from polar_lab.engine.layout import engine_gpus, visible_gpus
 from polar_lab.engine.process_env import engine_env
 from polar_lab.engine.weights import load_through_file, remove_weights_soon
@@ -45,7 +45,7 @@ from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
 log = logging.getLogger(__name__)
 
-class VLLMEngine:
+class VLLMEngine(OneProcess):
     """The real engine. Context manager; `close()` stops the process (by its pid) and frees the model."""
 
     def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None,

@@ -383,7 +383,7 @@ class GymAgent(_OnGym):
         self.servers = GymServers(venv=venv, log_dir=log_dir)
         self.servers.add(resources_server, "resources_servers", resources_server, domain="agent")
         self.servers.add("policy_model", "responses_api_models", "vllm_model",
-                         base_url=lab.url + "/v1", api_key=lab.shared_key, model=lab.engine.model_name,
+                         base_url=lab.url + "/v1", api_key=lab.shared_key, model=lab.served_as,
                          return_token_id_information=True, request_prompt_and_generation_token_ids=True,
                          uses_reasoning_parser=bool(lab.parsers.get("reasoning_parser")))
         self.url = self.servers.add("agent", "responses_api_agents", "simple_agent", max_steps=max_steps,

@@ -84,7 +84,7 @@ class GRPOTrainer:
         self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
         self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
-        card = {"model": str(lab.model_path), "served_as": lab.engine.model_name, "strategy": config.strategy,
+        card = {"model": str(lab.model_path), "served_as": lab.served_as, "strategy": config.strategy,
                 "world_size": config.world_size, "lora": config.peft_config is not None, "run": str(lab.run_dir)}
         try:
             self.trackers = Trackers(resolve_report_to(config.report_to), self.output_dir, config.to_dict(), card)
@@ -336,7 +336,7 @@ def check_run(lab_config: LabConfig, config: GRPOConfig) -> None:
     """Every check of a training run's configuration that does not need the run itself: the engine's GPUs
     and tensor-parallel size, the trainer ranks' devices beside them, LoRA's targets and the engine's LoRA
     rank, CPU offload. `polar-lab train` calls it before it starts anything."""
-    from polar_lab.lab import check_engine_layout
+    from polar_lab.engine.launch import check_engine_layout
 
     gpus = check_engine_layout(lab_config.engine)
     get_harness(config.harness, config.harness_options)  # a preset's options, a 'module:function' that imports

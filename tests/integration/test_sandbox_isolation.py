@@ -132,7 +132,7 @@ def targets(lab, tmp_path):
         project_file = ROOT / f"HACKED-{uuid.uuid4().hex[:8]}"
         listener = Listener()
         fields = {"calls": str(lab.run_dir / "calls.jsonl"), "other": f"{other}/secret.txt",
-                  "project_file": str(project_file), "weights_dir": str(lab._weights_dir),
+                  "project_file": str(project_file), "weights_dir": str(lab.weights.path),
                   "shm_name": f"polar-hacked-{uuid.uuid4().hex[:8]}", "kernel_pid": os.getpid(),
                   "engine_pid": lab.engine.pid, "listener_port": listener.port}
         yield fields, listener
