@@ -2,7 +2,9 @@
 
 One place, few types (STYLE.md item 1):
 
-- `SamplingSpec`  what the proxy asks the engine for (already clipped to the context).
+- `Sampling`      the sampling knobs a request sets, each declared once with its bounds and vLLM name (`knob`).
+- `SamplingSpec`  what the proxy asks the engine for: the request's knobs and what the proxy decided (max_tokens
+                  clipped to the context, a grammar...).
 - `Generation`    what the engine returns for one prompt: sampled ids, their logprobs, their policy versions.
 - `TokenDelta`    what one engine step sampled for a streamed request (the pieces of a Generation as they come).
 - `Session`       one harness run: the key it authenticates with, its task, its reward once closed.
@@ -18,6 +20,7 @@ Records are plain dataclasses so they serialise to JSON lines and pandas rows wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import numbers
@@ -45,85 +48,237 @@ INT32_MAX = 2**31 - 1  # token ids; vLLM refuses ids beyond the vocabulary when 
 STRUCTURE_CHARS_MAX = 2**20  # ours: a structural tag (proxy/constraints.py) of at most 1 MiB
 
 
+class Bound:
+    """What values one sampling field takes, and how a value travels: `normalise` (what callers may pass: a numpy
+    number, a list), `check` (a SamplingError, a 400 naming the field), `to_vllm` (as SamplingParams takes it),
+    `to_record` (as the call's record keeps it: JSON). Subclasses hold the bounds; `describe` says them in words."""
+
+    def normalise(self, value: Any) -> Any:
+        """A number from numpy (or any numbers.Integral / Real other than bool) as Python's."""
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+            return int(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
+                and type(value) is not float:
+            return float(value)
+        return value
+
+    def check(self, name: str, value: Any) -> None:
+        raise NotImplementedError
+
+    def to_vllm(self, value: Any) -> Any:
+        return value
+
+    def to_record(self, value: Any) -> Any:
+        return value
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling parameters the engine understands; the proxy maps every API onto these.
+class Real(Bound):
+    """A finite number (a whole one sent as an int too) in [low, high], or (low, high] when `low_open`."""
 
-    Constructing one normalises numbers (a numpy integer or float becomes a Python one; a list of stop strings
-    a tuple; seed -1, which vLLM reads as "unseeded", becomes None, so the record says what happened) and then
-    checks every value (`check`): exact types, integers in range, floats finite and in range. An engine
-    re-checks what it receives (an unpickled SamplingSpec skips `__post_init__`)."""
+    low: float
+    high: float
+    low_open: bool = False
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): off (vLLM's convention)
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    banned_strings: tuple[str, ...] = ()  # never sampled, e.g. "<tool_call>" under tool_choice="none"
-    num_logprobs: int = 0  # alternatives per position beyond the sampled token
-    ignore_eos: bool = False  # keep sampling past end-of-turn (benchmarks: fixed output length)
-    presence_penalty: float = 0.0  # OpenAI's meaning, as vLLM applies them
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    structure: str | None = None  # an xgrammar structural tag (JSON) every sampled token must keep the output in
-    thinking_budget: int | None = None  # at most this many thought tokens, then the end marker is forced (vLLM)
+    def check(self, name: str, value: Any) -> None:
+        _float_in(name, value, self.low, self.high, low_open=self.low_open)
+
+    def describe(self) -> str:
+        return f"a number in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+
+
+@dataclass(frozen=True)
+class Whole(Bound):
+    """An integer (not a bool, not a float) in [low, high]; None too when `optional`."""
+
+    low: int
+    high: int
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        if not (self.optional and value is None):
+            _int_in(name, value, self.low, self.high)
+
+    def describe(self) -> str:
+        return f"an integer in [{self.low}, {self.high}]"
+
+
+@dataclass(frozen=True)
+class Seed(Whole):
+    """A seed: -1, which vLLM reads as "unseeded", becomes None, so the record says what happened."""
+
+    optional: bool = True
+
+    def normalise(self, value: Any) -> Any:
+        value = super().normalise(value)
+        return None if type(value) is int and value == -1 else value
+
+
+@dataclass(frozen=True)
+class Flag(Bound):
+    def check(self, name: str, value: Any) -> None:
+        if type(value) is not bool:
+            raise SamplingError(f"{name} must be a boolean, got {type(value).__name__}", param=name)
+
+    def describe(self) -> str:
+        return "a boolean"
+
+
+@dataclass(frozen=True)
+class Strings(Bound):
+    """At most `most` non-empty strings of at most STOP_CHARS_MAX characters (a list is taken as a tuple)."""
+
+    most: int
+
+    def normalise(self, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else super().normalise(value)
+
+    def check(self, name: str, value: Any) -> None:
+        _strings(name, value, self.most)
+
+    def to_vllm(self, value: tuple[str, ...]) -> list[str] | None:
+        return list(value) or None
+
+    def describe(self) -> str:
+        return f"at most {self.most} strings"
+
+
+@dataclass(frozen=True)
+class Biases(Bound):
+    """(token id, bias) pairs, at most LOGIT_BIAS_MAX; taken as {id: bias} or [(id, bias)] too."""
+
+    def normalise(self, value: Any) -> Any:
+        if not isinstance(value, (dict, list)):
+            return value
+        pairs = value.items() if isinstance(value, dict) else value
+        return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in pairs)
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, tuple) or len(value) > LOGIT_BIAS_MAX:
+            raise SamplingError(f"{name} must be a tuple of at most {LOGIT_BIAS_MAX} (id, bias) pairs", param=name)
+        for pair in value:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise SamplingError(f"{name} entries must be (token id, bias) pairs", param=name)
+            _int_in(name, pair[0], 0, INT32_MAX)
+            _float_in(name, pair[1], -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
+
+    def to_vllm(self, value: tuple[tuple[int, float], ...]) -> dict[int, float] | None:
+        return dict(value) or None
+
+    def to_record(self, value: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        return {str(token): bias for token, bias in value}  # JSON object keys are strings
+
+    def describe(self) -> str:
+        return f"at most {LOGIT_BIAS_MAX} (token id, bias in [-{LOGIT_BIAS_BOUND}, {LOGIT_BIAS_BOUND}]) pairs"
+
+
+@dataclass(frozen=True)
+class Structure(Bound):
+    """An xgrammar structural tag: a JSON string of at most STRUCTURE_CHARS_MAX characters, or None."""
+
+    def check(self, name: str, value: Any) -> None:
+        if value is not None and (type(value) is not str or not 0 < len(value) <= STRUCTURE_CHARS_MAX):
+            raise SamplingError(f"{name} must be a JSON string of at most {STRUCTURE_CHARS_MAX} characters", param=name)
+
+    def describe(self) -> str:
+        return "a structural tag"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One sampling field's declaration, read by everything that handles the field (docs/design-notes.md, "How to
+    add a sampling knob"): SamplingSpec.check, a session's FORCEABLE set, the engine's SamplingParams
+    (`vllm_params`), the fields every API surface takes (`extension`: proxy/sampling.py, proxy/conformance.py)
+    and the call's record (`recorded`)."""
+
+    bound: Bound
+    vllm: str | None = ""  # SamplingParams' keyword when it is not the field's name; None: the engine builds it
+    extension: bool = False  # a vLLM knob no provider documents: every surface takes it under this name
+    forceable: bool = True  # a session may force it (`lab.session(sampling={...})`)
+    training_off: bool = False  # reshapes the distribution the loss assumes: training sessions force its default
+    recorded: bool = True  # in the call's record (`ModelCall.sampling`)
+
+
+def knob(bound: Bound, default: Any = dataclasses.MISSING, **declared: Any) -> Any:
+    """A sampling field with its declaration (Knob) in the field's metadata."""
+    return field(default=default, metadata={"knob": Knob(bound, **declared)})
+
+
+@functools.cache
+def knobs(cls: type) -> tuple[tuple[str, Knob], ...]:
+    """The declared sampling fields of `cls` (Sampling, SamplingSpec) in order, with their declarations."""
+    return tuple((f.name, f.metadata["knob"]) for f in dataclasses.fields(cls) if "knob" in f.metadata)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """The sampling knobs a request sets: every API surface maps its fields onto these (`CanonicalRequest.sampling`),
+    and the proxy adds what it decides itself to make a SamplingSpec. Each field declares, once, its bounds and how
+    it travels (`knob`); nothing else lists these fields.
+
+    Constructing one normalises values (a numpy number becomes a Python one, a list of stop strings a tuple, a
+    {token: bias} dict (id, bias) pairs, seed -1 — vLLM's "unseeded" — None) and then checks every value (`check`):
+    exact types, integers in range, floats finite and in range."""
+
+    temperature: float = knob(Real(0.0, TEMPERATURE_MAX), 1.0)
+    top_p: float = knob(Real(0.0, 1.0, low_open=True), 1.0, training_off=True)
+    top_k: int = knob(Whole(-1, INT64_MAX), -1, training_off=True)  # -1 (or 0): off (vLLM's convention)
+    seed: int | None = knob(Seed(INT64_MIN, INT64_MAX), None)
+    stop: tuple[str, ...] = knob(Strings(STOP_MAX), (), forceable=False)
+    ignore_eos: bool = knob(Flag(), False, extension=True)  # keep sampling past end-of-turn (benchmarks: fixed length)
+    presence_penalty: float = knob(Real(-PENALTY_MAX, PENALTY_MAX), 0.0, training_off=True)  # as OpenAI means them
+    frequency_penalty: float = knob(Real(-PENALTY_MAX, PENALTY_MAX), 0.0, training_off=True)
+    logit_bias: tuple[tuple[int, float], ...] = knob(Biases(), (), training_off=True)  # (token id, bias on its logit)
 
     def __post_init__(self) -> None:
-        for name, value in _normalised(self).items():
-            object.__setattr__(self, name, value)
+        for name, declared in knobs(type(self)):
+            object.__setattr__(self, name, declared.bound.normalise(getattr(self, name)))
         self.check()
 
     def check(self) -> None:
         """Raise SamplingError (a 400, naming the field) unless vLLM's sampler takes every value."""
-        _int_in("max_tokens", self.max_tokens, 1, INT64_MAX)
-        _float_in("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
-        _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int_in("top_k", self.top_k, -1, INT64_MAX)
-        if self.seed is not None:
-            _int_in("seed", self.seed, INT64_MIN, INT64_MAX)
-        _strings("stop", self.stop, STOP_MAX)
-        _strings("banned_strings", self.banned_strings, STOP_MAX)
-        _int_in("num_logprobs", self.num_logprobs, 0, TOP_LOGPROBS_MAX)
-        if type(self.ignore_eos) is not bool:
-            raise SamplingError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}",
-                                param="ignore_eos")
-        _float_in("presence_penalty", self.presence_penalty, -PENALTY_MAX, PENALTY_MAX)
-        _float_in("frequency_penalty", self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX)
-        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > LOGIT_BIAS_MAX:
-            raise SamplingError(f"logit_bias must be a tuple of at most {LOGIT_BIAS_MAX} (id, bias) pairs",
-                                param="logit_bias")
-        for pair in self.logit_bias:
-            if not isinstance(pair, tuple) or len(pair) != 2:
-                raise SamplingError("logit_bias entries must be (token id, bias) pairs", param="logit_bias")
-            _int_in("logit_bias", pair[0], 0, INT32_MAX)
-            _float_in("logit_bias", pair[1], -LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND)
-        if self.thinking_budget is not None:
-            _int_in("thinking_budget", self.thinking_budget, 0, INT64_MAX)
-        if self.structure is not None and (type(self.structure) is not str
-                                           or not 0 < len(self.structure) <= STRUCTURE_CHARS_MAX):
-            raise SamplingError(f"structure must be a JSON string of at most {STRUCTURE_CHARS_MAX} characters",
-                                param="structure")
+        for name, declared in knobs(type(self)):
+            declared.bound.check(name, getattr(self, name))
 
 
-def _normalised(spec: SamplingSpec) -> dict[str, Any]:
-    """Numbers from numpy (or any numbers.Integral / Real other than bool) as Python's; lists as tuples."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(spec):
-        value = getattr(spec, f.name)
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
-            out[f.name] = int(value)
-        elif isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
-                and type(value) is not float:
-            out[f.name] = float(value)
-        elif isinstance(value, list) and f.name in ("stop", "banned_strings"):
-            out[f.name] = tuple(value)
-        elif f.name == "logit_bias" and isinstance(value, (dict, list)):  # {id: bias} or [(id, bias)]
-            pairs = value.items() if isinstance(value, dict) else value
-            out[f.name] = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in pairs)
-    if out.get("seed", spec.seed) == -1 and type(out.get("seed", spec.seed)) is int:
-        out["seed"] = None
-    return out
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec(Sampling):
+    """Sampling parameters the engine understands: a request's knobs (Sampling) and what the proxy decides for them
+    (max_tokens clipped to the context, banned strings, logprobs, a grammar, a thinking budget). An engine re-checks
+    what it receives (an unpickled SamplingSpec skips `__post_init__`)."""
+
+    max_tokens: int = knob(Whole(1, INT64_MAX))
+    banned_strings: tuple[str, ...] = knob(Strings(STOP_MAX), (), vllm="bad_words", training_off=True)  # never
+    #   sampled, e.g. "<tool_call>" under tool_choice="none"
+    num_logprobs: int = knob(Whole(0, TOP_LOGPROBS_MAX), 0, vllm="logprobs", forceable=False)  # alternatives per
+    #   position beyond the sampled token
+    structure: str | None = knob(Structure(), None, vllm=None, forceable=False, recorded=False)  # an xgrammar
+    #   structural tag (JSON) every sampled token must keep the output in
+    thinking_budget: int | None = knob(Whole(0, INT64_MAX, optional=True), None, vllm="thinking_token_budget",
+                                       training_off=True)  # at most this many thought tokens, then the end is forced
+
+    @classmethod
+    def of(cls, sampling: Sampling, **decided: Any) -> SamplingSpec:
+        """The spec of a request's `sampling`, with what the proxy `decided` (max_tokens, banned_strings...)."""
+        return cls(**{name: getattr(sampling, name) for name, _ in knobs(Sampling)}, **decided)
+
+    def vllm_params(self) -> dict[str, Any]:
+        """vLLM SamplingParams' keywords for every field that maps onto one (the engine adds `structured_outputs`)."""
+        return {declared.vllm or name: declared.bound.to_vllm(getattr(self, name))
+                for name, declared in knobs(type(self)) if declared.vllm is not None}
+
+    def recorded(self) -> dict[str, Any]:
+        """The fields a call's record keeps, JSON-ready."""
+        return {name: declared.bound.to_record(getattr(self, name))
+                for name, declared in knobs(type(self)) if declared.recorded}
+
+
+FORCEABLE = frozenset(name for name, declared in knobs(SamplingSpec) if declared.forceable)  # Session.sampling
+TRAINING_OFF = {f.name: f.default for f in dataclasses.fields(SamplingSpec)  # what training sessions force them to
+                if f.metadata["knob"].training_off}
 
 
 def call_seed(seed: int, call_index: int) -> int:

@@ -434,19 +434,14 @@ def _executor_args(c: EngineConfig) -> dict[str, Any]:
 
 
 def _sampling_params(spec: SamplingSpec, stream: bool = False):
+    """vLLM's SamplingParams for `spec`: each field under the name its declaration gives (polar_lab.types.knob), and
+    what only the engine builds (the grammar of `structure`, how outputs come back)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     structured = StructuredOutputsParams(structural_tag=spec.structure) if spec.structure is not None else None
-    return SamplingParams(
-        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-        seed=spec.seed, stop=list(spec.stop) or None, bad_words=list(spec.banned_strings) or None,
-        logprobs=spec.num_logprobs, ignore_eos=spec.ignore_eos, output_kind=kind,
-        presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-        logit_bias=dict(spec.logit_bias) or None, structured_outputs=structured,
-        thinking_token_budget=spec.thinking_budget,
-    )
+    return SamplingParams(**spec.vllm_params(), output_kind=kind, structured_outputs=structured)
 
 
 def main(fd: int) -> int:

@@ -23,19 +23,16 @@ from typing import Any
 
 from polar_lab.errors import AuthError, ConfigError, ContextLengthError, EngineError, RequestError
 from polar_lab.store import RunStore
-from polar_lab.types import CONTINUITY, SamplingSpec, Session
-
-
-# ignore_eos: fixed-length outputs through any API, for benchmarks and stream tests
-_FORCEABLE = {"temperature", "top_p", "top_k", "seed", "max_tokens", "banned_strings", "ignore_eos", "presence_penalty",
-              "frequency_penalty", "logit_bias", "thinking_budget"}
+from polar_lab.types import CONTINUITY, FORCEABLE, SamplingSpec, Session
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
-    """The forced values, checked now (SamplingError) rather than on the session's first call."""
-    unknown = set(sampling or {}) - _FORCEABLE
+    """The forced values, checked now (SamplingError) rather than on the session's first call. What may be forced
+    is declared with each field (polar_lab.types.knob); e.g. ignore_eos gives fixed-length outputs through any API,
+    for benchmarks and stream tests."""
+    unknown = set(sampling or {}) - FORCEABLE
     if unknown:
-        raise ValueError(f"session sampling can force {sorted(_FORCEABLE)}, not {sorted(unknown)}")
+        raise ValueError(f"session sampling can force {sorted(FORCEABLE)}, not {sorted(unknown)}")
     SamplingSpec(**{"max_tokens": 1, **(sampling or {})})
     return dict(sampling or {})
 
