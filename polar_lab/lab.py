@@ -40,7 +40,7 @@ from polar_lab.engine.supervisor import Restart
 from polar_lab.engine.weights import weights_size, write_weights
 from polar_lab.errors import LabError
 from polar_lab.rewards.registry import get_evaluator
-from polar_lab.rollout import rollout_async
+from polar_lab.rollout import RolloutSpec, rollout_async
 from polar_lab.parts import LabParts
 from polar_lab.run import Run
 from polar_lab.types import Evaluator, Group, Harness, Session, SyncResult
@@ -207,27 +207,24 @@ class Lab:
                 builder: str = "prefix_merging", progress: bool = True,
                 failed_reward: float | None = None, timeout_reward: float | None | EllipsisType = ...,
                 overflow_reward: float | None | EllipsisType = ..., sampling: dict[str, Any] | None = None,
-                seed: int | None = None) -> list[Group]:
+                seed: int | None = None, spec: RolloutSpec | None = None) -> list[Group]:
         """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
         evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
         Crashed or timed-out runs keep their calls, are marked in `session.status` and, with their cause, in
-        `session.info["failure"]` (rollout.failure_cause). Their reward is `timeout_reward` (ran past the
-        deadline), `overflow_reward` (overflowed the context) or `failed_reward` (crashed); the first two default
-        to `failed_reward`, which defaults to None, i.e. masked out of training (fail-closed). The GRPO trainer
-        scores timeouts and overflows 0.0 and masks crashes.
-        Infrastructure failures (engine/proxy errors, no call served) are always masked.
+        `session.info["failure"]` (rollout.failure_cause). What bounds a run and scores a failed one is a
+        `RolloutSpec` (rollout.py): `spec`, or one of `deadline_s` and the three rewards — `timeout_reward` and
+        `overflow_reward` default to `failed_reward`, which defaults to None: masked out of training (fail-closed).
         sampling: forced on every call of every run (see `session`); seed: run i gets sampling seed seed+i,
         and its call k `types.call_seed(seed + i, k)`, so a rollout is reproducible whatever seeds the
         harness sends.
         """
-        return self.run(rollout_async(self, tasks, harness, num_generations=num_generations,
-                                      evaluator=get_evaluator(evaluator), concurrency=concurrency,
-                                      deadline_s=deadline_s, builder=builder, progress=progress,
-                                      failed_reward=failed_reward,
-                                      timeout_reward=failed_reward if timeout_reward is ... else timeout_reward,
-                                      overflow_reward=failed_reward if overflow_reward is ... else overflow_reward,
-                                      sampling=sampling, seed=seed))
+        if spec is None:
+            spec = RolloutSpec(deadline_s, failed_reward, failed_reward if timeout_reward is ... else timeout_reward,
+                               failed_reward if overflow_reward is ... else overflow_reward)
+        return self.run(rollout_async(self, tasks, harness, num_generations=num_generations, spec=spec,
+                                      evaluator=get_evaluator(evaluator), concurrency=concurrency, builder=builder,
+                                      progress=progress, sampling=sampling, seed=seed))
 
     # ---- reading the run: Run's own methods over this Lab's folder (one implementation: polar_lab/run.py) ----
     call_records = _reads(Run.call_records)

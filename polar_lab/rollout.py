@@ -16,12 +16,39 @@ import time
 import traceback
 import uuid
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
 from polar_lab.errors import HarnessError, MaskedRunError, SandboxError
 from polar_lab.types import Evaluator, Group, Harness, Session, Trajectory, derived_seed
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """How each run of a rollout is bounded, and what a failed one scores — declared here once: `lab.rollout`
+    makes one of its arguments, the GRPO trainer one of its config (whose defaults are `TRAINING`'s).
+
+    deadline_s: a run still going after this long of the policy's time is stopped (status "timeout").
+    The reward of a failed run follows its cause (`failure_cause`): `timeout_reward` (it ran past its deadline),
+    `overflow_reward` (it failed after a call overflowed the context), `failed_reward` (it crashed after the model
+    answered). None masks the run out of training — each one's default: fail-closed. Infrastructure failures and
+    runs their environment masks are always masked."""
+
+    deadline_s: float = 600.0
+    failed_reward: float | None = None
+    timeout_reward: float | None = None
+    overflow_reward: float | None = None
+
+    def reward(self, cause: str) -> float | None:
+        return {"timeout": self.timeout_reward, "overflow": self.overflow_reward,
+                "crash": self.failed_reward}.get(cause)  # "infrastructure", "masked": None
+
+
+# What the GRPO trainer runs with (grpo/config.py): a run that loops past its deadline or overflows the context is the
+# policy's doing, and scores 0 to teach it not to; a crash of unknown cause stays masked.
+TRAINING = RolloutSpec(deadline_s=120.0, timeout_reward=0.0, overflow_reward=0.0)
 
 
 class Host(Protocol):
@@ -62,29 +89,25 @@ def failure_cause(session: Session, status: str) -> str | None:
 
 
 async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_id: str,
-                  evaluator: Evaluator | None, deadline_s: float, name: str, failed_reward: float | None = None,
-                  timeout_reward: float | None = None, overflow_reward: float | None = None,
+                  evaluator: Evaluator | None, spec: RolloutSpec, name: str,
                   sampling: dict[str, Any] | None = None) -> Session:
     """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
 
-    A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`):
-    timeout_reward, overflow_reward, failed_reward (a crash); None (the default of each) masks the run out of
-    training. Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError,
-    cause "masked"; "overflow" when its last call overflowed the context, the policy's doing) are always masked.
+    A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`) as `spec` says.
+    Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError, cause
+    "masked"; "overflow" when its last call overflowed the context, the policy's doing) are always masked.
     sampling: forced on every call of the run (see Lab.session).
     """
     session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
-    rewards = {"timeout": timeout_reward, "overflow": overflow_reward, "crash": failed_reward,
-               "infrastructure": None, "masked": None}
     t0 = time.perf_counter()
 
     def fail(status: str, cause: str | None = None, **info: Any) -> Session:
         cause = cause or failure_cause(session, status)
-        return session.close(reward=rewards[cause], status=status, failure=cause,
+        return session.close(reward=spec.reward(cause), status=status, failure=cause,
                              duration_s=time.perf_counter() - t0, **info)
 
     try:
-        result = await _within_deadline(harness(session, task), session, deadline_s)
+        result = await _within_deadline(harness(session, task), session, spec.deadline_s)
     except _Deadline:
         return fail("timeout", waited_s=session.waited_s)
     except SandboxError as exc:  # the machine cannot sandbox any program: stop the rollout, not just this run
@@ -132,10 +155,9 @@ async def _within_deadline(run: Coroutine[Any, Any, Any], session: Session, dead
 
 
 async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
-                        evaluator: Evaluator | None, concurrency: int, deadline_s: float, builder: str,
-                        progress: bool = True, failed_reward: float | None = None,
-                        timeout_reward: float | None = None, overflow_reward: float | None = None,
-                        sampling: dict[str, Any] | None = None, seed: int | None = None) -> list[Group]:
+                        evaluator: Evaluator | None, concurrency: int, spec: RolloutSpec, builder: str,
+                        progress: bool = True, sampling: dict[str, Any] | None = None,
+                        seed: int | None = None) -> list[Group]:
     """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task.
 
     seed: run i (task-major order) gets the forced sampling seed `derived_seed(seed, i)` (seed + i); its calls
@@ -148,10 +170,8 @@ async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harnes
     async def gated(task: dict[str, Any], group_id: str, i: int) -> Session:
         forced = dict(sampling or {}) | ({"seed": derived_seed(seed, i)} if seed is not None else {})
         async with gate:
-            session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator,
-                                    deadline_s=deadline_s, name=harness_name(harness, task),
-                                    failed_reward=failed_reward, timeout_reward=timeout_reward,
-                                    overflow_reward=overflow_reward, sampling=forced)
+            session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator, spec=spec,
+                                    name=harness_name(harness, task), sampling=forced)
         bar.update(1)
         return session
 

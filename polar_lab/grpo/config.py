@@ -12,6 +12,7 @@ from polar_lab.config import _f
 from polar_lab.errors import ConfigError
 from polar_lab.grpo.lora import lora_config, lora_dict
 from polar_lab.grpo.trackers import resolve_report_to
+from polar_lab.rollout import TRAINING, RolloutSpec
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -39,15 +40,17 @@ class GRPOConfig:
                                         "tool call); off: their logprobs are of the renormalised distribution, "
                                         "not the policy's, so they get loss 0")
     concurrency: int = _f(64, "harness runs in flight at once")
-    deadline_s: float = _f(120.0, "a run still going after this long is stopped (and gets timeout_reward)")
-    timeout_reward: float | None = _f(0.0, "reward of a run the policy kept going past deadline_s (looping, "
-                                           "never finishing); None masks it out of the loss")
-    overflow_reward: float | None = _f(0.0, "reward of a run that failed after its context overflowed (a call "
-                                            "refused as too long for the model); None masks it")
-    failed_reward: float | None = _f(None, "reward of a run whose harness crashed after the model answered "
-                                           "(cause unknown); None masks it. Infrastructure failures (an engine "
-                                           "or proxy error, no model call served, a failing evaluator) are "
-                                           "always masked")
+    deadline_s: float = _f(TRAINING.deadline_s, "a run still going after this long is stopped (and gets "
+                                                "timeout_reward)")
+    # the failure rewards: rollout.py's RolloutSpec declares them, with the trainer's defaults in TRAINING
+    timeout_reward: float | None = _f(TRAINING.timeout_reward, "reward of a run the policy kept going past "
+                                      "deadline_s (looping, never finishing); None masks it out of the loss")
+    overflow_reward: float | None = _f(TRAINING.overflow_reward, "reward of a run that failed after its context "
+                                       "overflowed (a call refused as too long for the model); None masks it")
+    failed_reward: float | None = _f(TRAINING.failed_reward, "reward of a run whose harness crashed after the "
+                                     "model answered (cause unknown); None masks it. Infrastructure failures (an "
+                                     "engine or proxy error, no model call served, a failing evaluator) are always "
+                                     "masked")
 
     # ---- loss ------------------------------------------------------------------------------------
     loss_type: str = _f("dapo", "grpo: mean over each run's tokens, then over runs; dr_grpo: sum / "
@@ -186,6 +189,10 @@ class GRPOConfig:
         if unknown:
             raise ConfigError(f"unknown keys in 'grpo': {sorted(unknown)}")
         return cls(**data)
+
+    def rollout_spec(self) -> RolloutSpec:
+        """The deadline and failure rewards every rollout of this training runs with."""
+        return RolloutSpec(self.deadline_s, self.failed_reward, self.timeout_reward, self.overflow_reward)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(dataclasses.replace(self, peft_config=None))

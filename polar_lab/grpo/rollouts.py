@@ -91,9 +91,9 @@ class SyncRollouts:
         seed = mix_seed(c.seed, "rollout", self.rollouts)
         self.rollouts += 1
         groups = self.lab.rollout(self.tasks.take(c.tasks_per_step), self.harness, num_generations=c.num_generations,
-                                  evaluator=self.evaluator, concurrency=c.concurrency, deadline_s=c.deadline_s,
-                                  builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c), seed=seed,
-                                  **failure_rewards(c))
+                                  evaluator=self.evaluator, concurrency=c.concurrency, spec=c.rollout_spec(),
+                                  builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c),
+                                  seed=seed)
         return groups, dropped_stats([])
 
     def close(self) -> None:
@@ -166,10 +166,11 @@ class AsyncRollouts:
         try:
             sessions = await asyncio.gather(*(
                 run_one(self.lab, task, self.harness, group_id=group_id, evaluator=self.evaluator,
-                        deadline_s=c.deadline_s, name=harness_name(self.harness, task),
-                        sampling=rollout_sampling(c) | {"seed": derived_seed(seed, i)}, **failure_rewards(c))
+                        spec=c.rollout_spec(), name=harness_name(self.harness, task),
+                        sampling=rollout_sampling(c) | {"seed": derived_seed(seed, i)})
                 for i in range(c.num_generations)))
-            groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions), trajectory_builder(c))
+            groups = await asyncio.to_thread(make_groups, self.lab, [task], [group_id], list(sessions),
+                                             trajectory_builder(c))
             self.ready.put(groups[0])
         except asyncio.CancelledError:
             raise
@@ -212,12 +213,6 @@ def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
             "top_p": 1.0, "top_k": -1, "banned_strings": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "logit_bias": (), "thinking_budget": None}
-
-
-def failure_rewards(config: GRPOConfig) -> dict[str, float | None]:
-    """The rewards of failed runs, by cause (see rollout.failure_cause); infrastructure failures stay masked."""
-    return {"timeout_reward": config.timeout_reward, "overflow_reward": config.overflow_reward,
-            "failed_reward": config.failed_reward}
 
 
 def dropped_stats(dropped: list[Group], *, reruns: int = 0) -> dict[str, float]:

@@ -225,20 +225,22 @@ def test_choices_of_a_forced_seed_do_not_reuse_the_next_runs_seed(replies_lab):
 
 def test_each_rollout_gets_the_configs_settings_and_the_kth_is_seeded_from_the_config(replies_lab, monkeypatch):
     """What SyncRollouts hands lab.rollout, step by step: the k-th rollout's seed is mix_seed(config.seed, "rollout",
-    k) (k counts from 0, one per step), and concurrency, deadline and builder are the config's."""
+    k) (k counts from 0, one per step), and concurrency, deadline, failure rewards and builder are the config's."""
     from polar_lab.grpo.rollouts import trajectory_builder
+    from polar_lab.rollout import RolloutSpec
 
     seen, real = [], replies_lab.rollout
     monkeypatch.setattr(replies_lab, "rollout", lambda tasks, harness, **kw: seen.append(kw) or real(tasks, harness,
                                                                                                        **kw))
     config = GRPOConfig(seed=5, tasks_per_step=1, num_generations=2, concurrency=3, deadline_s=77.0,
-                        train_constrained=True)
+                        timeout_reward=-1.0, train_constrained=True)
     rollouts = SyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=5))
     for _ in range(3):
         groups, stats = rollouts.next_groups(0)
         assert len(groups) == 1 and len(groups[0].sessions) == 2
     assert [kw["seed"] for kw in seen] == [mix_seed(5, "rollout", k) for k in range(3)]
-    assert all((kw["concurrency"], kw["deadline_s"], kw["progress"]) == (3, 77.0, False) for kw in seen)
+    assert all((kw["concurrency"], kw["spec"], kw["progress"]) == (3, RolloutSpec(77.0, None, -1.0, 0.0), False)
+               for kw in seen)
     builder = seen[0]["builder"]
     assert builder.keywords == {"train_constrained": True} and builder.func is trajectory_builder(config).func
     assert trajectory_builder(GRPOConfig()) == "prefix_merging"  # by name, as the Lab's own builders are
