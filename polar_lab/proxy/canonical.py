@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from polar_lab.proxy.constraints import OutputFormat
-from polar_lab.types import Generation, Session
+from polar_lab.types import Generation, Sampling, Session
 
 
 @dataclass
@@ -28,25 +28,17 @@ class CanonicalRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)  # [{"type": "function", "function": {...}}]
     tool_choice: str | dict[str, Any] = "auto"  # "auto" | "none" | "required" | {"name": ...}
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None  # None: the Lab's default; clipped to the context either way (CallService)
+    sampling: Sampling = field(default_factory=Sampling)  # temperature, top_p, seed, stop, penalties, extensions...
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
     stream: bool = False
     model: str = ""
-    ignore_eos: bool = False  # vLLM extension
     thinking: bool | None = None  # the template's `enable_thinking` switch; None: the template's default
     output: OutputFormat | None = None  # structured output: the text must be this JSON (proxy/constraints.py)
     allowed_tools: list[str] | None = None  # a forced call may name only these (Google's allowedFunctionNames)
     parallel_tool_calls: bool = True  # False: at most one call per turn (enforced where a call is forced)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
     thinking_budget: int | None = None  # at most this many thought tokens (Anthropic budget_tokens, thinkingBudget)
 
 

@@ -6,13 +6,16 @@ or what comes back, that each REFUSED field is a 400 in the provider's shape, an
 lists each IGNORED field with its reason). An ignored constraint is worse than a 400 (the caller believes it
 held), so a field is ignored only when ignoring it cannot change the answer the caller relies on: bookkeeping
 (metadata, user ids, billing tiers), caching hints (vLLM caches prefixes by itself), or knobs of services this
-proxy does not run. `refuse` is called by each surface's conversion with the fields the body set.
+proxy does not run. `refuse` is called by each surface's conversion with the fields the body set. A last table,
+`EXTENSIONS`, lists vLLM's sampling knobs that every surface takes though no provider documents them (derived from
+their declaration in polar_lab.types; tests/proxy/test_sampling_knobs.py checks each on each surface).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from polar_lab import types
 from polar_lab.errors import RequestError
 
 APPLIED = "applied"
@@ -110,6 +113,13 @@ FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+# vLLM's sampling knobs no provider documents, taken on every surface (Google's: in generationConfig, by either name):
+# rows derived from their one declaration (polar_lab.types.Sampling, fields declared `extension=True`)
+EXTENSIONS: dict[str, str] = {
+    name: f"applied on every surface: vLLM's `{declared.vllm or name}`, {declared.bound.describe()}"
+    for name, declared in types.knobs(types.Sampling) if declared.extension}
+
+
 def refuse(api: str, *models: Any) -> None:
     """A RequestError for the first field the table refuses that one of `models` (a request body's pydantic
     models: the body, Google's generationConfig) sets, with its reason. A field unset, null or empty is not
@@ -155,6 +165,9 @@ def markdown() -> str:
             what = status if isinstance(status, str) else f"{status[0]}: {status[1]}"
             out.append(f"| `{name}` | {what} |")
         out.append("")
+    out += ["### vLLM extensions (every surface; Google: in generationConfig, lowerCamelCase too)", "",
+            "| field | what the proxy does |", "|---|---|"]
+    out += [f"| `{name}` | {what} |" for name, what in sorted(EXTENSIONS.items())] + [""]
     return "\n".join(out)
 
 

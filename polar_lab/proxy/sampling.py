@@ -20,15 +20,22 @@ surface's own range applies. Where each bound comes from:
     top_logprobs  [0, 20]              vLLM ModelConfig.max_logprobs default; OpenAI's cap
     n             [1, 128]             ours: n choices are n engine requests
     stop          <= 16 strings of <= 1000 characters   ours (OpenAI allows 4)
+
+vLLM's knobs that no provider documents (`ignore_eos`...: the fields of polar_lab.types.Sampling declared
+`extension=True`) are taken on every surface from that one declaration, with its bounds: each body model (Google's:
+its generationConfig, by lowerCamelCase or snake_case name) derives from `Extensions` / `GoogleExtensions`, and its
+conversion passes `extensions(model)` into the request's Sampling.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, Strict
+from pydantic import AliasChoices, Field, Strict, create_model
 
+from polar_lab import types
 from polar_lab.errors import RequestError
+from polar_lab.proxy.canonical import Lenient
 from polar_lab.types import INT64_MAX, INT64_MIN, STOP_CHARS_MAX, STOP_MAX, TEMPERATURE_MAX, TOP_LOGPROBS_MAX
 
 MAX_CHOICES = 128
@@ -74,3 +81,41 @@ def whole(value: float | None, *, param: str) -> int | None:
     if value != int(value):
         raise RequestError(f"{param} must be a whole number, got {value}", param=param)
     return int(value)
+
+
+def _typed(bound: types.Bound) -> Any:
+    """The pydantic type of a knob's bounds (those an extension knob may have)."""
+    if isinstance(bound, types.Flag):
+        return Flag
+    if isinstance(bound, types.Whole):
+        return _integer(ge=bound.low, le=bound.high)
+    if isinstance(bound, types.Real):
+        return _number(**{"gt" if bound.low_open else "ge": bound.low, "le": bound.high})
+    raise TypeError(f"no request type for {bound!r}: declare an extension knob as Flag, Whole or Real")
+
+
+EXTENSIONS = tuple(name for name, declared in types.knobs(types.Sampling) if declared.extension)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _extension_fields(*, camel: bool) -> dict[str, Any]:
+    """Each extension knob as an optional request field (None: not sent); `camel`: taken by its lowerCamelCase name
+    too, as Google's JSON takes every field."""
+    declared = dict(types.knobs(types.Sampling))
+    return {name: (_typed(declared[name].bound) | None,
+                   Field(default=None, validation_alias=AliasChoices(_camel(name), name) if camel else None))
+            for name in EXTENSIONS}
+
+
+# --- extensions (vLLM's names): the base of each surface's body model (Google: of its generationConfig) ---
+Extensions = create_model("Extensions", __base__=Lenient, **_extension_fields(camel=False))
+GoogleExtensions = create_model("GoogleExtensions", __base__=Lenient, **_extension_fields(camel=True))
+
+
+def extensions(model: Any) -> dict[str, Any]:
+    """The extension knobs a request model set, as Sampling's keywords."""
+    return {name: getattr(model, name) for name in EXTENSIONS if getattr(model, name) is not None}

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -369,13 +369,10 @@ class CallService:
                                                             parallel=req.parallel_tool_calls, max_tokens=budget)
             if dropped and info is not None:
                 info["not_enforced"] = dropped  # tool schema keywords the forced call's grammar could not hold
-        return SamplingSpec(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            top_k=req.top_k, seed=req.seed, stop=req.stop, banned_strings=banned,
-                            num_logprobs=req.top_logprobs if req.logprobs else 0, ignore_eos=req.ignore_eos,
-                            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                            logit_bias=tuple(req.logit_bias.items()), structure=structure,
-                            thinking_budget=req.thinking_budget if self.parser.thinking and req.thinking is not False
-                            else None)  # a family without thoughts has no budget to keep
+        return SamplingSpec.of(req.sampling, max_tokens=max_tokens, banned_strings=banned,
+                               num_logprobs=req.top_logprobs if req.logprobs else 0, structure=structure,
+                               thinking_budget=req.thinking_budget if self.parser.thinking and req.thinking is not False
+                               else None)  # a family without thoughts has no budget to keep
 
 
 MAX_TOKENS_HEADER = "polar-lab-max-tokens"  # on every answer: `1024; source=default` (docs/api-conformance.md)
@@ -429,14 +426,7 @@ def _spec_dict(spec: SamplingSpec, requested: SamplingSpec, constraint: str | No
     """The recorded sampling: what the engine applied, and under "overridden" what the request asked for where
     a session's forced sampling replaced it. The grammar itself is not repeated (the request body holds its
     schema): "constraint" says which kind held the output, every output token of it (proxy/constraints.py)."""
-    applied, asked = _recorded(spec), _recorded(requested)
+    applied, asked = spec.recorded(), requested.recorded()
     overridden = {name: asked[name] for name in applied if asked[name] != applied[name]}
     applied["constraint"] = constraint
     return {**applied, "overridden": overridden} if overridden else applied
-
-
-def _recorded(spec: SamplingSpec) -> dict[str, Any]:
-    out = asdict(spec)
-    del out["structure"]
-    out["logit_bias"] = {str(token): bias for token, bias in spec.logit_bias}  # JSON object keys are strings
-    return out

@@ -24,8 +24,10 @@ from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
-from polar_lab.proxy.sampling import AnthropicTemperature, MaxTokens, NonNegativeTopK, StopList, TopP, stop_tuple
+from polar_lab.proxy.sampling import (AnthropicTemperature, Extensions, MaxTokens, NonNegativeTopK, StopList, TopP,
+                                      extensions, stop_tuple)
 from polar_lab.proxy.service import CallService, Prepared
+from polar_lab.types import Sampling
 
 
 class Block(Lenient):
@@ -61,7 +63,7 @@ class ToolChoice(Lenient):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(Lenient):
+class MessagesRequest(Extensions):  # every surface takes vLLM's extension knobs (proxy/sampling.py)
     model: str = ""
     messages: list[Message] = Field(min_length=1)
     max_tokens: MaxTokens
@@ -104,9 +106,10 @@ def to_canonical(body: MessagesRequest, tool_args: ToolArgs, signer: ThoughtSign
     return CanonicalRequest(
         messages=messages, tools=[_tool(t) for t in body.tools or [] if t.input_schema is not None],
         tool_choice=_tool_choice(body.tool_choice), max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
-        stop=stop_tuple(body.stop_sequences), stream=bool(body.stream), model=body.model,
+        sampling=Sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
+                          stop=stop_tuple(body.stop_sequences), **extensions(body)),
+        stream=bool(body.stream), model=body.model,
         thinking=_thinking(body.thinking, body.max_tokens),
         thinking_budget=(body.thinking or {}).get("budget_tokens") if (body.thinking or {}).get("type") == "enabled"
         else None,

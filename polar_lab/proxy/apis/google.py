@@ -21,9 +21,10 @@ from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import canonical, google_error, json_body, serve, session_key, validate
-from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, Temperature, TopLogprobs,
-                                      TopP, WholeTopK, stop_tuple, whole)
+from polar_lab.proxy.sampling import (Choices, Flag, GoogleExtensions, MaxTokens, Penalty, Seed, StopList,
+                                      Temperature, TopLogprobs, TopP, WholeTopK, extensions, stop_tuple, whole)
 from polar_lab.proxy.service import CallService, Prepared
+from polar_lab.types import Sampling
 
 API = "google.generate_content"
 _MODES = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}
@@ -39,7 +40,7 @@ def _name(camel: str, snake: str) -> Any:
     return Field(default=None, validation_alias=AliasChoices(camel, snake))
 
 
-class GenerationConfig(Lenient):
+class GenerationConfig(GoogleExtensions):  # vLLM's extension knobs too, camelCase or not (proxy/sampling.py)
     stopSequences: StopList | None = _name("stopSequences", "stop_sequences")  # noqa: N815 - the API's names
     candidateCount: Choices | None = _name("candidateCount", "candidate_count")  # noqa: N815
     maxOutputTokens: MaxTokens | None = _name("maxOutputTokens", "max_output_tokens")  # noqa: N815
@@ -77,13 +78,14 @@ def to_canonical(body: GenerateContentRequest, model: str, *, stream: bool, tool
     tool_choice, allowed = _tool_choice(body.toolConfig)
     return CanonicalRequest(
         messages=messages, tools=_tools(body.tools), tool_choice=tool_choice, allowed_tools=allowed,
-        max_tokens=config.maxOutputTokens, temperature=1.0 if config.temperature is None else config.temperature,
-        top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
-        stop=stop_tuple(config.stopSequences), stream=stream, model=model, thinking=_thinking(config.thinkingConfig),
+        max_tokens=config.maxOutputTokens, stream=stream, model=model, thinking=_thinking(config.thinkingConfig),
         thinking_budget=_budget(config.thinkingConfig),
         n=config.candidateCount or 1, logprobs=bool(config.responseLogprobs), top_logprobs=config.logprobs or 0,
         output=constraints.google_format(config.model_dump(exclude_none=True)),
-        presence_penalty=config.presencePenalty or 0.0, frequency_penalty=config.frequencyPenalty or 0.0)
+        sampling=Sampling(temperature=1.0 if config.temperature is None else config.temperature,
+                          top_p=1.0 if config.topP is None else config.topP, top_k=top_k or -1, seed=config.seed,
+                          stop=stop_tuple(config.stopSequences), presence_penalty=config.presencePenalty or 0.0,
+                          frequency_penalty=config.frequencyPenalty or 0.0, **extensions(config)))
 
 
 def _thinking(config: dict[str, Any] | None) -> bool | None:

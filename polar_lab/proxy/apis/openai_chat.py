@@ -23,9 +23,10 @@ from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
-from polar_lab.proxy.sampling import (Choices, Flag, MaxTokens, Penalty, Seed, StopList, StopString, Temperature,
-                                      TopK, TopLogprobs, TopP, stop_tuple)
+from polar_lab.proxy.sampling import (Choices, Extensions, Flag, MaxTokens, Penalty, Seed, StopList, StopString,
+                                      Temperature, TopK, TopLogprobs, TopP, extensions, stop_tuple)
 from polar_lab.proxy.service import CallService, Prepared
+from polar_lab.types import Sampling
 
 
 class ContentPart(Lenient):
@@ -80,7 +81,7 @@ class StreamOptions(Lenient):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(Lenient):
+class ChatCompletionRequest(Extensions):  # every surface takes vLLM's extension knobs (proxy/sampling.py)
     messages: list[ChatMessage] = Field(min_length=1)
     model: str = ""
     frequency_penalty: Penalty | None = None
@@ -105,7 +106,6 @@ class ChatCompletionRequest(Lenient):
     user: str | None = None
     # --- extensions (vLLM's names) ---
     top_k: TopK | None = None
-    ignore_eos: Flag | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # only `enable_thinking`: the rest could rewrite the template
     return_token_ids: Flag | None = None  # `prompt_token_ids` and each choice's `token_ids`: the recorded ids
     return_tokens_as_token_ids: Flag | None = None  # logprob tokens as "token_id:N" (ids that are not text)
@@ -123,18 +123,18 @@ def to_canonical(body: ChatCompletionRequest) -> CanonicalRequest:
         messages=[_message(m, first=i == 0) for i, m in enumerate(body.messages)],
         tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
         tool_choice=tool_choice,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        seed=body.seed, stop=stop_tuple(body.stop), n=body.n,
+        max_tokens=body.max_completion_tokens or body.max_tokens, n=body.n,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
-        stream=bool(body.stream), model=body.model, ignore_eos=bool(body.ignore_eos),
+        stream=bool(body.stream), model=body.model,
         thinking=_thinking(body.chat_template_kwargs, body.reasoning_effort),
         output=constraints.openai_format(body.response_format, param="response_format"),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=_logit_bias(body.logit_bias),
+        sampling=Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            seed=body.seed, stop=stop_tuple(body.stop),
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(body.logit_bias), **extensions(body)),
     )
 
 

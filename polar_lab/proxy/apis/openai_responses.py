@@ -24,16 +24,16 @@ from fastapi.responses import Response
 from polar_lab.errors import RequestError
 from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.apis.openai_chat import token_logprobs
-from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner
+from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, ThoughtSigner
 from polar_lab.proxy.deltas import Delta
 from polar_lab.proxy.http import openai_error, serve, session_key, session_of
-from polar_lab.proxy.sampling import MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP
+from polar_lab.proxy.sampling import Extensions, MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP, extensions
 from polar_lab.proxy.service import CallService, Prepared
 from polar_lab.proxy.sessions import SHARED
-from polar_lab.types import Session
+from polar_lab.types import Sampling, Session
 
 
-class ResponsesRequest(Lenient):
+class ResponsesRequest(Extensions):  # every surface takes vLLM's extension knobs (proxy/sampling.py)
     model: str = ""
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -89,12 +89,14 @@ def to_canonical(body: ResponsesRequest, signer: ThoughtSigner | None = None) ->
     choice, allowed = _allowed(body.tool_choice)
     return CanonicalRequest(
         messages=messages, tools=tools, tool_choice=choice, allowed_tools=allowed,
-        max_tokens=body.max_output_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        max_tokens=body.max_output_tokens,
         logprobs="message.output_text.logprobs" in (body.include or []), top_logprobs=body.top_logprobs or 0,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        seed=body.seed, stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning),
+        stream=bool(body.stream), model=body.model, thinking=_thinking(body.reasoning),
         output=constraints.openai_format((body.text or {}).get("format"), param="text.format"),
-        parallel_tool_calls=body.parallel_tool_calls is not False)
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        sampling=Sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p,
+                          top_k=-1 if body.top_k in (None, 0) else body.top_k, seed=body.seed, **extensions(body)))
 
 
 def _thinking(reasoning: dict[str, Any] | None) -> bool | None:
@@ -321,8 +323,8 @@ def _envelope(request_id: str, req: CanonicalRequest, body: ResponsesRequest, mo
     return {"id": "resp_" + request_id, "object": "response", "created_at": time.time(), "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": req.model or model, "output": [],
-            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": req.temperature,
-            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": req.top_p,
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": req.sampling.temperature,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": req.sampling.top_p,
             "text": body.text or {"format": {"type": "text"}}, "truncation": body.truncation or "disabled",
             "previous_response_id": body.previous_response_id, "store": body.store is not False,
             "reasoning": body.reasoning or {"effort": None, "summary": None}, "usage": None,
