@@ -19,43 +19,31 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import dataclasses
 import functools
-import ipaddress
 import logging
-import os
+import operator
 import threading
-import time
 import warnings
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, TypeVar
 
-import pandas as pd
 import torch
 
 from polar_lab.config import DEFAULT_MODEL, LabConfig, make_config
-from polar_lab.engine.supervisor import Restart
-from polar_lab.engine.weights import weights_size, write_weights
+from polar_lab.engine.supervisor import Restart, sync_weights
 from polar_lab.errors import LabError
+from polar_lab.parts import LabParts
+from polar_lab.proxy.server import warn_if_exposed
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rollout import RolloutSpec, rollout_async
-from polar_lab.parts import LabParts
 from polar_lab.run import Run
 from polar_lab.types import Evaluator, Group, Harness, Session, SyncResult
+from polar_lab.viz.views import LabViews, ShowsTraining
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@runtime_checkable
-class ShowsTraining(Protocol):
-    """What the Lab's dashboard reads of a trainer it holds (GRPOTrainer, grpo/trainer.py, is one): the metrics of
-    each step, and each run's reward with its step."""
-
-    history: Sequence[dict[str, Any]]
-    reward_log: Sequence[dict[str, Any]]
 
 
 def _reads(method: Callable[..., T]) -> Callable[..., T]:
@@ -67,9 +55,26 @@ def _reads(method: Callable[..., T]) -> Callable[..., T]:
     return read
 
 
-class Lab:
+def _part(path: str, doc: str = "") -> property:
+    """An attribute of the Lab's parts (`server.port` is `lab.parts.server.port`) as a read-only Lab attribute."""
+    return property(operator.attrgetter(f"parts.{path}"), doc=doc or f"`lab.parts.{path}` (parts.py)")
+
+
+class Lab(LabViews):
     _live: ClassVar[dict[tuple[str, int | None], Lab]] = {}  # port 0 (always a new Lab) never in it
     _live_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    # what its parts hold (parts.py): the run folder, its writer and its reader (a Run); the tokenizer, the weights
+    # folder, the engine's supervisor; the sandbox level, each start stage's seconds; the proxy server and its parts
+    run_dir, store, recorded = _part("run_dir"), _part("store"), _part("recorded")
+    tokenizer, weights, supervisor = _part("tokenizer"), _part("weights"), _part("supervisor")
+    sandbox_level, startup, server = _part("sandbox_level"), _part("startup"), _part("server")
+    port, url, loop = _part("server.port"), _part("server.url"), _part("server.loop")
+    parsers, registry, service = _part("server.parsers"), _part("server.registry"), _part("server.service")
+    engine = _part("supervisor.engine", "the live engine (a new object after each restart)")
+    policy_version = _part("supervisor.engine.policy_version", "the version of the weights new tokens sample with")
+    served_as = _part("supervisor.engine.model_name", "the model name the proxy serves (requests' `model`)")
+    model_path = _part("supervisor.engine.model_path", "the model folder (or hub id) the engine started from")
 
     def __new__(cls, model: str | None = None, *, config: LabConfig | None = None, engine=None, **overrides: Any):
         cfg = make_config(model, config, overrides)
@@ -101,15 +106,8 @@ class Lab:
         self.config = make_config(model, config, overrides)
         self._owned: list[Any] = []  # trainers and producers that use this Lab; closed before it
         self._last_trainer: Any = None  # the latest trainer released (lab.training() shows its curves)
-        _warn_if_exposed(self.config.proxy.host)
-        self.parts = parts = LabParts(self.config, engine)  # the start (parts.py); close() takes it down
-        self.run_dir, self.store, self.recorded, self.tokenizer = parts.run_dir, parts.store, parts.recorded, \
-            parts.tokenizer
-        self.server, self.supervisor, self.weights = parts.server, parts.supervisor, parts.weights
-        self.port, self.url, self.parsers, self.loop = self.server.port, self.server.url, self.server.parsers, \
-            self.server.loop
-        self.registry, self.service = self.server.registry, self.server.service
-        self.sandbox_level, self.startup = parts.sandbox_level, parts.startup
+        warn_if_exposed(self.config.proxy.host, stacklevel=2)  # at the Lab(...) line
+        self.parts = LabParts(self.config, engine)  # the start (parts.py); close() takes it down
         with self._live_lock:
             if self.config.proxy.port != 0:
                 self._live[(self.config.proxy.host, self.config.proxy.port)] = self
@@ -236,28 +234,6 @@ class Lab:
     sft_dataset = _reads(Run.sft_dataset)
     sft_acceptance = _reads(Run.sft_acceptance)
 
-    def stats(self) -> dict[str, Any]:
-        """Live counters (what the dashboard shows): sessions by status, calls and sampled tokens recorded, the
-        policy version, the proxy's gate and the engine's state and restarts."""
-        statuses = [s.status for s in self.registry.all()]
-        engine = self.supervisor.status()
-        return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
-                "sessions_failed": statuses.count("error") + statuses.count("timeout"),
-                "calls": self.store.num_calls, "output_tokens": self.store.num_output_tokens,
-                "policy_version": self.policy_version, "proxy": self.proxy_state,
-                "engine_busy_s": self.supervisor.busy_seconds, **engine, **self.engine.replica_counts()}
-
-    def training(self) -> dict[str, Any]:
-        """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`) and its
-        runs' rewards as (step, reward); without a trainer, the rewards of this Lab's finished runs (step 0)."""
-        trainers = self.owned(ShowsTraining)
-        trainer = trainers[-1] if trainers else self._last_trainer  # a closed trainer's curves stay on show
-        if trainer is not None:
-            return {"history": list(trainer.history),
-                    "rewards": [(r["step"], r["reward"]) for r in list(trainer.reward_log) if r["reward"] is not None]}
-        return {"history": [], "rewards": [(0, s.reward) for s in self.registry.all()
-                                           if s.status != "open" and s.reward is not None]}
-
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load new weights into the live engine at once (no pause); returns the new policy version.
 
@@ -282,19 +258,7 @@ class Lab:
         The result says how many bytes moved, and how long the write, the preload and the pause took.
         """
         self._check_open()
-        if isinstance(weights, (str, Path)):  # a file, or a LoRA adapter's folder
-            path, write_s = Path(weights), 0.0
-        else:
-            t0 = time.perf_counter()
-            path = self.weights_path()
-            write_weights(path, weights)
-            write_s = time.perf_counter() - t0
-        size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
-        try:
-            result = self.supervisor.sync(path, drain_timeout)
-        finally:
-            self.weights.taken(path, kept=self.engine.weights_file == path)  # else removed (not kept, or load failed)
-        return dataclasses.replace(result, bytes=size, write_s=write_s, path=self.engine.weights_transport or kind)
+        return sync_weights(self.supervisor, weights, self.weights, drain_timeout)
 
     def weights_path(self) -> Path:
         """A fresh path in shared memory for a weights file (or a LoRA adapter's folder) that `sync_weights`
@@ -320,80 +284,9 @@ class Lab:
         return self.supervisor.restart(state_dict, version=version, drain_timeout=drain_timeout,
                                        startup_timeout=startup_timeout)
 
-    @property
-    def engine(self):
-        """The live engine (a new object after each restart)."""
-        return self.supervisor.engine
-
-    def replicas(self) -> pd.DataFrame:
-        """One row per engine replica (engine/replicas.py): serving, pid, requests in flight, sessions routed to
-        it, policy version, busy seconds, restarts (its own, and the whole engine's). A single engine is replica 0."""
-        rows = self.engine.replica_status()
-        for row in rows:
-            row["restarts"] += len(self.engine_restarts)
-        return pd.DataFrame(rows)
-
-    def replica_moves(self) -> pd.DataFrame:
-        """Every session moved to another replica (its own was dead, out of rotation or over its queue bound)."""
-        return pd.DataFrame([dataclasses.asdict(m) for m in self.engine.moves],
-                            columns=["route", "from_replica", "to_replica", "why", "at"])
-
-    @property
-    def engine_restarts(self) -> list[Restart]:
-        """Every replacement of the engine process so far: reason, automatic or not, startup time, outcome."""
-        return list(self.supervisor.restarts)
-
-    def dashboard(self, *, interval: float = 1.0, start: bool = True):
-        """A live ipywidgets dashboard of this Lab: its counters (sessions, calls/s, tokens/s, version, proxy and
-        engine state) and plots (rewards per step, throughput and engine busy, sessions, version and staleness,
-        an attached trainer's loss and reward mean). Display it as the last expression of a cell; it refreshes
-        every `interval` s in a background thread until the Lab closes."""
-        from polar_lab.viz.dashboard import Dashboard
-
-        for old in self.owned(Dashboard):  # the cell run again: one dashboard draws at a time
-            old.close()
-        board = Dashboard(self, interval=interval)
-        self.adopt(board)
-        return board.start() if start else board
-
-    @property
-    def proxy_state(self) -> dict[str, Any]:
-        """serving / draining / paused, calls in flight, pauses so far (see polar_lab.proxy.pause)."""
-        return self.service.gate.stats()
-
-    @property
-    def engine_busy_seconds(self) -> float:
-        """Seconds the engine has spent stepping requests since the Lab started, restarts included (for busy
-        fractions)."""
-        return self.supervisor.busy_seconds
-
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    @property
-    def served_as(self) -> str:
-        """The model name the proxy serves (what a harness puts in its requests' `model`)."""
-        return self.engine.model_name
-
-    @property
-    def model_path(self) -> str:
-        """The model folder (or hub id) the engine was started from."""
-        return self.engine.model_path
-
     def _check_open(self) -> None:
         if self._closed:
             raise LabError("this Lab is closed; create a new one")
-
-
-def _warn_if_exposed(host: str) -> None:
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        warnings.warn(f"the proxy binds {host}, not loopback: anyone who can reach it and learns a session key "
-                      f"can use the model and write into that session", stacklevel=3)
 
 
 __all__ = ["DEFAULT_MODEL", "Lab"]

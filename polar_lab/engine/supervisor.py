@@ -23,6 +23,7 @@ each is logged with its reason and kept in `restarts`. An engine past version 0 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,8 @@ from typing import Any, Protocol
 import torch
 
 from polar_lab.engine.base import Engine
-from polar_lab.engine.weights import remove_weights
+from polar_lab.engine.launch import WeightsFolder
+from polar_lab.engine.weights import remove_weights, weights_size, write_weights
 from polar_lab.errors import EngineError, LabError
 from polar_lab.types import SyncResult
 
@@ -327,3 +329,23 @@ def load_into(engine: Engine, weights: Weights, *, version: int | None = None) -
 def _recoverable(engine: Engine) -> bool:
     """A replacement can serve what this engine served: the model folder (version 0) or its kept weights."""
     return engine.policy_version == 0 or engine.weights_file is not None
+
+
+def sync_weights(supervisor: EngineSupervisor, weights: Weights, folder: WeightsFolder,
+                 drain_timeout: float) -> SyncResult:
+    """`supervisor.sync` of a state dict written first — before the pause — to a fresh path of `folder`, or of a file
+    (or a LoRA adapter's folder) already written. A path of the folder becomes the engine's kept copy, or is removed.
+    The result also says how many bytes moved, how long the write took and how they travelled."""
+    if isinstance(weights, (str, Path)):
+        path, write_s = Path(weights), 0.0
+    else:
+        t0 = time.perf_counter()
+        path = folder.new_path()
+        write_weights(path, weights)
+        write_s = time.perf_counter() - t0
+    size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
+    try:
+        result = supervisor.sync(path, drain_timeout)
+    finally:
+        folder.taken(path, kept=supervisor.engine.weights_file == path)  # else removed (not kept, or load failed)
+    return dataclasses.replace(result, bytes=size, write_s=write_s, path=supervisor.engine.weights_transport or kind)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
 import shutil
 import socket
 import threading
+import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -199,3 +201,15 @@ class LoopGate:
                 lambda: self.state.state == PAUSED and self.loop.create_task(self.state.resume()))
         except RuntimeError:
             pass  # the loop is closed: the server is gone, and its gate with it
+
+
+def warn_if_exposed(host: str, *, stacklevel: int = 1) -> None:
+    """Warn when `host` is not a loopback address: the proxy is then reachable from the network. stacklevel 1 points
+    the warning at the caller, 2 at the caller's caller."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        warnings.warn(f"the proxy binds {host}, not loopback: anyone who can reach it and learns a session key "
+                      f"can use the model and write into that session", stacklevel=stacklevel + 1)
