@@ -232,6 +232,7 @@ class Sampling:
     presence_penalty: float = knob(Real(-PENALTY_MAX, PENALTY_MAX), 0.0, training_off=True)  # as OpenAI means them
     frequency_penalty: float = knob(Real(-PENALTY_MAX, PENALTY_MAX), 0.0, training_off=True)
     logit_bias: tuple[tuple[int, float], ...] = knob(Biases(), (), training_off=True)  # (token id, bias on its logit)
+    min_p: float = knob(Real(0.0, 1.0), 0.0, extension=True, training_off=True)  # keep tokens with p >= min_p * p_max
 
     def __post_init__(self) -> None:
         for name, declared in knobs(type(self)):

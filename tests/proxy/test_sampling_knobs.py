@@ -3,7 +3,7 @@ surface with its declared bounds, can be forced by a session, is recorded, and r
 its declared name. A knob added to the declaration without a row in these tables fails the first test.
 
 Scripted engine for the HTTP path (what reaches the engine is `engine.specs`); vLLM's own SamplingParams for the
-engine's mapping.
+engine's mapping; the shared real engine for what min_p does.
 """
 
 import dataclasses
@@ -19,12 +19,13 @@ from tests.shapes import SURFACES, provider_error, with_sampling
 # extension knob → (a value every surface takes and the engine must get, values each surface must refuse with a 400)
 EXTENSION_CASES = {
     "ignore_eos": (True, [1, "true"]),  # a boolean, exactly
+    "min_p": (0.5, [1.5, -0.1, "0.5"]),  # a number in [0, 1]
 }
 # every field of SamplingSpec → a value other than its default (each reaches SamplingParams, or is built by the engine)
 SPEC_VALUES = {
     "temperature": 0.5, "top_p": 0.5, "top_k": 5, "seed": 7, "stop": ("x",), "ignore_eos": True,
     "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": ((3, 1.5),), "max_tokens": 9,
-    "banned_strings": ("y",), "num_logprobs": 2, "thinking_budget": 4,
+    "banned_strings": ("y",), "num_logprobs": 2, "thinking_budget": 4, "min_p": 0.25,
     "structure": '{"type": "structural_tag"}',  # the engine builds its grammar (structured_outputs)
 }
 APIS = list(SURFACES)
@@ -101,6 +102,7 @@ def test_a_session_forces_an_extension_knob_whatever_the_request_says(scripted, 
 def test_each_spec_field_reaches_vllm_sampling_params_under_its_declared_name():
     from polar_lab.engine.worker import _sampling_params
 
+    assert [name for name, declared in knobs(SamplingSpec) if declared.vllm is None] == ["structure"]
     spec = SamplingSpec(**SPEC_VALUES)
     params = _sampling_params(spec)
     for name, declared in knobs(SamplingSpec):
@@ -112,3 +114,22 @@ def test_each_spec_field_reaches_vllm_sampling_params_under_its_declared_name():
     default = _sampling_params(SamplingSpec(max_tokens=9))  # control: the values above are not SamplingParams' own
     assert all(getattr(default, d.vllm or n) != getattr(params, d.vllm or n)
                for n, d in knobs(SamplingSpec) if d.vllm is not None and n != "max_tokens")
+
+
+def test_min_p_1_samples_the_argmax_through_the_real_engine(lab):
+    """min_p keeps the tokens with p >= min_p * p_max: at 1 only the most likely one, so even at temperature 2 (a
+    nearly flat distribution) every seed samples the greedy ids. Control: the same seeds without min_p do not."""
+    def sampled(**fields) -> tuple[list[int], dict]:
+        s = lab.session()
+        body = {"messages": [{"role": "user", "content": "What is 17*23+4?"}], "max_tokens": 24, "ignore_eos": True,
+                "return_token_ids": True, **fields}
+        r = httpx.post(f"{s.base_url}/s/{s.key}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        (call,) = [c for c in lab.call_records() if c.session_id == s.id]
+        return r.json()["choices"][0]["token_ids"], call.sampling
+
+    greedy, _ = sampled(temperature=0)
+    for seed in range(3):
+        ids, record = sampled(temperature=2.0, seed=seed, min_p=1.0)
+        assert ids == greedy and record["min_p"] == 1.0
+    assert all(sampled(temperature=2.0, seed=seed)[0] != greedy for seed in range(3))
