@@ -31,7 +31,7 @@ from polar_lab.grpo.batch import group_staleness
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.rollout import harness_name, make_groups, run_one
 from polar_lab.trajectory.builders import BUILDERS
-from polar_lab.types import Evaluator, Group, Harness, ModelCall, Trajectory, derived_seed, mix_seed
+from polar_lab.types import TRAINING_OFF, Evaluator, Group, Harness, ModelCall, Trajectory, derived_seed, mix_seed
 
 if TYPE_CHECKING:
     from polar_lab.lab import Lab
@@ -210,9 +210,7 @@ def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     harness's own values are kept in the call's record
     (`sampling["overridden"]`), not applied. (Grammars stay: a harness asking for JSON gets JSON; those tokens
     are left out of the loss instead, see trajectory.builders._extend.)"""
-    return {"temperature": config.temperature, "max_tokens": config.max_completion_length,
-            "top_p": 1.0, "top_k": -1, "banned_strings": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "logit_bias": (), "thinking_budget": None}
+    return {"temperature": config.temperature, "max_tokens": config.max_completion_length, **TRAINING_OFF}
 
 
 def dropped_stats(dropped: list[Group], *, reruns: int = 0) -> dict[str, float]:

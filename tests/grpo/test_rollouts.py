@@ -268,3 +268,14 @@ def test_the_task_stream_reshuffles_each_epoch_and_puts_requeued_tasks_first():
     assert stream.requeue(task, max_reruns=2)  # ... and its count starts again
     stream.settled(task)
     assert stream.requeue(task, max_reruns=1) and not stream.requeue(task, max_reruns=1)
+
+
+def test_training_sessions_force_every_knob_that_reshapes_the_distribution_off():
+    """min_p, top_p, penalties...: whatever a harness sends, a training call samples the full softmax the loss
+    assumes (a new knob declared training_off is forced off without touching the trainer)."""
+    from polar_lab.grpo.rollouts import rollout_sampling
+    from polar_lab.types import TRAINING_OFF
+
+    forced = rollout_sampling(GRPOConfig(temperature=0.7, max_completion_length=64))
+    assert {"min_p", "top_p", "top_k", "presence_penalty", "logit_bias", "banned_strings"} <= set(TRAINING_OFF)
+    assert forced == {"temperature": 0.7, "max_tokens": 64, **TRAINING_OFF} and forced["min_p"] == 0.0
