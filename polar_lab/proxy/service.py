@@ -22,8 +22,9 @@ from jinja2 import TemplateError
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
-from polar_lab.proxy import constraints
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
+from polar_lab.proxy.deltas import Splitter
+from polar_lab.proxy.forcing import Forcing
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls, without_ids
@@ -31,7 +32,6 @@ from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.proxy.splice import HistoryDigests, Turn, TurnLedger, pick
 from polar_lab.store import RunStore
-from polar_lab.proxy.deltas import Splitter
 from polar_lab.types import Generation, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
 
 
@@ -76,6 +76,7 @@ class CallService:
         self.engine = engine
         self.renderer = renderer
         self.parser = parser or OutputParser(renderer.tokenizer)  # the model family's parsers (parse.py)
+        self.forcing = Forcing(renderer, self.parser)  # tool choice, grammars, a forced call's prefill (forcing.py)
         self._said_default = False  # that an answer was cut at the default max_tokens: said once per Lab
         self.registry = registry
         self.store = store
@@ -128,9 +129,8 @@ class CallService:
         """The prompt the engine gets for `req` in `session` now (spliced turns, a continued tip, a forced call's
         prefill): (rendered, prefill, constraint, splicing, history keys). Changes no session state beyond caches
         (`/tokenize` asks this too)."""
-        self._check_tool_choice(req)
-        constraint = self._constraint(req)
-        prefill = self._forced_prefill(session, req, call=constraint != "tool_call")
+        constraint = self.forcing.check(req)
+        prefill = self.forcing.prefill(session, req, call=constraint != "tool_call")
         splicing = (session.continuity or self.config.continuity) == "splice"
         histories, splices, edited = self._echoed_turns(session, req.messages) if splicing else ([], {}, [])
         rendered = await self.render(req, inline=inline, prefill=prefill, tips=self.tips.get(session.id),
@@ -219,39 +219,6 @@ class CallService:
             self._freed = 0
             release_memory()
 
-    def _constraint(self, req: CanonicalRequest) -> str | None:
-        """What a grammar will hold the output to (proxy/constraints.py): "json_schema" | "json_object" for a
-        structured output, "tool_call" for a forced call in a family with a grammar; None: nothing. A schema the
-        grammar cannot take is refused here, before anything is rendered or streamed."""
-        if req.output is not None:
-            if req.tools and req.tool_choice != "none" and self._forces_call(req):
-                raise RequestError("a structured output and a forced tool call cannot both constrain one turn",
-                                   param="tool_choice")
-            if req.tools and req.tool_choice != "none" and not constraints.can_force(self.parser.tool_parser):
-                raise RequestError("a structured output in a turn that may call tools needs a grammar of the "
-                                   "family's calls, which this model's format has not", param=req.output.param)
-            constraints.checked_schema(req.output.schema or {}, param=req.output.param, strict=True)
-            return req.output.kind
-        if req.tools and self._forces_call(req) and constraints.can_force(self.parser.tool_parser):
-            return "tool_call"
-        return None
-
-    @staticmethod
-    def _forces_call(req: CanonicalRequest) -> bool:
-        return isinstance(req.tool_choice, dict) or req.tool_choice == "required"
-
-    def _forced_prefill(self, session: Session, req: CanonicalRequest, *, call: bool = True) -> str:
-        """The start of a forced call (Renderer.forced_prefill) when `call` (a family the grammar cannot force).
-        Where the generation prompt opens a thought, a forced call or a structured output closes it first, empty,
-        as the template's thinking-off prompt closes it: a call (or a document) written inside a thought is none."""
-        forced = bool(req.tools) and self._forces_call(req)
-        prefill = self.renderer.forced_prefill(req.tool_choice) if forced and call else ""
-        closes = forced or req.output is not None  # a JSON document written inside a thought is no answer either
-        glue = self.renderer.glue(session.chat_template, req.thinking) if closes else None
-        if glue is not None and self.parser.thinking and self.parser.opens_thought(glue.opening):
-            prefill = "\n" + self.parser.thinking[1] + "\n\n" + prefill
-        return prefill
-
     def _echoed_turns(self, session: Session, messages: list[dict[str, Any]]) -> tuple[list[str], dict[int, Turn],
                                                                                        list]:
         """(splice.history_keys(messages), message index → the turn to splice there, [echoed turns not spliced:
@@ -327,21 +294,6 @@ class CallService:
         if call.session.closed_at is not None:  # answered after its session closed: keep nothing for later calls
             self._forget(call.session)
 
-    def _check_tool_choice(self, req: CanonicalRequest) -> None:
-        if isinstance(req.tool_choice, dict):
-            names = {t["function"]["name"] for t in req.tools}
-            if req.tool_choice["name"] not in names:
-                raise RequestError(f"tool_choice names '{req.tool_choice['name']}', which is not in tools "
-                                   f"{sorted(names)}", param="tool_choice")
-        elif req.tool_choice == "required" and not req.tools:
-            raise RequestError("tool_choice 'required' needs at least one tool", param="tool_choice")
-        if req.allowed_tools is not None:
-            names = {t["function"]["name"] for t in req.tools}
-            unknown = sorted(set(req.allowed_tools) - names)
-            if unknown or not req.allowed_tools:
-                raise RequestError(f"allowed tool names {unknown or '[]'} are not among the tools {sorted(names)}",
-                                   param="tool_choice")
-
     def _sampling(self, req: CanonicalRequest, prompt_len: int, constraint: str | None = None,
                   info: dict[str, Any] | None = None, cap: int | None = None) -> SamplingSpec:
         """The request's sampling, with the grammar of its `constraint` sized to the max_tokens it gets, `cap` (a
@@ -355,20 +307,8 @@ class CallService:
                 param="messages")
         # Harnesses often ask for more than fits (e.g. 32000); clip to the room left instead of failing.
         max_tokens = min(req.max_tokens or self.config.default_max_tokens, room)
-        fmt = self.renderer.tool_format
-        banned = (fmt.open,) if req.tools and req.tool_choice == "none" and fmt is not None else ()
-        structure, budget = None, min(max_tokens, cap or max_tokens)
-        if req.output is not None and req.tools and req.tool_choice != "none":  # the document, or calls
-            structure = constraints.output_or_call(req.output, self.parser.tool_parser, req.tools,
-                                                   parallel=req.parallel_tool_calls, max_tokens=budget)
-        elif req.output is not None:
-            structure = constraints.output_structure(req.output, max_tokens=budget)
-        elif constraint == "tool_call":
-            tools = [t for t in req.tools if req.allowed_tools is None or t["function"]["name"] in req.allowed_tools]
-            structure, dropped = constraints.tool_structure(self.parser.tool_parser, tools, req.tool_choice,
-                                                            parallel=req.parallel_tool_calls, max_tokens=budget)
-            if dropped and info is not None:
-                info["not_enforced"] = dropped  # tool schema keywords the forced call's grammar could not hold
+        banned = self.forcing.banned(req)
+        structure = self.forcing.structure(req, constraint, max_tokens=min(max_tokens, cap or max_tokens), info=info)
         return SamplingSpec.of(req.sampling, max_tokens=max_tokens, banned_strings=banned,
                                num_logprobs=req.top_logprobs if req.logprobs else 0, structure=structure,
                                thinking_budget=req.thinking_budget if self.parser.thinking and req.thinking is not False
