@@ -74,6 +74,63 @@ class ReplicaRestart:
     at: float = field(default_factory=time.time)
 
 
+class Router:
+    """Which replica each request goes to (the module docstring's routing rules): a session sticks to its replica
+    while that one is usable and under `queue_bound` requests in flight, else moves to the least loaded one."""
+
+    def __init__(self, replicas: int, queue_bound: int):
+        self.queue_bound = queue_bound
+        self.inflight = [0] * replicas  # requests sent to each and not answered, as this set counts them
+        self.sessions = [0] * replicas  # routes (sessions) that stick to each
+        self.moves: deque[Move] = deque(maxlen=10_000)
+        self.moved = 0  # moves so far (the deque keeps the latest)
+        self._routes: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()  # pick from the loop, submit from any thread
+
+    def pick(self, route: str | None, usable: Callable[[int], bool],
+             why_out: Callable[[int], str]) -> tuple[int, int | None] | None:
+        """(replica, the replica the session left or None), the request counted in flight; None when no replica
+        is usable. why_out(slot): why a session's own replica was not picked."""
+        with self._lock:
+            own = self._routes.get(route) if route is not None else None
+            if own is not None and usable(own) and self.inflight[own] < self.queue_bound:
+                self._routes.move_to_end(route)
+                self.inflight[own] += 1
+                return own, None
+            candidates = [slot for slot in range(len(self.inflight)) if usable(slot)]
+            if not candidates:
+                return None
+            best = min(candidates, key=lambda slot: (self.inflight[slot], self.sessions[slot]))
+            moved = None
+            if own is not None and best != own:
+                self.moves.append(Move(route, own, best, why_out(own)))
+                self.moved += 1
+                moved = own
+            if route is not None:
+                self._stick(route, own, best)
+            self.inflight[best] += 1
+            return best, moved
+
+    def _stick(self, route: str, own: int | None, best: int) -> None:
+        if own is not None:
+            self.sessions[own] -= 1
+        self._routes[route] = best
+        self.sessions[best] += 1
+        self._routes.move_to_end(route)
+        if len(self._routes) > MAX_ROUTES:
+            self.sessions[self._routes.popitem(last=False)[1]] -= 1
+
+    def done(self, slot: int) -> None:
+        with self._lock:
+            self.inflight[slot] -= 1
+
+    def forget(self, route: str) -> None:
+        with self._lock:
+            slot = self._routes.pop(route, None)
+            if slot is not None:
+                self.sessions[slot] -= 1
+
+
 class ReplicaSet:
     """N engines behind one `Engine`; see the module docstring."""
 
@@ -101,14 +158,10 @@ class ReplicaSet:
         self.pid: int | None = None  # several processes: see `replica_status()`
         self.weights_file: Path | None = None
         self.on_exit: Callable[[Engine, str], None] | None = None
-        self.moves: deque[Move] = deque(maxlen=10_000)
-        self.moved = 0  # moves so far (the deque keeps the latest)
         self.restarts: list[ReplicaRestart] = []
         self.serving = [True] * len(replicas)  # in rotation
-        self.inflight = [0] * len(replicas)  # requests sent to each and not answered, as this set counts them
-        self.sessions = [0] * len(replicas)  # routes (sessions) that stick to each
-        self._routes: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()  # routing state (pick from the loop, submit from any thread)
+        self.router = Router(len(replicas), queue_bound)
+        self._lock = threading.Lock()  # claims of a slot being replaced
         self._weights_lock = threading.RLock()  # one weight load at a time; a replacement joins between loads
         self._version = 0
         self.shipped: Any = None  # what `ship` made of the weights being served (for replacements)
@@ -151,7 +204,7 @@ class ReplicaSet:
         """One row per replica: serving (in rotation and alive), its pid, requests in flight, sessions routed
         to it, busy seconds, restarts."""
         return [{"replica": slot, "serving": self._usable(slot), "pid": e.pid, "in_flight": self.inflight[slot],
-                 "sessions": self.sessions[slot], "policy_version": e.policy_version, "busy_s": e.busy_seconds,
+                 "sessions": self.router.sessions[slot], "policy_version": e.policy_version, "busy_s": e.busy_seconds,
                  "restarts": sum(r.ok and r.replica == slot for r in self.restarts),
                  "failure": e.failure} for slot, e in enumerate(self.engines)]
 
@@ -169,48 +222,36 @@ class ReplicaSet:
     def _usable(self, slot: int) -> bool:
         return self.serving[slot] and self.engines[slot].alive
 
-    # ---- routing ------------------------------------------------------------------------------
+    # ---- routing (Router) ---------------------------------------------------------------------
     def pick(self, route: str | None) -> tuple[int, int | None]:
         """(replica for this request, the replica its session left or None); counts the request in flight."""
-        with self._lock:
-            slots = range(len(self.engines))
-            own = self._routes.get(route) if route is not None else None
-            if own is not None and self._usable(own) and self.inflight[own] < self.queue_bound:
-                self._routes.move_to_end(route)
-                self.inflight[own] += 1
-                return own, None
-            usable = [slot for slot in slots if self._usable(slot)]
-            if not usable:
-                raise EngineError(f"engine is not running ({self.failure})")
-            best = min(usable, key=lambda slot: (self.inflight[slot], self.sessions[slot]))
-            moved = None
-            if own is not None and best != own:
-                why = ("queue over bound" if self._usable(own) else
-                       "dead" if not self.engines[own].alive else "out of rotation")
-                self.moves.append(Move(route, own, best, why))
-                self.moved += 1
-                moved = own
-            if route is not None:
-                if own is not None:
-                    self.sessions[own] -= 1
-                self._routes[route] = best
-                self.sessions[best] += 1
-                self._routes.move_to_end(route)
-                if len(self._routes) > MAX_ROUTES:
-                    self.sessions[self._routes.popitem(last=False)[1]] -= 1
-            self.inflight[best] += 1
-            return best, moved
+        picked = self.router.pick(route, self._usable, self._why_out)
+        if picked is None:
+            raise EngineError(f"engine is not running ({self.failure})")
+        return picked
+
+    def _why_out(self, slot: int) -> str:
+        return ("queue over bound" if self._usable(slot) else
+                "dead" if not self.engines[slot].alive else "out of rotation")
 
     def _done(self, slot: int) -> None:
-        with self._lock:
-            self.inflight[slot] -= 1
+        self.router.done(slot)
 
     def forget(self, route: str) -> None:
         """A session closed: its next call (if any) picks afresh."""
-        with self._lock:
-            slot = self._routes.pop(route, None)
-            if slot is not None:
-                self.sessions[slot] -= 1
+        self.router.forget(route)
+
+    @property
+    def inflight(self) -> list[int]:
+        return self.router.inflight
+
+    @property
+    def moves(self) -> deque[Move]:
+        return self.router.moves
+
+    @property
+    def moved(self) -> int:
+        return self.router.moved
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
