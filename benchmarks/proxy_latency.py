@@ -140,7 +140,7 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
     direct_wall = time.perf_counter() - t0
     warmup = 2 * concurrency
     keys = [lab.session(harness="bench").key for _ in range(warmup + total)]
-    before = lab.store.num_calls
+    before = lab.writer.num_calls
     proxy = await asyncio.to_thread(_load, lab.url + "/s/{key}/v1/chat/completions", concurrency, total,
                                     keys=keys, warmup=warmup)
     own = [c.timings["proxy_s"] for c in lab.call_records()[before + warmup:]]
@@ -151,7 +151,7 @@ async def measure(lab: Lab, concurrency: int, total: int, litellm: tuple[str, st
            "throughput_vs_direct": direct_wall / proxy["wall_s"],  # same tokens: the ratio of wall times
            "client_cpu_ms_per_request": 1000 * proxy["client_cpu_s"] / total}
     if litellm:
-        before = lab.store.num_calls
+        before = lab.writer.num_calls
         peer = await asyncio.to_thread(_load, litellm[0] + "/chat/completions", concurrency, total, warmup=warmup,
                                        headers={"Authorization": f"Bearer {litellm[1]}"})
         row.update(**_pcts("litellm", list(peer["latencies_s"].values())),

@@ -118,7 +118,7 @@ def throughput(model: str, replicas: int, concurrency: int, requests: int) -> di
         startup_s = time.perf_counter() - t0
         keys = [lab.session(harness="load").key for _ in range(concurrency)]
         load(lab.url + "/s/{key}/v1/chat/completions", concurrency, 2 * concurrency, keys=keys)  # warm-up
-        before = lab.store.num_calls
+        before = lab.writer.num_calls
         busy0, wall0 = lab.engine_busy_seconds, time.perf_counter()
         out = load(lab.url + "/s/{key}/v1/chat/completions", concurrency, requests, keys=keys)
         busy = (lab.engine_busy_seconds - busy0) / (time.perf_counter() - wall0) / replicas

@@ -47,10 +47,10 @@ T = TypeVar("T")
 
 
 def _reads(method: Callable[..., T]) -> Callable[..., T]:
-    """`Run.method` as a Lab method: it reads the Lab's own run folder (`lab.recorded`), same signature and doc."""
+    """`Run.method` as a Lab method: it reads the Lab's own run folder (`lab.reader`), same signature and doc."""
     @functools.wraps(method)
     def read(self: Lab, *args: Any, **kwargs: Any) -> T:
-        return method(self.recorded, *args, **kwargs)
+        return method(self.reader, *args, **kwargs)
 
     return read
 
@@ -64,9 +64,10 @@ class Lab(LabViews):
     _live: ClassVar[dict[tuple[str, int | None], Lab]] = {}  # port 0 (always a new Lab) never in it
     _live_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    # what its parts hold (parts.py): the run folder, its writer and its reader (a Run); the tokenizer, the weights
-    # folder, the engine's supervisor; the sandbox level, each start stage's seconds; the proxy server and its parts
-    run_dir, store, recorded = _part("run_dir"), _part("store"), _part("recorded")
+    # what its parts hold (parts.py): the run folder, its writer (a RunStore) and its reader (a Run); the tokenizer, the
+    # weights folder, the engine's supervisor; the sandbox level, each start stage's seconds; the proxy server and its
+    # parts
+    run_dir, writer, reader = _part("run_dir"), _part("writer"), _part("reader")
     tokenizer, weights, supervisor = _part("tokenizer"), _part("weights"), _part("supervisor")
     sandbox_level, startup, server = _part("sandbox_level"), _part("startup"), _part("server")
     port, url, loop = _part("server.port"), _part("server.url"), _part("server.loop")
@@ -283,6 +284,18 @@ class Lab(LabViews):
         self._check_open()
         return self.supervisor.restart(state_dict, version=version, drain_timeout=drain_timeout,
                                        startup_timeout=startup_timeout)
+
+    @property
+    def store(self):
+        """Deprecated name of `writer` (the RunStore writing the run folder); goes in the next release."""
+        warnings.warn("lab.store is now lab.writer", DeprecationWarning, stacklevel=2)
+        return self.writer
+
+    @property
+    def recorded(self) -> Run:
+        """Deprecated name of `reader` (the Run reading the run folder); goes in the next release."""
+        warnings.warn("lab.recorded is now lab.reader", DeprecationWarning, stacklevel=2)
+        return self.reader
 
     def _check_open(self) -> None:
         if self._closed:

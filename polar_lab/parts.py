@@ -61,10 +61,10 @@ class LabParts:
     def _open_store(self) -> None:
         cfg = self.config
         self.run_dir = Path(cfg.store.runs_dir) / check_run_name(cfg.store.run_name or new_run_name())
-        self.store = RunStore(self.run_dir, fsync=cfg.store.fsync)
-        self._stack.callback(self.store.close)
-        self.store.write_json("config.json", cfg.to_record())
-        self.recorded = None  # the Run over this folder, once the tokenizer is loaded
+        self.writer = RunStore(self.run_dir, fsync=cfg.store.fsync)
+        self._stack.callback(self.writer.close)
+        self.writer.write_json("config.json", cfg.to_record())
+        self.reader = None  # the Run reading this folder, once the tokenizer is loaded
 
     def _start_sandbox(self) -> str | None:
         """Set this process's sandbox from the harness section; returns the level programs will run at, or
@@ -101,7 +101,7 @@ class LabParts:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model_path)  # while the engine process starts
-        self.recorded = Run(self.run_dir, store=self.store, tokenizer=self.tokenizer)
+        self.reader = Run(self.run_dir, store=self.writer, tokenizer=self.tokenizer)
         clock.done("tokenizer")
         return engine
 
@@ -110,9 +110,9 @@ class LabParts:
         level."""
         cfg = self.config
         self.server = self._stack.enter_context(ProxyServer(
-            cfg.proxy, engine, self.tokenizer, self.store, tool_parser=cfg.engine.tool_parser,
+            cfg.proxy, engine, self.tokenizer, self.writer, tool_parser=cfg.engine.tool_parser,
             reasoning_parser=cfg.engine.reasoning_parser))
-        self.store.write_json("config.json", {**cfg.to_record(), "parsers": self.server.parsers,
+        self.writer.write_json("config.json", {**cfg.to_record(), "parsers": self.server.parsers,
                                               "sandbox_level": self.sandbox_level})
 
     def _supervise(self, engine) -> None:

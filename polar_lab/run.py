@@ -6,7 +6,7 @@
     run.trajectories("prefix_merging")      # rewards from sessions.jsonl
     run.chain_breaks(); run.metrics()
 
-A Lab reads its own folder through one (`lab.recorded`), so there is one implementation of every read: the
+A Lab reads its own folder through one (`lab.reader`), so there is one implementation of every read: the
 Lab only lends it its store (whose index answers `session_ids=` queries without reading the whole file) and
 its tokenizer. Calls are read from the file each time (a long run's calls do not stay in memory);
 sessions incrementally, under a lock (a Lab's rollouts read them from several threads). A line torn by a

@@ -213,7 +213,7 @@ def test_a_start_that_fails_at_any_stage_leaves_nothing_behind(stage, tokenizer,
         Lab(port=0, runs_dir=str(tmp_path), keep_weights=True)
     (lab,) = labs
     assert len(_threads("polar-lab-loop")) == loops and sandbox.current() == level
-    assert lab.store._calls.closed and lab.store._sessions.closed
+    assert lab.writer._calls.closed and lab.writer._sessions.closed
     made = STAGES.index(stage)
     assert (len(engines) == 1) == (made >= 1)  # the engine is launched in the second stage
     assert all(not engine.alive for engine in engines)

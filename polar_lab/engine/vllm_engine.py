@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ import torch
 from polar_lab.config import EngineConfig
 from polar_lab.engine import forkserver
 from polar_lab.engine.base import OneProcess, Rejection
+from polar_lab.engine.pending import Pending, settle
 from polar_lab.engine.layout import engine_gpus, visible_gpus
 from polar_lab.engine.process_env import engine_env
 from polar_lab.engine.weights import load_through_file, remove_weights_soon
@@ -70,13 +70,11 @@ class VLLMEngine(OneProcess):
         self._launcher: concurrent.futures.Future | None = None  # the launch thread's result: the process
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        # request id → (its future, when it was sent, its on_delta or None)
-        self._pending: dict[str, tuple[concurrent.futures.Future | asyncio.Future, float, Callable | None]] = {}
+        self._pending = Pending()  # the requests it is working on (engine/pending.py)
         self._weights: concurrent.futures.Future | None = None
         self._staged: concurrent.futures.Future | None = None
         self.standby = False  # the engine keeps a standby copy of the model (engine/standby.py)
         self._weights_lock = threading.Lock()  # one weight load at a time
-        self._ids = itertools.count()
         self._failure: str | None = None
         self._reader: threading.Thread | None = None
         self._closing = False
@@ -97,32 +95,7 @@ class VLLMEngine(OneProcess):
         if self._launcher is not None:
             return self
         self._t_launch = time.perf_counter()
-        gpus = engine_gpus(self.config, visible_gpus())
-        env = engine_env(self.config, gpus)  # vLLM's settings, TCMalloc and thread binding on CPU (process_env.py)
-        ours, theirs = socket.socketpair()
-        if gpus:  # the engine sees its own GPUs only (indices as torch numbers them in this process)
-            outer = os.environ.get("CUDA_VISIBLE_DEVICES")
-            names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
-        # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
-        self._scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
-        env["TMPDIR"] = self._scratch
-        out = open(self.log_path, "ab") if self.log_path else None
-        self._launcher = concurrent.futures.Future()
-
-        def start() -> None:
-            try:
-                self._launcher.set_result(forkserver.launch(env, theirs.fileno(), out.fileno() if out else None,
-                                                            gpus=bool(gpus)))
-            except BaseException as exc:  # noqa: BLE001 - raised by whoever waits for the process
-                self._launcher.set_exception(exc)
-            finally:
-                theirs.close()
-                if out is not None:
-                    out.close()
-
-        threading.Thread(target=start, name="polar-lab-engine-launch", daemon=True).start()
-        self._conn = Connection(ours.detach())
+        self._conn, self._launcher, self._scratch = _spawn(self.config, self.log_path)
         self._conn.send(("start", self.config))  # waits in the socket until the process reads it
         return self
 
@@ -251,8 +224,7 @@ class VLLMEngine(OneProcess):
 
     def _add(self, fut, prompt_ids: list[int], spec: SamplingSpec, on_delta: Callable | None = None) -> str:
         """Register `fut` and send the request; a dead engine fails `fut` at once."""
-        rid = f"g{next(self._ids)}"
-        self._pending[rid] = (fut, time.perf_counter(), on_delta)
+        rid = self._pending.add(fut, on_delta)
         error = None
         if not self.alive:
             error = EngineError(f"engine is not running ({self._failure})")
@@ -262,8 +234,8 @@ class VLLMEngine(OneProcess):
             except OSError as exc:
                 error = EngineError(f"engine is not running ({exc!r})")
         if error is not None:
-            self._pending.pop(rid, None)
-            _settle(fut, error)
+            self._pending.discard(rid)
+            settle(fut, error)
         return rid
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None,
@@ -333,10 +305,10 @@ class VLLMEngine(OneProcess):
                 msg = self._conn.recv()
                 if msg[0] == "delta":
                     self.busy_seconds, self.steps, self.running = msg[2]
-                    self._deliver(msg[1])
+                    self._pending.deliver(msg[1])
                 elif msg[0] == "done":
                     self.busy_seconds, self.steps, self.running = msg[2]
-                    self._resolve_all([(rid, _outcome(r)) for rid, r in msg[1]])
+                    self._pending.resolve([(rid, _outcome(r)) for rid, r in msg[1]])
                 elif msg[0] == "running":
                     self.running = msg[1]
                 elif msg[0] == "weights":
@@ -356,43 +328,8 @@ class VLLMEngine(OneProcess):
             if self.on_exit is not None:
                 self.on_exit(self, self._failure)
 
-    def _resolve_all(self, results: list[tuple[str, Generation | Exception]]) -> None:
-        """Thread futures now; each loop's futures in one call_soon_threadsafe (one wake-up per step)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        now = time.perf_counter()
-        for rid, result in results:
-            entry = self._pending.pop(rid, None)
-            if entry is None:
-                continue  # aborted by its caller
-            fut, t_submit, _ = entry
-            if isinstance(result, Generation):
-                result.engine_seconds = now - t_submit
-            if isinstance(fut, asyncio.Future):
-                by_loop.setdefault(fut.get_loop(), []).append((fut, result))
-            else:
-                _settle(fut, result)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_settle_all, items)
-            except RuntimeError:
-                pass  # that loop is closed: nobody is waiting any more
-
-    def _deliver(self, deltas: list[tuple[str, TokenDelta]]) -> None:
-        """Each loop's streamed tokens of one step in one call_soon_threadsafe, queued before that step's
-        answers (same loop, same order): a caller has every delta before its generation."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, delta in deltas:
-            entry = self._pending.get(rid)
-            if entry is not None and entry[2] is not None:
-                by_loop.setdefault(entry[0].get_loop(), []).append((entry[2], delta))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_call_all, items)
-            except RuntimeError:
-                pass  # that loop is closed: nobody is waiting any more
-
     def _abort(self, rid: str) -> None:
-        if self._pending.pop(rid, None) is not None:
+        if self._pending.discard(rid):
             try:
                 self._send(("abort", rid))
             except OSError:
@@ -406,7 +343,7 @@ class VLLMEngine(OneProcess):
             proc.kill()
 
     def _fail_all(self, exc: EngineError) -> None:
-        self._resolve_all([(rid, exc) for rid in list(self._pending)])
+        self._pending.fail(exc)
         for waiting in (self._weights, self._staged):  # a load or a preload waiting on the dead engine
             if waiting is not None and not waiting.done():
                 waiting.set_result(str(exc))
@@ -419,6 +356,38 @@ class VLLMEngine(OneProcess):
         if self.log_path is None or not self.log_path.exists():
             return ""
         return f"\n--- {self.log_path} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}"
+
+
+def _spawn(config: EngineConfig, log_path: Path | None) -> tuple[Connection, concurrent.futures.Future, str]:
+    """Start an engine process for `config`: (the kernel's end of its socket, the future of the process — forked from
+    the forkserver, or started fresh where it cannot be, by a short-lived thread — and its scratch folder, which the
+    engine removes on close)."""
+    gpus = engine_gpus(config, visible_gpus())
+    env = engine_env(config, gpus)  # vLLM's settings, TCMalloc and thread binding on CPU (process_env.py)
+    ours, theirs = socket.socketpair()
+    if gpus:  # the engine sees its own GPUs only (indices as torch numbers them in this process)
+        outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
+    # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
+    scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
+    env["TMPDIR"] = scratch
+    out = open(log_path, "ab") if log_path else None
+    launched: concurrent.futures.Future = concurrent.futures.Future()
+
+    def start() -> None:
+        try:
+            launched.set_result(forkserver.launch(env, theirs.fileno(), out.fileno() if out else None,
+                                                  gpus=bool(gpus)))
+        except BaseException as exc:  # noqa: BLE001 - raised by whoever waits for the process
+            launched.set_exception(exc)
+        finally:
+            theirs.close()
+            if out is not None:
+                out.close()
+
+    threading.Thread(target=start, name="polar-lab-engine-launch", daemon=True).start()
+    return Connection(ours.detach()), launched, scratch
 
 
 def _exit_code(proc: subprocess.Popen | forkserver.ForkedProcess | None) -> int | None:
@@ -440,26 +409,3 @@ def _outcome(result: Generation | Rejection | str) -> Generation | Exception:
     return EngineError(result)
 
 
-def _settle(fut, result: Generation | Exception) -> None:
-    if fut.done():
-        return  # cancelled meanwhile
-    try:
-        if isinstance(result, Exception):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
-    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
-        pass  # cancelled between the check and the set
-
-
-def _call_all(items: list) -> None:
-    for on_delta, delta in items:
-        try:
-            on_delta(delta)
-        except Exception:  # noqa: BLE001 - one stream's consumer must not stop the others' deltas
-            log.exception("a stream's on_delta failed")
-
-
-def _settle_all(items: list) -> None:
-    for fut, result in items:
-        _settle(fut, result)

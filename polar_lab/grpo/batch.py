@@ -171,3 +171,72 @@ def _std(xs: list[float]) -> float:
         return 0.0
     m = _mean(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+# ---- micro-batches: what one forward/backward pass of the trainer takes ---------------------------------------
+def micro_batches(samples: list[Sample], config: GRPOConfig, pad_id: int,
+                  device: torch.device | str) -> list[dict[str, torch.Tensor]]:
+    """Sorted by length so padding stays small; `micro_batch_size` sequences each, or, with
+    `micro_batch_tokens`, as many as fit that many padded tokens (a longer sample goes alone)."""
+    order = sorted(samples, key=lambda s: len(s.input_ids))
+    return [collate(group, pad_id, device) for group in token_budget_groups(
+        [len(s.input_ids) for s in order], config.micro_batch_size, config.micro_batch_tokens, order)]
+
+
+def same_count_on_every_rank(micro: list[dict[str, torch.Tensor]],
+                             device: torch.device | str) -> list[dict[str, torch.Tensor]]:
+    """Ranks must run the same number of forward/backward passes: each FSDP layer's gather and gradient
+    reduce-scatter, and DDP's buffer broadcast, are collectives. A rank with fewer micro-batches (its shard
+    is shorter, or splits differently under `micro_batch_tokens`) adds copies of its last one with every
+    weight zero, which change nothing in the loss. Outside a process group: `micro` as it is."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return micro
+    count = torch.tensor([len(micro)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    blank = {**micro[-1], "weights": torch.zeros_like(micro[-1]["weights"]),
+             "advantage": torch.zeros_like(micro[-1]["advantage"])}
+    return micro + [blank] * (int(count) - len(micro))
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Samples padded to the longest, as the tensors the loss reads: input_ids and attention_mask (B, T); the
+    per-token loss weights and behaviour logprobs (B, T-1); each sample's advantage and temperature (B,)."""
+    width = max(len(s.input_ids) for s in samples)
+
+    def pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, n - len(t)), value=value)
+
+    batch = {
+        "input_ids": torch.stack([pad(s.input_ids, width, pad_id) for s in samples]),  # (B, T)
+        "attention_mask": torch.stack([pad(torch.ones(len(s.input_ids), dtype=torch.long), width, 0)
+                                       for s in samples]),
+        "weights": torch.stack([pad(s.weights, width - 1, 0.0) for s in samples]),  # (B, T-1)
+        "behavior": torch.stack([pad(s.behavior_logprobs, width - 1, 0.0) for s in samples]),
+        "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+        "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def token_budget_groups(lengths: list[int], size: int, budget: int | None, items: list) -> list[list]:
+    """`items` (sorted by their `lengths`, ascending) in consecutive groups: `size` each, or, with a token
+    `budget`, as many as keep (count × the longest) within it; an item over the budget alone.
+
+    >>> token_budget_groups([2, 3, 5, 9], 32, 10, "abcd")  # 2 × 3 fits 10; 2 × 5 does not; 9 alone
+    [['a', 'b'], ['c'], ['d']]
+    >>> token_budget_groups([2, 3, 5, 9], 2, None, "abcd")
+    [['a', 'b'], ['c', 'd']]
+    """
+    if any(a > b for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("token_budget_groups needs items sorted by length (the last of a group is its longest)")
+    if budget is None:
+        return [list(items[i:i + size]) for i in range(0, len(items), size)]
+    groups, current = [], []
+    for length, item in zip(lengths, items):
+        if current and (len(current) + 1) * length > budget:
+            groups.append(current)
+            current = []
+        current.append(item)
+    return groups + ([current] if current else [])

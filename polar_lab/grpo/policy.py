@@ -22,7 +22,7 @@ import torch
 from polar_lab.engine.weights import WeightsWriter
 from polar_lab.errors import TrainerError
 from polar_lab.grpo import lora
-from polar_lab.grpo.batch import Sample
+from polar_lab.grpo.batch import Sample, collate, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
 
@@ -89,7 +89,7 @@ class Policy:
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
-        micro = self._same_count_on_every_rank(self._micro_batches(samples))
+        micro = same_count_on_every_rank(self._micro_batches(samples), self.device)
         frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref) per micro-batch
         totals = UpdateStats()
         for iteration in range(self.config.num_iterations):
@@ -116,7 +116,7 @@ class Policy:
         """The trainer's logprob of every target of each sample (L-1 each), at the sample's temperature."""
         out = []
         for s in samples:
-            mb = self._collate([s])
+            mb = collate([s], self.pad_id, self.device)
             with self._autocast():
                 out.append(self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
         return out
@@ -236,43 +236,7 @@ class Policy:
             yield name, _full(tensor.detach())
 
     def _micro_batches(self, samples: list[Sample]) -> list[dict[str, torch.Tensor]]:
-        """Sorted by length so padding stays small; `micro_batch_size` sequences each, or, with
-        `micro_batch_tokens`, as many as fit that many padded tokens (a longer sample goes alone)."""
-        order = sorted(samples, key=lambda s: len(s.input_ids))
-        return [self._collate(group) for group in token_budget_groups(
-            [len(s.input_ids) for s in order], self.config.micro_batch_size, self.config.micro_batch_tokens, order)]
-
-    def _same_count_on_every_rank(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """Ranks must run the same number of forward/backward passes: each FSDP layer's gather and gradient
-        reduce-scatter, and DDP's buffer broadcast, are collectives. A rank with fewer micro-batches (its shard
-        is shorter, or splits differently under `micro_batch_tokens`) adds copies of its last one with every
-        weight zero, which change nothing in the loss."""
-        if not _distributed():
-            return micro
-        import torch.distributed as dist
-
-        count = torch.tensor([len(micro)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        blank = {**micro[-1], "weights": torch.zeros_like(micro[-1]["weights"]),
-                 "advantage": torch.zeros_like(micro[-1]["advantage"])}
-        return micro + [blank] * (int(count) - len(micro))
-
-    def _collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
-        width = max(len(s.input_ids) for s in samples)
-
-        def pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, n - len(t)), value=value)
-
-        batch = {
-            "input_ids": torch.stack([pad(s.input_ids, width, self.pad_id) for s in samples]),  # (B, T)
-            "attention_mask": torch.stack([pad(torch.ones(len(s.input_ids), dtype=torch.long), width, 0)
-                                           for s in samples]),
-            "weights": torch.stack([pad(s.weights, width - 1, 0.0) for s in samples]),  # (B, T-1)
-            "behavior": torch.stack([pad(s.behavior_logprobs, width - 1, 0.0) for s in samples]),
-            "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
-            "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
-        }
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return micro_batches(samples, self.config, self.pad_id, self.device)
 
     @torch.no_grad()
     def _frozen_logprobs(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -360,28 +324,6 @@ class UpdateStats:
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped,
         }
-
-
-def token_budget_groups(lengths: list[int], size: int, budget: int | None, items: list) -> list[list]:
-    """`items` (sorted by their `lengths`, ascending) in consecutive groups: `size` each, or, with a token
-    `budget`, as many as keep (count × the longest) within it; an item over the budget alone.
-
-    >>> token_budget_groups([2, 3, 5, 9], 32, 10, "abcd")  # 2 × 3 fits 10; 2 × 5 does not; 9 alone
-    [['a', 'b'], ['c'], ['d']]
-    >>> token_budget_groups([2, 3, 5, 9], 2, None, "abcd")
-    [['a', 'b'], ['c', 'd']]
-    """
-    if any(a > b for a, b in zip(lengths, lengths[1:])):
-        raise ValueError("token_budget_groups needs items sorted by length (the last of a group is its longest)")
-    if budget is None:
-        return [list(items[i:i + size]) for i in range(0, len(items), size)]
-    groups, current = [], []
-    for length, item in zip(lengths, items):
-        if current and (len(current) + 1) * length > budget:
-            groups.append(current)
-            current = []
-        current.append(item)
-    return groups + ([current] if current else [])
 
 
 def _write_gathered(path, layout, tensors, writes: bool) -> int:

@@ -23,7 +23,7 @@ from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
 from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
-from polar_lab.proxy.deltas import Splitter
+from polar_lab.proxy.stream_deltas import Splitter
 from polar_lab.proxy.forcing import Forcing
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState

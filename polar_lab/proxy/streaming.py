@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.responses import Response
 
 from polar_lab.errors import EngineError, RequestError
-from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.stream_deltas import Delta
 from polar_lab.proxy.service import MAX_TOKENS_HEADER, max_tokens_header
 from polar_lab.proxy.sessions import note_call_error
 from polar_lab.types import Generation, Session, TokenDelta

@@ -26,7 +26,7 @@ class ShowsTraining(Protocol):
 
 
 class LabViews:
-    """Mixed into the Lab, which provides `registry`, `store`, `service`, `supervisor`, `engine`, `policy_version`,
+    """Mixed into the Lab, which provides `registry`, `writer`, `service`, `supervisor`, `engine`, `policy_version`,
     `owned(kind)`, `adopt(obj)` and `_last_trainer` (the latest trainer it released)."""
 
     def stats(self) -> dict[str, Any]:
@@ -36,7 +36,7 @@ class LabViews:
         engine = self.supervisor.status()
         return {"sessions_running": statuses.count("open"), "sessions_finished": statuses.count("closed"),
                 "sessions_failed": statuses.count("error") + statuses.count("timeout"),
-                "calls": self.store.num_calls, "output_tokens": self.store.num_output_tokens,
+                "calls": self.writer.num_calls, "output_tokens": self.writer.num_output_tokens,
                 "policy_version": self.policy_version, "proxy": self.proxy_state,
                 "engine_busy_s": self.supervisor.busy_seconds, **engine, **self.engine.replica_counts()}
 

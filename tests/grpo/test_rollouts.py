@@ -58,7 +58,7 @@ def test_two_rollouts_with_the_same_seed_give_the_same_groups(replies_lab):
     assert first != two_steps(4)
     assert first[0] != first[1]  # step 2 is not step 1 again
 
-    calls = replies_lab.recorded.call_records()
+    calls = replies_lab.reader.call_records()
     seeds = [c.sampling["seed"] for c in calls]
     per_config = 2 * 8 * 2  # steps x runs x calls: every call its own seed, the same ones again for seed 3
     assert (len(seeds), len(set(seeds))) == (3 * per_config, 2 * per_config)
@@ -123,7 +123,7 @@ def test_failures_the_infrastructure_caused_stay_masked_whatever_the_rewards(rep
         assert [(s.info["failure"], s.reward) for s in group.sessions] == [(cause, reward)] * 2
     assert all(s.call_errors == {"engine": 1} and s.calls == 0 for s in broken.sessions)
     assert all(s.call_errors == {} and s.calls == 1 for s in crashed.sessions)
-    stored = replies_lab.recorded.rewards().set_index("session_id")  # the run folder says why, too
+    stored = replies_lab.reader.rewards().set_index("session_id")  # the run folder says why, too
     assert stored.loc[crashed.sessions[0].id, "failure"] == "crash"
 
 
@@ -204,7 +204,7 @@ def test_a_call_answered_after_its_run_ended_is_not_part_of_the_run(model_path, 
         (group,) = lab.rollout(TASKS[:1], asks_twice, num_generations=1, deadline_s=2.0, progress=False)
         time.sleep(1.5)  # the second call's answer is recorded after the run closed
         (session,) = group.sessions
-        assert len([c for c in lab.recorded.call_records() if c.session_id == session.id]) == 2
+        assert len([c for c in lab.reader.call_records() if c.session_id == session.id]) == 2
         for chains in (group.trajectories, lab.trajectories(session_ids=[session.id])):
             assert [len(t.call_ids) for t in chains] == [1]  # only the call the harness saw
 
@@ -219,7 +219,7 @@ def test_choices_of_a_forced_seed_do_not_reuse_the_next_runs_seed(replies_lab):
         return await ask(session, n=2)
 
     replies_lab.rollout(TASKS[:1], two_choices, num_generations=2, seed=100, progress=False)
-    seeds = sorted(c.sampling["seed"] for c in replies_lab.recorded.call_records())
+    seeds = sorted(c.sampling["seed"] for c in replies_lab.reader.call_records())
     assert seeds == sorted([100, mix_seed(100, "choice", 1), 101, mix_seed(101, "choice", 1)])
 
 

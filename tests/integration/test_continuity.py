@@ -48,7 +48,7 @@ def test_the_family_writes_calls_its_vllm_parser_reads(lab):
     groups = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 10), calculator_agent, num_generations=2,
                          evaluator="final_answer", seed=7, progress=False)
     first = [c.response["choices"][0]["message"] for g in groups for s in g.sessions
-             for c in lab.recorded.call_records([s.id]) if c.call_index == 0]
+             for c in lab.reader.call_records([s.id]) if c.call_index == 0]
     assert len(first) == 20 and sum(bool(m.get("tool_calls")) for m in first) >= 16, first
     opener = {"qwen3_coder": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
     assert all(opener[lab.parsers["tool_parser"]] not in (m.get("content") or "") for m in first if m.get("tool_calls"))
@@ -187,7 +187,7 @@ def _kinds(lab, session):
 @pytest.mark.parametrize("loop", LOOPS, ids=lambda f: f.__name__.strip("_"))
 def test_a_tool_loop_is_one_exact_chain_under_splicing(lab, hf_model, spliced, loop):
     for seed, s, replies in spliced(loop):  # the botched seeds too: splicing does not depend on a good call
-        calls = lab.recorded.call_records([s.id])
+        calls = lab.reader.call_records([s.id])
         renders = [c.render for c in calls]
         assert len(calls) == len(replies) >= 2, (seed, renders)
         assert len(lab.trajectories("prefix_merging", session_ids=[s.id])) == 1, (seed, renders)
@@ -208,7 +208,7 @@ def test_the_same_seed_under_template_continuity_breaks_only_for_classified_reas
     seed, _, _ = spliced(loop)[-1]
     s = lab.session(sampling={"seed": seed}, continuity="template")
     replies = loop(s)
-    renders = [c.render for c in lab.recorded.call_records([s.id])]
+    renders = [c.render for c in lab.reader.call_records([s.id])]
     assert not any(r.get("spliced") for r in renders), renders
     kinds = _kinds(lab, s)
     assert "other" not in kinds, (kinds, renders)

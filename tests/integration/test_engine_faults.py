@@ -125,7 +125,7 @@ def _kill_when_busy(lab: Lab, killed: list, min_calls: int = 8) -> None:
     """SIGKILL the engine process once calls are recorded and several are in flight (a rollout in full swing)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if lab.store.num_calls >= min_calls and lab.proxy_state["in_flight"] >= 4:
+        if lab.writer.num_calls >= min_calls and lab.proxy_state["in_flight"] >= 4:
             killed.append(lab.engine.pid)
             os.kill(lab.engine.pid, signal.SIGKILL)
             return

@@ -34,7 +34,7 @@ def test_xml_calls_and_thoughts_come_back_structured_with_the_trainers_logprobs(
     groups = qwen35_lab.rollout(tasks, calculator_agent, num_generations=2, evaluator="final_answer", seed=7,
                                 progress=False)
     assert all(s.status == "closed" and s.reward in (0.0, 1.0) for g in groups for s in g.sessions)
-    first = [c for c in qwen35_lab.recorded.call_records() if c.call_index == 0]
+    first = [c for c in qwen35_lab.reader.call_records() if c.call_index == 0]
     assert len(first) == 20
     messages = [c.response["choices"][0]["message"] for c in first]
     called = [m for m in messages if m.get("tool_calls")]
@@ -67,7 +67,7 @@ def test_grpo_through_xml_calls_and_thoughts_raises_held_out_accuracy(qwen35_lab
         trainer.train(4, progress=False)
         after = trainer.evaluate(progress=False)["eval_reward"]
     assert after - before >= 0.15, f"held-out accuracy {before:.2f} -> {after:.2f} after 4 steps"
-    first = [c for c in qwen35_lab.recorded.call_records() if c.policy_version > start and c.call_index == 0]
+    first = [c for c in qwen35_lab.reader.call_records() if c.policy_version > start and c.call_index == 0]
     assert sum(c.parse["num_tool_calls"] > 0 for c in first) >= 0.8 * len(first) > 0  # still XML calls vLLM reads
 
 
@@ -83,7 +83,7 @@ def test_a_thinking_budget_ends_the_thought_where_it_runs_out(qwen35_lab):
         s = qwen35_lab.session(sampling=sampling)
         r = httpx.post(f"{s.base_url}/s/{s.key}/v1beta/models/m:generateContent", json=body, timeout=60)
         assert r.status_code == 200, r.text[:300]
-        (call,) = [c for c in qwen35_lab.recorded.call_records() if c.session_id == s.id]
+        (call,) = [c for c in qwen35_lab.reader.call_records() if c.session_id == s.id]
         assert call.sampling["thinking_budget"] == budget
         if budget is not None:  # the prompt opened the thought: at most 2 thought tokens, then the close
             assert close in call.output_ids[:budget + 1], qwen35_lab.tokenizer.decode(call.output_ids)

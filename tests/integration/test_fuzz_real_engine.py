@@ -158,7 +158,7 @@ def test_bad_sampling_values_never_reach_the_real_engine(lab):
     assert valid > BODIES // 10 and len(cases) - valid > BODIES // 10, (valid, replay)  # both sides exercised
 
     assert lab.engine.alive and lab.engine.pid == pid and len(lab.engine_restarts) == restarts, replay
-    assert len(lab.store.read_calls([s.id])) == answered, replay  # one record per choice answered
+    assert len(lab.writer.read_calls([s.id])) == answered, replay  # one record per choice answered
     ok = httpx.post(lab.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {s.key}"}, timeout=60,
                     json={"model": "m", "messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4})
     assert ok.status_code == 200, ok.text

@@ -141,7 +141,7 @@ def test_a_replica_killed_mid_rollout_comes_back_and_the_rollout_finishes(ray_la
                 return
             time.sleep(0.005)
 
-    calls_before = ray_lab.store.num_calls
+    calls_before = ray_lab.writer.num_calls
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(kill_when_busy)
         groups = ray_lab.rollout(load_tasks("data/tasks/calc_train.jsonl")[:2], harness, num_generations=8,
@@ -152,7 +152,7 @@ def test_a_replica_killed_mid_rollout_comes_back_and_the_rollout_finishes(ray_la
 
     # every answered call on disk once; a harness saw at most one 503 (its call in flight on the killed replica)
     records = [c for c in load_calls(ray_lab.run_dir) if c.session_id in {s.id for s in sessions}]
-    assert len({c.call_id for c in records}) == len(records) == ray_lab.store.num_calls - calls_before
+    assert len({c.call_id for c in records}) == len(records) == ray_lab.writer.num_calls - calls_before
     for s in sessions:
         statuses = answers[s.id]
         assert statuses.count(503) <= 1 and statuses.count(200) == sum(c.session_id == s.id for c in records)

@@ -197,7 +197,7 @@ def test_generated_bodies_get_2xx_or_a_provider_shaped_4xx(fuzz_lab, api):
                                                                        "Authorization": "Bearer pl-fuzz",
                                                                        "x-goog-api-key": "pl-fuzz"})
     served = {"choices": 0, "bodies": 0}
-    before = fuzz_lab.store.num_calls
+    before = fuzz_lab.writer.num_calls
 
     @settings(max_examples=EXAMPLES_PER_SURFACE, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -216,6 +216,6 @@ def test_generated_bodies_get_2xx_or_a_provider_shaped_4xx(fuzz_lab, api):
     finally:
         client.close()
     records = [c for c in load_calls(fuzz_lab.run_dir)][before:]
-    assert len(records) == fuzz_lab.store.num_calls - before == served["choices"]  # whole lines, one per choice
+    assert len(records) == fuzz_lab.writer.num_calls - before == served["choices"]  # whole lines, one per choice
     print(f"{api}: {served['bodies']} of {EXAMPLES_PER_SURFACE} bodies answered")
     assert served["bodies"] >= SERVED_AT_LEAST * EXAMPLES_PER_SURFACE, served  # the serving path was exercised

@@ -33,7 +33,7 @@ MSG = [{"role": "user", "content": "hi"}]
 def test_unknown_or_missing_key_is_401(scripted_lab, key):
     r = _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=key)
     _assert_openai_error(r, 401, "invalid_api_key")
-    assert scripted_lab.store.num_calls == 0
+    assert scripted_lab.writer.num_calls == 0
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -222,14 +222,14 @@ def test_no_answer_leaves_before_its_record_is_written(scripted_lab, monkeypatch
 
     s = scripted_lab.session()
     writing, release = threading.Event(), threading.Event()
-    append = scripted_lab.store.append_call
+    append = scripted_lab.writer.append_call
 
     def held_append(call):  # the record's write, held until the test lets it go
         writing.set()
         release.wait(30)
         append(call)
 
-    monkeypatch.setattr(scripted_lab.store, "append_call", held_append)
+    monkeypatch.setattr(scripted_lab.writer, "append_call", held_append)
     body = orjson.dumps({"messages": MSG, "stream": stream})
     with socket.create_connection(("127.0.0.1", scripted_lab.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -251,7 +251,7 @@ def test_no_answer_leaves_before_its_record_is_written(scripted_lab, monkeypatch
         answer = early + sock.recv(65536)
         while stream and b"[DONE]" not in answer:
             answer += sock.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 200") and scripted_lab.store.num_calls == 1
+    assert answer.startswith(b"HTTP/1.1 200") and scripted_lab.writer.num_calls == 1
 
 
 def test_a_record_that_cannot_be_written_is_an_error_to_the_caller_not_an_answer(scripted_lab, monkeypatch):
@@ -260,7 +260,7 @@ def test_a_record_that_cannot_be_written_is_an_error_to_the_caller_not_an_answer
     def failing_append(call):
         raise StoreError("disk full")
 
-    monkeypatch.setattr(scripted_lab.store, "append_call", failing_append)
+    monkeypatch.setattr(scripted_lab.writer, "append_call", failing_append)
     s = scripted_lab.session()
     r = _post(scripted_lab, "/v1/chat/completions", {"messages": MSG}, key=s.key)
     _assert_openai_error(r, 500)

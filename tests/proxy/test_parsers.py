@@ -80,7 +80,7 @@ def xml_lab(model_path, tokenizer, tmp_path):
 
 def test_a_lab_serves_xml_tool_calls_as_structured_calls_on_every_sdk(xml_lab):
     assert xml_lab.parsers == {"tool_parser": "qwen3_coder", "reasoning_parser": "qwen3"}
-    assert xml_lab.recorded.config["parsers"] == xml_lab.parsers  # the run folder says what read its calls
+    assert xml_lab.reader.config["parsers"] == xml_lab.parsers  # the run folder says what read its calls
     session = xml_lab.session()
     chat = openai.OpenAI(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
     reply = chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "12*7+5?"}],
@@ -101,7 +101,7 @@ def test_a_forced_call_is_held_to_the_families_format_by_a_grammar(xml_lab):
     chat = openai.OpenAI(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
     chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "12*7+5?"}], tools=[CALC_TOOL],
                                  tool_choice={"type": "function", "function": {"name": "calculator"}})
-    (record,) = [c for c in xml_lab.recorded.call_records() if c.session_id == session.id]
+    (record,) = [c for c in xml_lab.reader.call_records() if c.session_id == session.id]
     assert record.render["prefill"] == "" and record.sampling["constraint"] == "tool_call"
     tag = xml_lab.engine.specs[-1].structure  # xgrammar's Qwen3.5 XML call with the tool's parameters inside
     assert json.loads(tag)["format"]["begin"] == "<tool_call>\n<function=calculator>\n"

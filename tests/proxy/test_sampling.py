@@ -67,7 +67,7 @@ def test_a_bad_sampling_value_is_the_providers_400_naming_the_field(scripted_lab
                                                                "Authorization": f"Bearer {s.key}"}, timeout=30)
     assert r.status_code == 400, r.text
     assert field in provider_error(api, r)
-    assert len(engine.prompts) == prompts and scripted_lab.store.num_calls == 0  # it never reached the engine
+    assert len(engine.prompts) == prompts and scripted_lab.writer.num_calls == 0  # it never reached the engine
 
 
 # values at the edges that every provider takes, and the engine gets exactly

@@ -72,7 +72,7 @@ def test_the_shared_key_without_a_session_name_is_400_that_says_what_is_missing(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "missing_session_id" and "X-Session-ID" in err["message"]
-    assert shared_lab.store.num_calls == 0
+    assert shared_lab.writer.num_calls == 0
 
 
 @pytest.mark.parametrize("path, headers, shape", [
@@ -86,7 +86,7 @@ def test_an_unknown_session_name_is_401_in_the_apis_shape_and_creates_nothing(sh
     error = r.json()["error"]
     assert ("authentication_error" if shape == "anthropic" else "invalid_api_key") in json.dumps(error)
     assert "nobody" in error["message"]
-    assert shared_lab.registry.all() == [] and shared_lab.store.num_calls == 0
+    assert shared_lab.registry.all() == [] and shared_lab.writer.num_calls == 0
 
 
 @pytest.mark.parametrize("shared_lab", [{"create_named_sessions": True}], indirect=True)

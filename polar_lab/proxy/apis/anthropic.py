@@ -22,7 +22,7 @@ from pydantic import Field
 from polar_lab.errors import RequestError
 from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ThoughtSigner, ToolArgs
-from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.stream_deltas import Delta
 from polar_lab.proxy.http import anthropic_error, canonical, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import (AnthropicTemperature, Extensions, MaxTokens, NonNegativeTopK, StopList, TopP,
                                       extensions, stop_tuple)

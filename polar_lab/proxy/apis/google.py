@@ -19,7 +19,7 @@ from pydantic import AliasChoices, Field
 from polar_lab.errors import RequestError
 from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient, ToolArgs
-from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.stream_deltas import Delta
 from polar_lab.proxy.http import canonical, google_error, json_body, serve, session_key, validate
 from polar_lab.proxy.sampling import (Choices, Flag, GoogleExtensions, MaxTokens, Penalty, Seed, StopList,
                                       Temperature, TopLogprobs, TopP, WholeTopK, extensions, stop_tuple, whole)

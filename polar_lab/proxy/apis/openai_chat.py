@@ -21,7 +21,7 @@ from pydantic import Field
 from polar_lab.errors import RequestError
 from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, Lenient
-from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.stream_deltas import Delta
 from polar_lab.proxy.http import openai_error, serve
 from polar_lab.proxy.sampling import (Choices, Extensions, Flag, MaxTokens, Penalty, Seed, StopList, StopString,
                                       Temperature, TopK, TopLogprobs, TopP, extensions, stop_tuple)

@@ -25,7 +25,7 @@ from polar_lab.errors import RequestError
 from polar_lab.proxy import conformance, constraints
 from polar_lab.proxy.apis.openai_chat import token_logprobs
 from polar_lab.proxy.canonical import CanonicalRequest, CompletedCall, ThoughtSigner
-from polar_lab.proxy.deltas import Delta
+from polar_lab.proxy.stream_deltas import Delta
 from polar_lab.proxy.http import openai_error, serve, session_key, session_of
 from polar_lab.proxy.sampling import Extensions, MaxTokens, Seed, Temperature, TopK, TopLogprobs, TopP, extensions
 from polar_lab.proxy.service import CallService, Prepared

@@ -1,4 +1,4 @@
-"""Streaming deltas (proxy/deltas.py): fed a generation cut at arbitrary points, a Splitter sends reasoning and
+"""Streaming deltas (proxy/stream_deltas.py): fed a generation cut at arbitrary points, a Splitter sends reasoning and
 content as they come and tool calls whole, and what it sent adds up to the final parse — the record's reading —
 for every cut. A botched call is never sent as a call."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from polar_lab.proxy.deltas import Splitter
+from polar_lab.proxy.stream_deltas import Splitter
 from polar_lab.proxy.parse import OutputParser, parse_output
 
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
