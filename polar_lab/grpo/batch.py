@@ -134,7 +134,7 @@ def _finite_behaviour(t: Trajectory) -> bool:
 
 def _normaliser(scored: set[str], counted: list[Trajectory], config: GRPOConfig) -> Callable[[str], float]:
     """session id → the per-token coefficient of its trained tokens, by loss_type (TRL's definitions):
-        dapo      1 / (sampled tokens of every scored run)
+        dapo      1 / (sampled tokens of every scored run)           (cispo too)
         dr_grpo   1 / (scored runs × max_completion_length)
         grpo      1 / (scored runs × sampled tokens of this run)
     `counted` are the trajectories whose tokens count. Only runs with a trained token ask, so no count is 0."""
@@ -142,7 +142,7 @@ def _normaliser(scored: set[str], counted: list[Trajectory], config: GRPOConfig)
     for t in counted:
         run_tokens[t.session_id] += sum(t.loss_mask)
     runs, total = len(scored), sum(run_tokens.values())
-    if config.loss_type == "dapo":
+    if config.loss_type in ("dapo", "cispo"):
         return lambda sid: 1.0 / total
     if config.loss_type == "dr_grpo":
         return lambda sid: 1.0 / (runs * config.max_completion_length)

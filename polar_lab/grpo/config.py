@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,10 @@ from polar_lab.grpo.lora import lora_config, lora_dict
 from polar_lab.grpo.trackers import resolve_report_to
 from polar_lab.rollout import TRAINING, RolloutSpec
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
+IS_LEVELS = ("token", "sequence")
+# how the engine-vs-trainer mismatch is corrected (TRL's vllm_importance_sampling_mode, plus the geometric-mean mask)
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 STRATEGIES = ("ddp", "fsdp")
 
@@ -54,14 +58,28 @@ class GRPOConfig:
 
     # ---- loss ------------------------------------------------------------------------------------
     loss_type: str = _f("dapo", "grpo: mean over each run's tokens, then over runs; dr_grpo: sum / "
-                                "(runs x max_completion_length); dapo: mean over all tokens of the batch")
+                                "(runs x max_completion_length); dapo: mean over all tokens of the batch; cispo: "
+                                "dapo's mean of -sg(min(ratio, epsilon_high)) x A x log pi (MiniMax-M1), "
+                                "epsilon_high read as the cap on the ratio itself")
+    importance_sampling_level: str = _f("token", "the policy ratio per token, or per sequence: the exp of its "
+                                                 "tokens' mean log-ratio, clipped as one (GSPO)")
     scale_rewards: str = _f("group", "divide advantages by the reward std of the group, the batch, or none "
                                      "(Dr. GRPO)")
     epsilon: float = _f(0.2, "lower clip range of the policy ratio")
-    epsilon_high: float | None = _f(0.28, "upper clip range (clip-higher, DAPO); None = epsilon")
+    epsilon_high: float | None = _f(0.28, "upper clip range (clip-higher, DAPO); None = epsilon. cispo: the cap "
+                                          "on the ratio (ScaleRL: 5.0)")
     beta: float = _f(0.0, "KL coefficient to the initial policy (k3 estimator); 0 = no reference model")
-    tis_cap: float | None = _f(2.0, "truncated importance sampling: weight each token by min(pi_old / "
-                                    "pi_behaviour, cap) using the engine's logprobs; None = off")
+    # ---- the engine-vs-trainer correction (TRL's names): weight pi_old / mu, mu the engine's sampler logprob
+    vllm_importance_sampling_correction: bool = _f(True, "weight each token by the trainer-vs-engine ratio "
+                                                         "pi_old / mu as vllm_importance_sampling_mode says")
+    vllm_importance_sampling_mode: str = _f("token_truncate", "token_truncate: min(ratio, clip_max) per token "
+                                            "(TIS); token_mask: 0 outside [clip_min, clip_max] (IcePop with both "
+                                            "bounds); sequence_truncate / sequence_mask: the same on the product of "
+                                            "a sequence's ratios; geometric_mask: on their geometric mean")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "lower bound of the ratio (truncate: clamped up; "
+                                                               "mask: 0 below); None = none")
+    vllm_importance_sampling_clip_max: float | None = _f(2.0, "upper bound of the ratio (truncate: clamped down; "
+                                                              "mask: 0 above); None = none")
     mask_truncated_completions: bool = _f(False, "leave runs with a call cut by max_tokens out of the loss")
     num_iterations: int = _f(1, "optimiser steps per batch (PPO epochs); >1 makes the clip active")
     fidelity_warn_nats: float = _f(0.1, "warn when a fully on-policy batch's mean |log pi_old - log mu| (trainer "
@@ -160,7 +178,7 @@ class GRPOConfig:
         _check(self.epsilon_high >= self.epsilon,
                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
         _check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
-        _check(self.tis_cap is None or self.tis_cap >= 1, f"tis_cap must be >= 1 or None, got {self.tis_cap}")
+        self._check_correction()
         _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.max_reruns >= 0, f"max_reruns must be >= 0, got {self.max_reruns}")
@@ -182,8 +200,27 @@ class GRPOConfig:
                f"trainer_devices lists {len(self.trainer_devices or [])} devices but world_size is "
                f"{self.world_size}")
 
+    def _check_correction(self) -> None:
+        _check(self.importance_sampling_level in IS_LEVELS,
+               f"importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}")
+        _check(self.vllm_importance_sampling_mode in IS_MODES,
+               f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {self.vllm_importance_sampling_mode!r}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        _check(low is None or 0 <= low <= 1, f"vllm_importance_sampling_clip_min must be in [0, 1] or None, got {low}")
+        _check(high is None or high >= 1, f"vllm_importance_sampling_clip_max must be >= 1 or None, got {high}")
+        _check(self.loss_type != "cispo" or self.epsilon_high > 1,
+               f"loss_type='cispo' reads epsilon_high as the cap on the ratio itself (ScaleRL uses 5.0), so it "
+               f"must be > 1; got {self.epsilon_high}")
+
+    @property
+    def tis_cap(self) -> float | None:
+        """The token_truncate cap under its earlier name (None when no correction applies)."""
+        return self.vllm_importance_sampling_clip_max if self.vllm_importance_sampling_correction else None
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GRPOConfig:
+        if "tis_cap" in data:  # the earlier name: configs written before TRL's names keep working, with a warning
+            data = _from_tis_cap(dict(data))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -203,3 +240,15 @@ class GRPOConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _from_tis_cap(data: dict[str, Any]) -> dict[str, Any]:
+    cap = data.pop("tis_cap")
+    warnings.warn("grpo.tis_cap is now vllm_importance_sampling_clip_max (with vllm_importance_sampling_mode "
+                  "token_truncate); tis_cap: null is vllm_importance_sampling_correction: false", DeprecationWarning,
+                  stacklevel=3)
+    if cap is None:
+        data.setdefault("vllm_importance_sampling_correction", False)
+    else:
+        data.setdefault("vllm_importance_sampling_clip_max", cap)
+    return data

@@ -1,11 +1,20 @@
-"""The GRPO objective per token: clipped policy gradient × truncated importance weight (+ β·KL).
+"""The GRPO objective per token: a policy-gradient term × the engine-vs-trainer correction (+ β·KL).
 
-For target token t of a sample with advantage A:
+For target token t of a sample (one chain of a run) with advantage A, over its trained tokens T:
 
     r_t   = π_θ(t) / π_old(t)                       (π_old = the trainer's weights before this batch)
-    pg_t  = -min(r_t·A, clip(r_t, 1-ε, 1+ε_high)·A)
-    w_t   = min(π_old(t) / μ(t), tis_cap)           (μ = the engine's sampler logprob of *this* token,
-                                                      whatever policy version produced it; no gradient)
+            importance_sampling_level="sequence" (GSPO): r_t = exp(mean_{s∈T} log r_s), one ratio per sample
+    pg_t  = -min(r_t·A, clip(r_t, 1-ε, 1+ε_high)·A)          loss_type grpo / dr_grpo / dapo
+            -sg(min(r_t, ε_high))·A·log π_θ(t)              loss_type cispo (MiniMax-M1; ε_high the cap)
+    ρ_t   = π_old(t) / μ(t)                         (μ = the engine's sampler logprob of *this* token, whatever
+                                                      policy version produced it; no gradient)
+    w_t   = vllm_importance_sampling_mode, with bounds [lo, hi] (clip_min, clip_max; TRL's names):
+            token_truncate     clamp(ρ_t, lo, hi)                             (TIS)
+            token_mask         ρ_t inside [lo, hi], else 0                    (IcePop with both bounds)
+            sequence_truncate  clamp(Π_{s∈T} ρ_s, lo, hi), on every token of the sample
+            sequence_mask      Π_{s∈T} ρ_s inside [lo, hi], else 0            (MIS)
+            geometric_mask     exp(mean_{s∈T} log ρ_s) inside [lo, hi], else 0 (a long sample is not masked
+                                                                              for its length alone)
     ℓ_t   = w_t·pg_t + β·k3(π_θ, π_ref)
     loss  = Σ_t c_t·ℓ_t                              (c_t from batch.py: the loss_type normalisation)
 
@@ -106,11 +115,19 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
     adv = advantages[:, None]
     # Log-ratios are zeroed where nothing is trained *before* exp: a padded or prompt position whose log-ratio
     # overflows would otherwise give exp = inf, and inf · weight 0 = NaN in every gradient.
-    ratio = torch.exp(torch.where(trained, logp - old_logp, 0.0))
-    clipped = ratio.clamp(1 - config.epsilon, 1 + config.epsilon_high)
-    pg = -torch.minimum(ratio * adv, clipped * adv)
+    log_ratio = torch.where(trained, logp - old_logp, 0.0)
+    if config.importance_sampling_level == "sequence":
+        log_ratio = _per_sequence(log_ratio, trained, mean=True).expand_as(logp)
+    ratio = torch.exp(log_ratio)
+    if config.loss_type == "cispo":
+        pg = -ratio.clamp(max=config.epsilon_high).detach() * adv * torch.where(trained, logp, 0.0)
+        was_clipped = (ratio > config.epsilon_high) & (adv > 0)
+    else:
+        clipped = ratio.clamp(1 - config.epsilon, 1 + config.epsilon_high)
+        pg = -torch.minimum(ratio * adv, clipped * adv)
+        was_clipped = ((ratio < 1 - config.epsilon) & (adv < 0)) | ((ratio > 1 + config.epsilon_high) & (adv > 0))
     log_is = torch.where(trained, old_logp - behavior_logp, 0.0).detach()
-    is_weight = torch.ones_like(log_is) if config.tis_cap is None else log_is.exp().clamp(max=config.tis_cap)
+    is_weight, truncated, masked = correction(log_is, trained, config)
     per_token = pg * is_weight
     kl = torch.zeros_like(logp)
     if ref_logp is not None and config.beta > 0:
@@ -119,7 +136,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
         per_token = per_token + config.beta * kl
     loss = (per_token * weights).sum()
     with torch.no_grad():
-        was_clipped = ((ratio < 1 - config.epsilon) & (adv < 0)) | ((ratio > 1 + config.epsilon_high) & (adv > 0))
         stats = {
             "loss": loss.detach(),
             "pg_loss": (pg * is_weight * weights).sum(),
@@ -127,7 +143,38 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
             "tokens": trained.sum().float(),
             "kl_sum": kl[trained].sum(),
             "clipped": was_clipped[trained].sum().float(),
-            "is_capped": (log_is.exp() > (config.tis_cap or float("inf")))[trained].sum().float(),
+            "is_capped": truncated[trained].sum().float(),
+            "is_masked": masked[trained].sum().float(),
+            "mismatch_kl_sum": (log_is.exp() - 1 - log_is)[trained].sum(),  # k3 of KL(μ ‖ π_old), sampled from μ
             "log_is": log_is[trained],  # per trained token: log(π_old / μ), for quantiles
         }
     return loss, stats
+
+
+def correction(log_is: torch.Tensor, trained: torch.Tensor,
+               config: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, truncated, masked), each (B, T-1): the weight of each token's policy-gradient term for the engine's
+    mismatch (the module docstring's table), whether truncation changed it, whether a mask zeroed it.
+    `log_is` = log(π_old / μ) per token, 0 where nothing is trained."""
+    none = torch.zeros_like(trained)
+    if not config.vllm_importance_sampling_correction:
+        return torch.ones_like(log_is), none, none
+    mode, low, high = (config.vllm_importance_sampling_mode, config.vllm_importance_sampling_clip_min,
+                       config.vllm_importance_sampling_clip_max)
+    if mode.startswith("sequence"):
+        log_is = _per_sequence(log_is, trained, mean=False)
+    elif mode == "geometric_mask":
+        log_is = _per_sequence(log_is, trained, mean=True)
+    ratio = log_is.exp().expand_as(trained)
+    below = ratio < low if low is not None else none
+    above = ratio > high if high is not None else none
+    if mode.endswith("truncate"):
+        return (ratio if low is None and high is None else ratio.clamp(min=low, max=high)), below | above, none
+    out = below | above
+    return ratio.masked_fill(out, 0.0), none, out
+
+
+def _per_sequence(per_token: torch.Tensor, trained: torch.Tensor, *, mean: bool) -> torch.Tensor:
+    """(B, T-1) → (B, 1): the sum (or mean) of each sample's values over its trained tokens."""
+    total = (per_token * trained).sum(-1, keepdim=True)
+    return total / trained.sum(-1, keepdim=True).clamp(min=1) if mean else total

@@ -286,7 +286,9 @@ class UpdateStats:
     kl_weighted: float = 0.0
     kl_sum: float = 0.0  # k3 KL summed over trained tokens
     clipped: float = 0.0  # (token, iteration) pairs whose ratio was clipped, over all num_iterations passes
-    is_capped: float = 0.0  # trained tokens whose IS weight hit tis_cap
+    is_capped: float = 0.0  # trained tokens whose correction weight was truncated (a *_truncate mode's bounds)
+    is_masked: float = 0.0  # trained tokens a *_mask mode zeroed
+    mismatch_kl_sum: float = 0.0  # k3 estimate of KL(μ ‖ π_old) summed over trained tokens (engine vs trainer)
     log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
     iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
@@ -321,6 +323,7 @@ class UpdateStats:
             "grad_norm": self.grad_norm, "is_ratio_mean": float("nan") if empty else float(ratio.mean()),
             "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
             "is_ratio_max": float("nan") if empty else float(ratio.max()), "is_capped_frac": self.is_capped / tokens,
+            "is_masked_frac": self.is_masked / tokens, "mismatch_kl": self.mismatch_kl_sum / tokens,
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped,
         }

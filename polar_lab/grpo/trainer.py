@@ -11,8 +11,9 @@ Where this departs from the GRPO paper (Shao et al. 2024):
   constant normaliser, or DAPO's token mean (the default, as in TRL). The unit is the harness *run*: a run
   that yields several chains shares one advantage and, for "grpo", one per-run mean.
 - Clip-higher (DAPO): separate `epsilon` / `epsilon_high`.
-- Off-policy correction: every token is weighted by min(π_old/μ, tis_cap) where μ is the engine's own
-  sampler logprob of that token (truncated importance sampling, as in Polar/slime); this covers both the
+- Off-policy correction: by default every token is weighted by min(π_old/μ, 2) where μ is the engine's own
+  sampler logprob of that token (truncated importance sampling, as in Polar/slime; the other corrections in
+  loss.py, chosen by vllm_importance_sampling_mode); this covers both the
   trainer/engine numerical mismatch and, in async mode, tokens sampled by older policy versions.
 - KL to the reference is off by default (β = 0, as in DAPO/Dr. GRPO/TRL); with β > 0 it is the k3 estimator.
 - Groups whose rewards are all equal are skipped (no signal), not counted in the normalisation.

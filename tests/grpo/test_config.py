@@ -12,7 +12,11 @@ BAD = [  # (fields, words the error must contain)
     ({"epsilon": 0.3, "epsilon_high": 0.2}, ["0.2", "0.3"]),  # clip-higher must not be lower
     ({"num_generations": 1}, ["num_generations", "1"]),  # no group baseline
     ({"async_mode": True, "max_staleness": 0}, ["max_staleness", "0"]),
-    ({"tis_cap": 0.5}, ["tis_cap", "0.5"]),
+    ({"vllm_importance_sampling_clip_max": 0.5}, ["vllm_importance_sampling_clip_max", "0.5"]),
+    ({"vllm_importance_sampling_clip_min": 1.5}, ["vllm_importance_sampling_clip_min", "1.5"]),
+    ({"vllm_importance_sampling_mode": "sequence"}, ["vllm_importance_sampling_mode", "sequence"]),
+    ({"importance_sampling_level": "run"}, ["importance_sampling_level", "run"]),
+    ({"loss_type": "cispo"}, ["cispo", "epsilon_high", "0.28"]),  # CISPO's cap must be set: 0.28 would cut every ratio
     ({"world_size": 2, "trainer_devices": ["cpu"]}, ["1", "2"]),
     ({"stale_groups": "keep"}, ["keep"]),
     ({"async_mode": True, "async_window_steps": 3, "max_staleness": 2}, ["async_window_steps", "3", "2"]),
@@ -55,3 +59,13 @@ def test_unknown_keys_are_errors_not_silent_no_ops(tmp_path, text, word):
 def test_the_shipped_config_loads():
     _, grpo = load_train_config("configs/tiny_calc_grpo.yaml")
     assert grpo.harness == "calculator" and grpo.num_generations == 8
+
+
+def test_a_config_file_with_the_earlier_tis_cap_still_loads_under_trls_names():
+    with pytest.warns(DeprecationWarning, match="vllm_importance_sampling_clip_max"):
+        capped = GRPOConfig.from_dict({"tis_cap": 3.0})
+    assert capped.vllm_importance_sampling_clip_max == 3.0 and capped.tis_cap == 3.0
+    with pytest.warns(DeprecationWarning):
+        off = GRPOConfig.from_dict({"tis_cap": None})
+    assert not off.vllm_importance_sampling_correction and off.tis_cap is None
+

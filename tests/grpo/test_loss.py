@@ -41,10 +41,10 @@ def test_each_token_is_weighted_by_its_own_behaviour_logprob_and_capped():
     old = torch.tensor([[-1.0, -1.0, -1.0]])
     behavior = torch.tensor([[-1.0, -1.5, -5.0]])  # same policy, one version older, far older
     logp = old.clone().requires_grad_(True)
-    _, stats = _loss(logp, old, behavior, [1.0], tis_cap=2.0)
+    _, stats = _loss(logp, old, behavior, [1.0], vllm_importance_sampling_clip_max=2.0)
     assert stats["log_is"].tolist() == pytest.approx([0.0, 0.5, 4.0])
     assert float(stats["is_capped"]) == 1.0
-    loss, _ = _loss(logp, old, behavior, [1.0], tis_cap=2.0)
+    loss, _ = _loss(logp, old, behavior, [1.0], vllm_importance_sampling_clip_max=2.0)
     loss.backward()
     # d loss / d logp_t = -A * w_t / 3 with w = (1, e^0.5, cap 2)
     assert (-logp.grad[0] * 3).tolist() == pytest.approx([1.0, 1.6487, 2.0], rel=1e-4)
@@ -83,8 +83,8 @@ def _by_hand_batch():
 
 def test_policy_loss_and_its_statistics_match_the_numbers_by_hand():
     logp, old, behavior, adv, weights = _by_hand_batch()
-    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, GRPOConfig(epsilon=0.2, epsilon_high=0.28,
-                                                                                  tis_cap=2.0))
+    config = GRPOConfig(epsilon=0.2, epsilon_high=0.28, vllm_importance_sampling_clip_max=2.0)
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, config)
     # pg = -min(r·A, clip(r, 0.8, 1.28)·A):   row 0 (A=+1): -1, -1.28, -0.5   row 1 (A=-1): 2, 1, 1
     # TIS weight min(π_old/μ, 2):           row 0: 1, 2, 1                     row 1: 0.5, 1, 1
     # Σ pg·w_IS·c = (-0.5 - 0.64 + 0) + (1.0 + 0 + 0.5) = 0.36
@@ -97,10 +97,10 @@ def test_policy_loss_and_its_statistics_match_the_numbers_by_hand():
     assert torch.allclose(stats["log_is"], torch.tensor([0.0, math.log(3.0), math.log(0.5), 0.0]))
 
 
-def test_without_a_tis_cap_tokens_are_not_reweighted_and_a_zero_beta_ignores_the_reference():
+def test_without_the_correction_tokens_are_not_reweighted_and_a_zero_beta_ignores_the_reference():
     logp, old, behavior, adv, weights = _by_hand_batch()
     ref = logp + 0.3
-    loss, stats = policy_loss(logp, old, behavior, ref, adv, weights, GRPOConfig(tis_cap=None, beta=0.0))
+    loss, stats = policy_loss(logp, old, behavior, ref, adv, weights, GRPOConfig(vllm_importance_sampling_correction=False, beta=0.0))
     # Σ pg·c without TIS weights: (-0.5 - 0.32 + 0) + (2.0 + 0 + 0.5) = 1.68
     assert loss.item() == pytest.approx(1.68) and stats["is_capped"].item() == 0
     assert stats["kl_sum"].item() == 0 and stats["kl_weighted"].item() == 0
@@ -193,3 +193,73 @@ def test_only_models_whose_logits_are_their_heads_take_the_chunked_path():
     assert not _plain_head(Model(SimpleNamespace(model_type="llama"), decoder=None))  # it raises: not plain
     assert not _plain_head(Model(SimpleNamespace(model_type="llama"), head=False))
     assert not _plain_head(SimpleNamespace())  # no config at all
+
+
+# ---- the correction menu, on _by_hand_batch: ρ = π_old/μ is row 0 [1, 3, ·], row 1 [0.5, ·, 1] over trained tokens;
+# pg = row 0 [-1, -1.28, ·], row 1 [2, ·, 1]; c = row 0 [0.5, 0.25, ·], row 1 [1, ·, 0.5]
+@pytest.mark.parametrize("mode,bounds,w,truncated,masked", [
+    # IcePop: each token's ρ kept inside [0.6, 2], else 0
+    ("token_mask", (0.6, 2.0), [[1.0, 0.0], [0.0, 1.0]], 0, 2),
+    # the product of a row's ρ: row 0 1·3 = 3 → 2, row 1 0.5·1 = 0.5
+    ("sequence_truncate", (None, 2.0), [[2.0, 2.0], [0.5, 0.5]], 2, 0),
+    # MIS: row 0's product 3 > 2 masks the row
+    ("sequence_mask", (None, 2.0), [[0.0, 0.0], [0.5, 0.5]], 0, 2),
+    # the geometric mean: row 0 √3 and row 1 √0.5 both inside, kept at their value
+    ("geometric_mask", (None, 2.0), [[math.sqrt(3), math.sqrt(3)], [math.sqrt(0.5), math.sqrt(0.5)]], 0, 0),
+    # the geometric mean under a lower bound 0.8: row 1's √0.5 = 0.71 masks it
+    ("geometric_mask", (0.8, 2.0), [[math.sqrt(3), math.sqrt(3)], [0.0, 0.0]], 0, 2),
+])
+def test_each_correction_mode_weights_the_tokens_as_its_formula_says(mode, bounds, w, truncated, masked):
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    config = GRPOConfig(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=bounds[0],
+                        vllm_importance_sampling_clip_max=bounds[1])
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, config)
+    pg, c = [[-1.0, -1.28], [2.0, 1.0]], [[0.5, 0.25], [1.0, 0.5]]
+    expected = sum(pg[i][j] * w[i][j] * c[i][j] for i in range(2) for j in range(2))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert (stats["is_capped"].item(), stats["is_masked"].item()) == (truncated, masked)
+
+
+def test_the_mismatch_kl_is_k3_of_the_engine_vs_trainer_ratio_over_trained_tokens():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    _, stats = policy_loss(logp, old, behavior, None, adv, weights, GRPOConfig())
+    k3 = [(rho - 1 - math.log(rho)) for rho in (1.0, 3.0, 0.5, 1.0)]  # KL(μ ‖ π_old) sampled from μ
+    assert stats["mismatch_kl_sum"].item() == pytest.approx(sum(k3), rel=1e-5)
+
+
+def test_gspo_clips_one_ratio_per_sequence_and_gives_its_tokens_one_gradient():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    logp = logp.clone().requires_grad_(True)
+    config = GRPOConfig(importance_sampling_level="sequence", vllm_importance_sampling_correction=False)
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, config)
+    loss.backward()
+    # s = exp(mean log r over trained tokens): row 0 √1.5 = 1.2247 (inside 1.28), row 1 √2 = 1.4142 (A < 0: the
+    # unclipped term wins the min); pg = -s·A on every trained token
+    s0, s1 = math.sqrt(1.5), math.sqrt(2.0)
+    assert loss.item() == pytest.approx(-s0 * (0.5 + 0.25) + s1 * (1.0 + 0.5), rel=1e-5)
+    # d/d log π_t of -s·A·Σc = -A·Σc·s / |T| on each of the sample's |T| = 2 trained tokens, 0 elsewhere
+    assert torch.allclose(logp.grad, torch.tensor([[-0.75 * s0 / 2, -0.75 * s0 / 2, 0.0],
+                                                   [1.5 * s1 / 2, 0.0, 1.5 * s1 / 2]]), rtol=1e-5)
+    assert stats["clipped"].item() == 0
+    token_level = GRPOConfig(vllm_importance_sampling_correction=False)  # the control: per-token ratios differ
+    logp.grad = None
+    policy_loss(logp, old, behavior, None, adv, weights, token_level)[0].backward()
+    assert logp.grad[0, 0].item() != pytest.approx(logp.grad[0, 1].item())
+
+
+def test_cispo_weights_log_pi_by_the_capped_ratio_without_a_gradient_through_it():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    logp = logp.clone().requires_grad_(True)
+    config = GRPOConfig(loss_type="cispo", epsilon_high=1.3, vllm_importance_sampling_correction=False)
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, config)
+    loss.backward()
+    # ℓ_t = -sg(min(r_t, 1.3))·A·log π_t·c_t; r = row 0 [1, 1.5, ·], row 1 [2, ·, 1]
+    capped = [[1.0, 1.3, 0.0], [1.3, 0.0, 1.0]]
+    a, c = [1.0, -1.0], weights.tolist()
+    lp = logp.detach().tolist()
+    expected = sum(-capped[i][j] * a[i] * lp[i][j] * c[i][j] for i in range(2) for j in range(3))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    # the gradient is -min(r, 1.3)·A·c: a token past the cap still learns (PPO's clip would give it 0)
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.325, 0.0], [1.3, 0.0, 0.5]]), rtol=1e-5)
+    assert stats["clipped"].item() == 1  # r = 1.5 > 1.3 with A > 0 (row 1's r = 2 has A < 0)
+
