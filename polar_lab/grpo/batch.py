@@ -57,10 +57,12 @@ def split_stale(groups: list[Group], trainer_version: int, max_staleness: int) -
 
 
 def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4,
-                   masked: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
+                   masked: frozenset[str] | set[str] = frozenset(),
+                   shaping: dict[str, float] | None = None) -> dict[str, float]:
     """session id → advantage (reward minus its group's mean, optionally over a std).
 
-    Runs with reward None (crashed, timed out) and the `masked` ones are left out. Groups with fewer than two
+    Runs with reward None (crashed, timed out) and the `masked` ones are left out; `shaping` adds to a run's reward
+    (DAPO's overlong punishment, `overlong_penalties`). Groups with fewer than two
     scored runs or with all rewards equal carry no signal and are skipped (absent from the result). The "batch"
     std is TRL's: over every scored reward of the groups, those without spread too.
 
@@ -69,8 +71,9 @@ def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4,
     >>> run_advantages([g], "none")
     {'a': 0.5, 'b': -0.5}
     """
-    scored = [[(s.id, s.reward) for s in g.sessions if s.reward is not None and s.id not in masked]
-              for g in groups]
+    shaping = shaping or {}
+    scored = [[(s.id, s.reward + shaping.get(s.id, 0.0)) for s in g.sessions
+               if s.reward is not None and s.id not in masked] for g in groups]
     batch_std = _std([r for runs in scored for _, r in runs])
     scored = [runs for runs in scored if len(runs) >= 2 and _std([r for _, r in runs]) > 0]
     out = {}
@@ -90,7 +93,8 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
     masked for truncation counts as a run with no tokens, as a fully masked completion does in TRL."""
     fresh, stale = split_stale(groups, trainer_version, config.max_staleness)
     nonfinite = {t.session_id for g in fresh for t in g.trajectories if not _finite_behaviour(t)}
-    advantages = run_advantages(fresh, config.scale_rewards, masked=nonfinite)
+    penalties = overlong_penalties(fresh, config)
+    advantages = run_advantages(fresh, config.scale_rewards, masked=nonfinite, shaping=penalties)
     scored = {s.id for g in fresh for s in g.sessions if s.reward is not None and s.id not in nonfinite}
     population = [t for g in fresh for t in g.trajectories if t.session_id in scored]
     truncated = {t.session_id for t in population if t.truncated} if config.mask_truncated_completions else set()
@@ -107,6 +111,8 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
         "runs": len({t.session_id for t in trajs}), "trajectories": len(trajs),
         "tokens": sum(s.num_tokens for s in samples),
         "reward_mean": _mean(rewards), "reward_std": _std(rewards),
+        **({"overlong_penalty_mean": _mean(list(penalties.values())),  # with the punishment on only
+            "overlong_frac": sum(p < 0 for p in penalties.values()) / len(penalties)} if penalties else {}),
         "staleness_mean": _mean(staleness), "staleness_max": max(staleness, default=0),
         # sampled tokens per run of the fresh groups, every run counted (as rollouts.dropped_stats counts them)
         "run_tokens_mean": _mean([sum(sum(t.loss_mask) for t in g.trajectories if t.session_id == s.id)
@@ -114,6 +120,37 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
         **failure_stats(groups),
     }
     return Batch(samples=samples, stats=stats)
+
+
+def informative(group: Group) -> bool:
+    """Whether a group can give a gradient: two runs or more with a reward, not all the same (dynamic sampling keeps
+    only these)."""
+    rewards = [s.reward for s in group.sessions if s.reward is not None]
+    return len(rewards) >= 2 and _std(rewards) > 0
+
+
+def overlong_penalties(groups: list[Group], config: GRPOConfig) -> dict[str, float]:
+    """session id → DAPO's soft overlong punishment of each scored run, added to its reward: 0 up to
+    L − B sampled tokens (L = `overlong_limit`, B = `overlong_buffer_len`), then falling linearly to
+    −`overlong_penalty_factor` at L and staying there. A run's length is what the policy sampled over all its calls.
+    {} when the buffer is 0 (off).
+
+    >>> c = GRPOConfig(max_completion_length=100, overlong_buffer_len=20)
+    >>> [round(_overlong(n, c), 2) for n in (80, 90, 100, 130)]
+    [0.0, -0.5, -1.0, -1.0]
+    """
+    if not config.overlong_buffer_len:
+        return {}
+    tokens: dict[str, int] = {}
+    for g in groups:
+        for t in g.trajectories:
+            tokens[t.session_id] = tokens.get(t.session_id, 0) + sum(t.loss_mask)
+    return {s.id: _overlong(tokens.get(s.id, 0), config) for g in groups for s in g.sessions if s.reward is not None}
+
+
+def _overlong(length: int, config: GRPOConfig) -> float:
+    start = config.overlong_limit - config.overlong_buffer_len
+    return config.overlong_penalty_factor * max(-1.0, min(0.0, (start - length) / config.overlong_buffer_len))
 
 
 def failure_stats(groups: list[Group]) -> dict[str, float]:

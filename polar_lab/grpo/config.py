@@ -80,6 +80,16 @@ class GRPOConfig:
                                                                "mask: 0 below); None = none")
     vllm_importance_sampling_clip_max: float | None = _f(2.0, "upper bound of the ratio (truncate: clamped down; "
                                                               "mask: 0 above); None = none")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: a group whose runs all score the same (no "
+                                       "advantage, no gradient) is dropped and the step refilled with fresh tasks")
+    max_refill_rounds: int = _f(3, "dynamic_sampling's bound: extra rollouts per step (sync), or tasks_per_step x "
+                                   "this many dropped groups per step (async), before training on what there is")
+    overlong_buffer_len: int = _f(0, "DAPO's soft overlong punishment: a run's reward falls linearly by up to "
+                                     "overlong_penalty_factor over its last this-many sampled tokens before "
+                                     "overlong_max_tokens; 0 = off")
+    overlong_max_tokens: int | None = _f(None, "the run length the punishment counts to (sampled tokens over all "
+                                               "its calls); None = max_completion_length")
+    overlong_penalty_factor: float = _f(1.0, "the punishment at overlong_max_tokens and beyond")
     mask_truncated_completions: bool = _f(False, "leave runs with a call cut by max_tokens out of the loss")
     num_iterations: int = _f(1, "optimiser steps per batch (PPO epochs); >1 makes the clip active")
     fidelity_warn_nats: float = _f(0.1, "warn when a fully on-policy batch's mean |log pi_old - log mu| (trainer "
@@ -164,6 +174,10 @@ class GRPOConfig:
                                           f"got {self.num_generations}")
         _check(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
                f"micro_batch_tokens must be >= 1 or None, got {self.micro_batch_tokens}")
+        _check(self.max_refill_rounds >= 0, f"max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
+        _check(0 <= self.overlong_buffer_len < self.overlong_limit or not self.overlong_buffer_len,
+               f"overlong_buffer_len must be in [0, {self.overlong_limit}) (overlong_max_tokens), "
+               f"got {self.overlong_buffer_len}")
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
                      "logprob_chunk_tokens",
                      "max_nonfinite_updates", "async_window_steps",
@@ -211,6 +225,10 @@ class GRPOConfig:
         _check(self.loss_type != "cispo" or self.epsilon_high > 1,
                f"loss_type='cispo' reads epsilon_high as the cap on the ratio itself (ScaleRL uses 5.0), so it "
                f"must be > 1; got {self.epsilon_high}")
+
+    @property
+    def overlong_limit(self) -> int:
+        return self.overlong_max_tokens or self.max_completion_length
 
     @property
     def tis_cap(self) -> float | None:

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from polar_lab.grpo.batch import group_staleness
+from polar_lab.grpo.batch import group_staleness, informative
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.rollout import harness_name, make_groups, run_one
 from polar_lab.trajectory.builders import BUILDERS
@@ -88,13 +88,27 @@ class SyncRollouts:
 
     def next_groups(self, trainer_version: int, *, progress: bool = False) -> tuple[list[Group], dict[str, float]]:
         c = self.config
+        groups = self._rollout(c.tasks_per_step, progress)
+        if not c.dynamic_sampling:
+            return groups, dropped_stats([])
+        kept, filtered, rounds = [g for g in groups if informative(g)], len(groups), 0
+        while len(kept) < c.tasks_per_step and rounds < c.max_refill_rounds:  # refill what the filter took
+            rounds += 1
+            more = self._rollout(c.tasks_per_step - len(kept), progress)
+            filtered += len(more)
+            kept += [g for g in more if informative(g)]
+        filtered -= len(kept)
+        return kept, {**dropped_stats([]), "groups_filtered_zero_std": filtered, "refill_rounds": rounds}
+
+    def _rollout(self, tasks: int, progress: bool) -> list[Group]:
+        """One rollout of `tasks` fresh tasks; the k-th rollout of this source is seeded mix_seed(seed, "rollout", k)."""
+        c = self.config
         seed = mix_seed(c.seed, "rollout", self.rollouts)
         self.rollouts += 1
-        groups = self.lab.rollout(self.tasks.take(c.tasks_per_step), self.harness, num_generations=c.num_generations,
-                                  evaluator=self.evaluator, concurrency=c.concurrency, spec=c.rollout_spec(),
-                                  builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c),
-                                  seed=seed)
-        return groups, dropped_stats([])
+        return self.lab.rollout(self.tasks.take(tasks), self.harness, num_generations=c.num_generations,
+                                evaluator=self.evaluator, concurrency=c.concurrency, spec=c.rollout_spec(),
+                                builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c),
+                                seed=seed)
 
     def close(self) -> None:
         pass
@@ -123,7 +137,7 @@ class AsyncRollouts:
         c = self.config
         fresh: list[Group] = []
         dropped: list[Group] = []
-        reruns = 0
+        reruns = filtered = 0
         while len(fresh) < c.tasks_per_step:
             group = self._take(timeout)
             if group_staleness(group, trainer_version) > c.max_staleness:
@@ -131,8 +145,12 @@ class AsyncRollouts:
                 reruns += c.stale_groups == "rerun" and self.tasks.requeue(group.task, c.max_reruns)
                 continue
             self.tasks.settled(group.task)
+            if c.dynamic_sampling and not informative(group) and filtered < c.tasks_per_step * c.max_refill_rounds:
+                filtered += 1  # the producer keeps going: the next group ready takes its place
+                continue
             fresh.append(group)
-        return fresh, dropped_stats(dropped, reruns=reruns)
+        extra = {"groups_filtered_zero_std": filtered} if c.dynamic_sampling else {}
+        return fresh, {**dropped_stats(dropped, reruns=reruns), **extra}
 
     def close(self) -> None:
         """Stop producing; cancel running groups (their completed calls stay recorded)."""

@@ -217,3 +217,19 @@ def test_failure_fractions_by_cause_and_the_worst_group():
                                    "fail_infrastructure_frac": 0.0, "fail_masked_frac": 0.0, "group_fail_frac_max": 1.0})
     assert failure_stats([alone])["fail_timeout_frac"] == 1.0  # one run, and it failed
     assert failure_stats([]) == dict.fromkeys(stats, 0.0)  # a step without runs: no failures, not NaN
+
+
+def test_the_overlong_punishment_ranks_equal_rewards_by_length():
+    """DAPO's soft punishment: L = 10 sampled tokens, buffer 4 → free up to 6, then -1/4 per token to -1 at 10."""
+    sessions = [Session(id=f"o{i}", key="", reward=1.0, status="closed") for i in range(3)]
+    group = Group(task={}, sessions=sessions, trajectories=[_traj("o0", 5), _traj("o1", 8), _traj("o2", 12)])
+    config = GRPOConfig(max_completion_length=10, overlong_buffer_len=4, scale_rewards="none", loss_type="grpo")
+    batch = build_batch([group], config, trainer_version=0)
+    shaped = [1.0, 1.0 - 0.5, 1.0 - 1.0]  # 5 tokens: 0; 8: (6 - 8) / 4; 12: capped at -1
+    mean = sum(shaped) / 3
+    by_length = {s.num_tokens: s.advantage for s in batch.samples}
+    assert by_length == pytest.approx({5: shaped[0] - mean, 8: shaped[1] - mean, 12: shaped[2] - mean})
+    assert batch.stats["overlong_frac"] == pytest.approx(2 / 3)
+    assert batch.stats["overlong_penalty_mean"] == pytest.approx((0.0 - 0.5 - 1.0) / 3)
+    off = build_batch([group], GRPOConfig(max_completion_length=10), trainer_version=0)
+    assert off.samples == [] and off.stats["groups_zero_advantage"] == 1  # the control: equal rewards, no signal

@@ -279,3 +279,42 @@ def test_training_sessions_force_every_knob_that_reshapes_the_distribution_off()
     forced = rollout_sampling(GRPOConfig(temperature=0.7, max_completion_length=64))
     assert {"min_p", "top_p", "top_k", "presence_penalty", "logit_bias", "banned_strings"} <= set(TRAINING_OFF)
     assert forced == {"temperature": 0.7, "max_tokens": 64, **TRAINING_OFF} and forced["min_p"] == 0.0
+
+
+FLAT = [{"id": f"flat{i}", "q": f"flat {i}"} for i in range(4)]  # every run scores 1: no advantage
+SPREAD = [{"id": f"spread{i}", "q": f"spread {i}"} for i in range(4)]
+
+
+def by_task(task, texts):
+    """A flat task scores every run 1; a spread task scores its runs by their reply (different across a group)."""
+    return {"total": 1.0 if task["id"].startswith("flat") else float(texts[-1][-1] in "ABC")}
+
+
+@pytest.mark.parametrize("refills", [3, 0])
+def test_dynamic_sampling_drops_groups_without_spread_and_refills_the_step(replies_lab, refills):
+    config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, max_refill_rounds=refills)
+    stream = TaskStream(FLAT[:2] + SPREAD, seed=0)
+    stream.take = lambda n, _order=iter(FLAT[:2] + SPREAD): [next(_order) for _ in range(n)]  # the flat ones first
+    groups, stats = SyncRollouts(replies_lab, config, two_turns, by_task, stream).next_groups(0)
+    assert all(len({s.reward for s in g.sessions}) > 1 for g in groups)  # only groups that can give a gradient
+    if refills:  # the two flat groups out, two spread ones in
+        assert [g.task["id"] for g in groups] == ["spread0", "spread1"] and stats["refill_rounds"] == 1
+        assert stats["groups_filtered_zero_std"] == 2
+    else:  # no refill allowed: the step trains on what passed the filter
+        assert groups == [] and stats["refill_rounds"] == 0 and stats["groups_filtered_zero_std"] == 2
+
+
+def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(replies_lab):
+    from polar_lab.grpo.rollouts import AsyncRollouts
+
+    config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, async_mode=True)
+    stream = TaskStream(FLAT + SPREAD, seed=0)
+    order = itertools.cycle(FLAT[:2] + SPREAD)
+    stream.take = lambda n: [next(order) for _ in range(n)]
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, by_task, stream)
+    try:
+        groups, stats = rollouts.next_groups(0, timeout=60)
+    finally:
+        rollouts.close()
+    assert len(groups) == 2 and all(len({s.reward for s in g.sessions}) > 1 for g in groups)
+    assert all(g.task["id"].startswith("spread") for g in groups) and stats["groups_filtered_zero_std"] >= 1
