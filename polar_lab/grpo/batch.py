@@ -109,6 +109,7 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
         "groups_zero_advantage": sum(not any(s.id in advantages for s in g.sessions) for g in fresh),
         "runs_nonfinite": len(nonfinite), "runs_scored": len(scored),
         "runs": len({t.session_id for t in trajs}), "trajectories": len(trajs),
+        "retry_orphans": sum(len(t.info.get("retry_orphans", ())) for g in fresh for t in g.trajectories),
         "tokens": sum(s.num_tokens for s in samples),
         "reward_mean": _mean(rewards), "reward_std": _std(rewards),
         **({"overlong_penalty_mean": _mean(list(penalties.values())),  # with the punishment on only

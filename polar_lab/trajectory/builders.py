@@ -8,6 +8,11 @@ prefix_merging  calls are chained: a call whose prompt ids start with a chain's 
                 behaviour logprob. A call that extends no chain starts a new one; the break is
                 recorded as a `ChainBreak` and classified (drift.py). Sub-agents (own system prompt)
                 and compaction therefore become separate chains with no configuration.
+                A later call with exactly the prompt of a chain's last call is a retry (a harness that timed out
+                and asked again): that last call's answer was never used — a retry orphan — so the retry takes
+                its place in the chain, and the orphan, still in the record, is listed in the chain's
+                `info["retry_orphans"]` and trained on nowhere (else it would split the chain, and every earlier
+                turn would be trained twice).
 
 Only token ids decide merging: the proxy's exact-id continuity makes every prompt start with the ids
 the model actually sampled, so re-tokenisation can never fake a break or hide one.
@@ -50,17 +55,42 @@ def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak
     """Merge each session's calls into chains. `on_break` receives every chain break (for diagnostics)."""
     out: list[Trajectory] = []
     by_session: dict[str, list[Trajectory]] = {}
+    last: dict[int, tuple[int, int]] = {}  # id(chain) → (its last call's index, where that call's prompt ends)
     for call in _ordered(calls):
         chains = by_session.setdefault(call.session_id, [])
         chain = _longest_extended(chains, call.prompt_ids)
-        if chain is None:
+        retried = None if chain is not None else _retried(chains, call, last)
+        if retried is not None:
+            chain = retried
+            _drop_last_call(chain, last[id(chain)][1])
+        elif chain is None:
             chain = _new_chain(call.session_id, len(chains), call)
             if chains and on_break is not None:
                 on_break(_break(call, chains, chain.chain_index))
             chains.append(chain)
             out.append(chain)
+        last[id(chain)] = (call.call_index, len(call.prompt_ids))
         _extend(chain, call, train_constrained)
     return out
+
+
+def _retried(chains: list[Trajectory], call: ModelCall, last: dict[int, tuple[int, int]]) -> Trajectory | None:
+    """The chain whose last call `call` retries: an earlier call (not another choice of the same one) with exactly
+    this prompt."""
+    for chain in chains:
+        index, prompt_end = last[id(chain)]
+        if index < call.call_index and prompt_end == len(call.prompt_ids) and \
+                chain.token_ids[:prompt_end] == list(call.prompt_ids):
+            return chain
+    return None
+
+
+def _drop_last_call(chain: Trajectory, prompt_end: int) -> None:
+    """Cut the chain back to its last call's prompt: that call's answer is an orphan, recorded but not trained."""
+    orphan = chain.call_ids.pop()
+    chain.info.setdefault("retry_orphans", []).append(orphan)
+    for name in ("token_ids", "loss_mask", "behavior_logprobs", "policy_versions"):
+        del getattr(chain, name)[prompt_end:]
 
 
 BUILDERS = {"per_request": per_request, "prefix_merging": prefix_merging}

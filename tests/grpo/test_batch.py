@@ -117,7 +117,7 @@ def test_the_batch_statistics_by_hand():
     rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]  # every scored run, stale ones included
     assert batch.stats == pytest.approx({
         "groups": 4, "groups_stale": 1, "groups_zero_advantage": 1, "runs_nonfinite": 0, "runs_scored": 6,
-        "runs": 4, "trajectories": 4, "tokens": 16,
+        "runs": 4, "trajectories": 4, "retry_orphans": 0, "tokens": 16,
         "reward_mean": statistics.mean(rewards), "reward_std": statistics.stdev(rewards),
         "staleness_mean": 1.0, "staleness_max": 1, "run_tokens_mean": 4.0,  # 7 fresh runs of 4 tokens each
         # 9 runs, one crashed, in a group of 3

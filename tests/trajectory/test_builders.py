@@ -131,10 +131,32 @@ def test_calls_without_a_temperature_are_all_at_the_engines_default():
 
 def test_a_retry_that_sampled_further_is_the_chain_later_turns_extend():
     short = call("s", 0, [1], [2, 3])  # chain 0: 1 2 3
-    retry = call("s", 1, [1], [2, 3, 4])  # the same prompt sampled again, further: chain 1: 1 2 3 4
-    later = call("s", 2, [1, 2, 3, 4, 5], [6])  # both chains are prefixes of it: the longer one wins
-    chains = prefix_merging([short, retry, later])
-    assert [c.token_ids for c in chains] == [[1, 2, 3], [1, 2, 3, 4, 5, 6]]
+    retry = call("s", 1, [1], [2, 3, 4])  # the same prompt sampled again, further: it takes the first's place
+    later = call("s", 2, [1, 2, 3, 4, 5], [6])
+    (chain,) = prefix_merging([short, retry, later])
+    assert chain.token_ids == [1, 2, 3, 4, 5, 6] and chain.info["retry_orphans"] == ["s-0"]
+
+
+def test_a_retry_orphan_is_recorded_but_neither_trained_nor_splitting_the_chain():
+    """A harness whose call timed out asks again with the same messages: the first answer never reached it."""
+    orphan = call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8])  # turn 2, answered after the harness gave up on it
+    retry = call("s", 2, [1, 2, 3, 4, 5, 6, 7], [9])  # the same prompt again
+    turn3 = call("s", 3, [1, 2, 3, 4, 5, 6, 7, 9, 10], [11])  # the harness carries on from the retry's answer
+    breaks = []
+    (chain,) = prefix_merging([TURN1, orphan, retry, turn3], on_break=breaks.append)
+    assert chain.token_ids == [1, 2, 3, 4, 5, 6, 7, 9, 10, 11] and breaks == []
+    assert chain.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1]  # turn 1's tokens once, the orphan's 8 nowhere
+    assert chain.call_ids == ["s-0", "s-2", "s-3"] and chain.info["retry_orphans"] == ["s-1"]
+    assert len(chain.behavior_logprobs) == len(chain.policy_versions) == len(chain.token_ids)
+
+
+def test_two_choices_of_one_call_are_siblings_not_a_retry():
+    import dataclasses
+
+    first = call("s", 0, [1, 2], [3])
+    second = dataclasses.replace(call("s", 0, [1, 2], [4]), call_id="s-0-1", choice_index=1)
+    chains = prefix_merging([first, second])
+    assert [c.token_ids for c in chains] == [[1, 2, 3], [1, 2, 4]] and not chains[0].info
 
 
 def test_a_break_with_two_equally_close_chains_names_the_first():
