@@ -98,6 +98,8 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
     scored = {s.id for g in fresh for s in g.sessions if s.reward is not None and s.id not in nonfinite}
     population = [t for g in fresh for t in g.trajectories if t.session_id in scored]
     truncated = {t.session_id for t in population if t.truncated} if config.mask_truncated_completions else set()
+    if config.teacher_model:  # distilling: a run without advantage still learns the teacher's tokens (A = 0)
+        advantages = {sid: advantages.get(sid, 0.0) for sid in scored}
     weight = _normaliser(scored, [t for t in population if t.session_id not in truncated], config)
     trajs = [t for t in population
              if t.session_id in advantages and t.session_id not in truncated and any(t.loss_mask)]

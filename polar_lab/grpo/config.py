@@ -69,6 +69,10 @@ class GRPOConfig:
     epsilon_high: float | None = _f(0.28, "upper clip range (clip-higher, DAPO); None = epsilon. cispo: the cap "
                                           "on the ratio (ScaleRL: 5.0)")
     beta: float = _f(0.0, "KL coefficient to the initial policy (k3 estimator); 0 = no reference model")
+    teacher_model: str | None = _f(None, "on-policy distillation: a model folder (the student's tokenizer) that "
+                                         "scores every trained token of the recorded chains; each token's "
+                                         "advantage becomes A - distill_coef x (log pi_old - log pi_teacher)")
+    distill_coef: float = _f(1.0, "the weight of the teacher's per-token reverse KL in the advantage")
     # ---- the engine-vs-trainer correction (TRL's names): weight pi_old / mu, mu the engine's sampler logprob
     vllm_importance_sampling_correction: bool = _f(True, "weight each token by the trainer-vs-engine ratio "
                                                          "pi_old / mu as vllm_importance_sampling_mode says")
@@ -192,6 +196,7 @@ class GRPOConfig:
         _check(self.epsilon_high >= self.epsilon,
                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
         _check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
+        _check(self.distill_coef >= 0, f"distill_coef must be >= 0, got {self.distill_coef}")
         self._check_correction()
         _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")

@@ -15,6 +15,8 @@ For target token t of a sample (one chain of a run) with advantage A, over its t
             sequence_mask      Π_{s∈T} ρ_s inside [lo, hi], else 0            (MIS)
             geometric_mask     exp(mean_{s∈T} log ρ_s) inside [lo, hi], else 0 (a long sample is not masked
                                                                               for its length alone)
+    A_t   = A − λ·(log π_old(t) − log π_teacher(t))   with a teacher (on-policy distillation, λ = distill_coef):
+                                                      the teacher's per-token reverse KL, on the recorded tokens
     ℓ_t   = w_t·pg_t + β·k3(π_θ, π_ref)
     loss  = Σ_t c_t·ℓ_t                              (c_t from batch.py: the loss_type normalisation)
 
@@ -109,10 +111,15 @@ def _plain_head(model: torch.nn.Module) -> bool:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch.Tensor,
                 ref_logp: torch.Tensor | None, advantages: torch.Tensor, weights: torch.Tensor,
-                config: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                config: GRPOConfig, teacher_logp: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (a scalar) and detached per-batch sums for metrics. All tensors (B, T-1) except advantages (B,)."""
     trained = weights > 0
     adv = advantages[:, None]
+    reverse_kl = torch.zeros_like(logp)
+    if teacher_logp is not None:  # the student's estimate is π_old: the advantage carries no gradient
+        reverse_kl = torch.where(trained, old_logp - teacher_logp, 0.0).detach()
+        adv = adv - config.distill_coef * reverse_kl
     # Log-ratios are zeroed where nothing is trained *before* exp: a padded or prompt position whose log-ratio
     # overflows would otherwise give exp = inf, and inf · weight 0 = NaN in every gradient.
     log_ratio = torch.where(trained, logp - old_logp, 0.0)
@@ -146,6 +153,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
             "is_capped": truncated[trained].sum().float(),
             "is_masked": masked[trained].sum().float(),
             "mismatch_kl_sum": (log_is.exp() - 1 - log_is)[trained].sum(),  # k3 of KL(μ ‖ π_old), sampled from μ
+            "distill_kl_sum": reverse_kl[trained].sum(),  # k1 of KL(π_old ‖ π_teacher) on the sampled tokens
             "log_is": log_is[trained],  # per trained token: log(π_old / μ), for quantiles
         }
     return loss, stats

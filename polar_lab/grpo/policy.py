@@ -10,7 +10,6 @@ average a sum.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 from dataclasses import dataclass, field, fields
@@ -25,6 +24,7 @@ from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
+from polar_lab.grpo.scorers import FrozenScorers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,13 +54,8 @@ class Policy:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.world_size = world_size
         self.sharded = config.strategy == "fsdp"
-        self.ref_model = None
-        if config.beta > 0:  # through the same chunked fp32 head as π_θ: at step 0 the KL is exactly 0
-            self.ref_model = TokenLogprobs(copy.deepcopy(self.model).eval().requires_grad_(False),
-                                           config.logprob_chunk_tokens)
-            disable_dropout(self.ref_model)
-            if self.sharded:
-                shard_model(self.ref_model, config, self.device)
+        self.scorers = FrozenScorers(self.model, model_path, config, self.device,  # the reference, the teacher
+                                     shard=(lambda m: shard_model(m, config, self.device)) if self.sharded else None)
         self.lora = config.peft_config is not None
         if self.lora:  # base weights frozen, adapter matrices trained (lora.py)
             from peft import get_peft_model
@@ -90,16 +85,16 @@ class Policy:
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
         micro = same_count_on_every_rank(self._micro_batches(samples), self.device)
-        frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref) per micro-batch
+        frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref, teacher) per micro-batch
         totals = UpdateStats()
         for iteration in range(self.config.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for i, (mb, (old, ref)) in enumerate(zip(micro, frozen)):
+            for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
                     logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
-                                              ref, mb["advantage"], mb["weights"], self.config)
+                                              ref, mb["advantage"], mb["weights"], self.config, teacher)
                     (loss * self.world_size).backward()
                 if iteration == 0:
                     totals.add(stats)  # tokens, loss, IS: what the batch was; later passes re-use it
@@ -239,15 +234,14 @@ class Policy:
         return micro_batches(samples, self.config, self.pad_id, self.device)
 
     @torch.no_grad()
-    def _frozen_logprobs(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """π_old (only needed when the batch is reused) and π_ref (only with a KL term), before any step."""
-        old = ref = None
+    def _frozen_logprobs(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """π_old (only needed when the batch is reused), π_ref (with a KL term) and π_teacher (distilling), before
+        any step."""
         with self._autocast():
+            old = None
             if self.config.num_iterations > 1:
                 old = self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
-            if self.ref_model is not None:
-                ref = self.ref_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
-        return old, ref
+            return (old, *self.scorers.score(mb))
 
     def _autocast(self):
         enabled = self._autocast_dtype != torch.float32
@@ -289,6 +283,7 @@ class UpdateStats:
     is_capped: float = 0.0  # trained tokens whose correction weight was truncated (a *_truncate mode's bounds)
     is_masked: float = 0.0  # trained tokens a *_mask mode zeroed
     mismatch_kl_sum: float = 0.0  # k3 estimate of KL(μ ‖ π_old) summed over trained tokens (engine vs trainer)
+    distill_kl_sum: float = 0.0  # log π_old − log π_teacher summed over trained tokens (0 without a teacher)
     log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
     iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
@@ -324,6 +319,7 @@ class UpdateStats:
             "is_ratio_p05": float(q[0]), "is_ratio_p50": float(q[1]), "is_ratio_p95": float(q[2]),
             "is_ratio_max": float("nan") if empty else float(ratio.max()), "is_capped_frac": self.is_capped / tokens,
             "is_masked_frac": self.is_masked / tokens, "mismatch_kl": self.mismatch_kl_sum / tokens,
+            "distill_kl": self.distill_kl_sum / tokens,
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped,
         }

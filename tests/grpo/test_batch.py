@@ -233,3 +233,11 @@ def test_the_overlong_punishment_ranks_equal_rewards_by_length():
     assert batch.stats["overlong_penalty_mean"] == pytest.approx((0.0 - 0.5 - 1.0) / 3)
     off = build_batch([group], GRPOConfig(max_completion_length=10), trainer_version=0)
     assert off.samples == [] and off.stats["groups_zero_advantage"] == 1  # the control: equal rewards, no signal
+
+
+def test_with_a_teacher_a_group_without_spread_still_trains_at_advantage_zero():
+    """Distilling, the teacher's per-token term teaches every run: none is skipped for lack of reward spread."""
+    group = _group([1.0, 1.0])
+    assert build_batch([group], GRPOConfig(), trainer_version=0).samples == []  # the control
+    batch = build_batch([group], GRPOConfig(teacher_model="data/models/tiny-calc"), trainer_version=0)
+    assert [s.advantage for s in batch.samples] == [0.0, 0.0]

@@ -263,3 +263,21 @@ def test_cispo_weights_log_pi_by_the_capped_ratio_without_a_gradient_through_it(
     assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.325, 0.0], [1.3, 0.0, 0.5]]), rtol=1e-5)
     assert stats["clipped"].item() == 1  # r = 1.5 > 1.3 with A > 0 (row 1's r = 2 has A < 0)
 
+
+
+def test_a_teacher_shifts_each_tokens_advantage_by_its_reverse_kl():
+    """On-policy distillation: A_t = A − λ·(log π_old − log π_teacher), no gradient through the teacher's term."""
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    logp = logp.clone().requires_grad_(True)
+    teacher = old + torch.tensor([[-0.5, 0.2, 9.0], [0.0, 9.0, 1.0]])  # 9.0 at untrained positions: ignored
+    config = GRPOConfig(distill_coef=0.5, vllm_importance_sampling_correction=False)
+    loss, stats = policy_loss(logp, old, behavior, None, adv, weights, config, teacher)
+    loss.backward()
+    # reverse KL per trained token: old − teacher = row 0 [0.5, -0.2], row 1 [0, -1];  A_t = A − 0.5·that:
+    # row 0 (A = 1): 0.75, 1.1;  row 1 (A = -1): -1, -0.5;  ratios r = row 0 [1, 1.5], row 1 [2, 1] (clip 0.8-1.28)
+    # pg = -min(r·A_t, clip(r)·A_t): row 0: -0.75, -1.28·1.1;  row 1: 2, 0.5
+    expected = -0.75 * 0.5 - 1.28 * 1.1 * 0.25 + 2.0 * 1.0 + 0.5 * 0.5
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert stats["distill_kl_sum"].item() == pytest.approx(0.5 - 0.2 + 0.0 - 1.0, rel=1e-5)
+    # d/dlogp = -A_t·r·c where unclipped: row 0 t0: -0.75·1·0.5; t1 clipped (r > 1.28, A_t > 0): 0
+    assert logp.grad[0, 0].item() == pytest.approx(-0.375, rel=1e-5) and logp.grad[0, 1].item() == 0.0

@@ -14,7 +14,7 @@ def test_a_second_pass_over_the_batch_clips_and_the_reference_model_adds_kl(lab,
     batch = build_batch(rollout(lab, train_tasks[:4]), config, lab.policy_version)
     assert batch.samples, batch.stats
     policy = Policy(model_path, config)
-    assert policy.ref_model is not None
+    assert policy.scorers.ref is not None
     first = policy.update(batch.samples)
     assert first.iterations == 2 and first.kl_sum == 0.0  # pass 1 starts at the reference: k3 is exactly 0
     assert first.metrics()["clip_frac"] > 0  # pass 2 runs after a step: ratios leave [1-ε, 1+ε]
@@ -185,7 +185,7 @@ def test_the_reference_model_goes_through_the_same_head_so_the_first_kl_is_zero_
     from polar_lab.grpo.loss import TokenLogprobs
 
     policy = Policy(model_path, GRPOConfig(beta=0.1, dtype="bfloat16", learning_rate=1e-9))
-    assert isinstance(policy.ref_model, TokenLogprobs)
+    assert isinstance(policy.scorers.ref, TokenLogprobs)
     assert policy.update(_varied_batch()).kl_sum == 0.0  # π_θ = π_ref at step 0, the same numbers
 
 
@@ -222,3 +222,31 @@ def test_micro_batches_by_token_budget(model_path, budget, sizes):
     micro = policy._micro_batches(_varied_batch())
     assert [len(mb["input_ids"]) for mb in micro] == sizes
     assert all(mb["input_ids"].numel() <= budget or len(mb["input_ids"]) == 1 for mb in micro)
+
+
+def test_a_teacher_scores_the_recorded_tokens_and_its_reverse_kl_moves_the_update(model_path, tmp_path):
+    """The student as its own teacher adds nothing (KL 0, the same loss); a teacher with other weights gives
+    every trained token its reverse KL; a teacher with another vocabulary is refused by name."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polar_lab.errors import ConfigError
+
+    samples = _hand_batch().samples
+    plain = Policy(model_path, GRPOConfig()).update(samples)
+    itself = Policy(model_path, GRPOConfig(teacher_model=model_path)).update(samples)
+    assert itself.distill_kl_sum == 0.0 and itself.loss == pytest.approx(plain.loss)
+    other = tmp_path / "teacher"
+    shutil.copytree(model_path, other)
+    teacher = AutoModelForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        teacher.lm_head.weight.add_(0.5 * torch.randn(teacher.lm_head.weight.shape, generator=torch.Generator()
+                                                      .manual_seed(0)))
+    teacher.save_pretrained(other)
+    distilled = Policy(model_path, GRPOConfig(teacher_model=str(other))).update(samples)
+    assert distilled.distill_kl_sum != 0.0 and distilled.loss != pytest.approx(plain.loss)
+    assert distilled.metrics()["distill_kl"] == pytest.approx(distilled.distill_kl_sum / distilled.tokens)
+    with pytest.raises(ConfigError, match="another vocabulary"):
+        Policy(model_path, GRPOConfig(teacher_model="data/models/tiny-calc-qwen35"))
