@@ -470,6 +470,7 @@ class ModelCall:
     # `first_delta_s`: received → its first sampled text handed to the connection (sent at once to a reader keeping up)
     replica: int = 0  # the engine replica that served it (0 for a single engine)
     moved_from: int | None = None  # the session's replica before this call moved it there (None: it did not move)
+    delivered: bool = True  # False: its caller had hung up before the answer was ready (a harness that timed out)
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> ModelCall:
@@ -497,6 +498,12 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)  # diagnostics, e.g. "mixed_temperatures"
     temperature: float = 1.0  # what its tokens were sampled at (its first call's): the loss recomputes logprobs so
     truncated: bool = False  # a call of it ran out of max_tokens (GRPOConfig.mask_truncated_completions)
+    # per token: the (top_k, top_p, min_p) its call sampled within (NO_SUPPORT where the whole vocabulary was
+    # allowed, and on prompt tokens); empty = NO_SUPPORT everywhere. The trainer renormalises over the same support
+    sampling_support: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+NO_SUPPORT = (-1, 1.0, 0.0)  # (top_k, top_p, min_p) that keep every token
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.types import FAILURE_CAUSES, Group, Trajectory
+from polar_lab.types import FAILURE_CAUSES, NO_SUPPORT, Group, Trajectory
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Sample:
     versions: torch.Tensor  # (L-1,) long, policy version that sampled each target (-1 where not trained)
     temperature: float  # the trainer recomputes logprobs at the temperature the engine sampled with
     session_id: str = ""
+    support: torch.Tensor | None = None  # (L-1, 3) each target's (top_k, top_p, min_p); None = whole vocabulary
 
     @property
     def num_tokens(self) -> int:
@@ -199,6 +200,8 @@ def _sample(t: Trajectory, advantage: float, weight: float) -> Sample:
         versions=torch.tensor(t.policy_versions[1:], dtype=torch.long),
         temperature=float(t.temperature),
         session_id=t.session_id,
+        support=torch.tensor(t.sampling_support[1:], dtype=torch.float32)
+        if any(s != NO_SUPPORT for s in t.sampling_support) else None,
     )
 
 
@@ -257,6 +260,11 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str) -> d
         "advantage": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
         "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
     }
+    if any(s.support is not None for s in samples):  # the supports the engine sampled within (loss.py replays them)
+        neutral = torch.tensor(NO_SUPPORT, dtype=torch.float32)
+        batch["support"] = torch.stack([
+            torch.cat([s.support if s.support is not None else neutral.expand(len(s.input_ids) - 1, 3),
+                       neutral.expand(width - len(s.input_ids), 3)]) for s in samples])  # (B, T-1, 3)
     return {k: v.to(device) for k, v in batch.items()}
 
 

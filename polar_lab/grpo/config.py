@@ -38,6 +38,9 @@ class GRPOConfig:
     num_generations: int = _f(8, "runs per task: the GRPO group size")
     tasks_per_step: int = _f(16, "groups (tasks) per optimiser step")
     temperature: float = _f(1.0, "sampling temperature forced on every rollout call, whatever the harness sends")
+    sampling_support: str = _f("replay", "replay: a harness's own top_k / top_p / min_p apply, and the trainer "
+                                         "renormalises over the same support (loss.restrict); force: they are "
+                                         "forced off (the whole vocabulary)")
     max_completion_length: int = _f(128, "cap on each call's max_tokens; also dr_grpo's per-run normaliser")
     builder: str = _f("prefix_merging", "trajectory builder: prefix_merging or per_request")
     train_constrained: bool = _f(False, "train on tokens sampled under a grammar (a structured output, a forced "
@@ -197,6 +200,8 @@ class GRPOConfig:
                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
         _check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
         _check(self.distill_coef >= 0, f"distill_coef must be >= 0, got {self.distill_coef}")
+        _check(self.sampling_support in ("replay", "force"),
+               f"sampling_support must be replay or force, got {self.sampling_support!r}")
         self._check_correction()
         _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")

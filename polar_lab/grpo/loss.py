@@ -20,7 +20,9 @@ For target token t of a sample (one chain of a run) with advantage A, over its t
     ℓ_t   = w_t·pg_t + β·k3(π_θ, π_ref)
     loss  = Σ_t c_t·ℓ_t                              (c_t from batch.py: the loss_type normalisation)
 
-All logprobs are of the tempered distribution the engine sampled from (logits / T).
+All logprobs are of the distribution the engine sampled from: the logits at temperature T, renormalised over the
+call's sampling support where it had one (top_k / top_p / min_p: `restrict` replays vLLM's masks on the trainer's
+own logits), so a harness's own top_p needs no forcing for π_old/μ to stay 1 on-policy.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from polar_lab.grpo.config import GRPOConfig
+from polar_lab.trajectory.support import restrict
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperatures: torch.Tensor) -> torch.Tensor:
-    """log π(input_ids[:, 1:]) under a causal LM at each row's temperature. (B, T) → (B, T-1). The reference
-    form: it materialises the whole (B, T-1, V) logits (the trainer uses `TokenLogprobs`)."""
+                   temperatures: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
+    """log π(input_ids[:, 1:]) under a causal LM at each row's temperature, within each target's sampling `support`
+    ((B, T-1, 3) top_k, top_p, min_p; None: the whole vocabulary). (B, T) → (B, T-1). The reference form: it
+    materialises the whole (B, T-1, V) logits (the trainer uses `TokenLogprobs`)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     logits = logits / temperatures[:, None, None]
+    if support is not None:
+        logits = restrict(logits.flatten(0, 1), support.flatten(0, 1)).view_as(logits)
     targets = input_ids[:, 1:, None]
     return (logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1))  # (B, T-1)
 
@@ -59,26 +65,30 @@ class TokenLogprobs(torch.nn.Module):
         self.head_calls = 0  # positions' chunks through the lm_head, recomputations included (tests count them)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                temperatures: torch.Tensor) -> torch.Tensor:
+                temperatures: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
         if not self.chunked:
-            return token_logprobs(self.model, input_ids, attention_mask, temperatures)
+            return token_logprobs(self.model, input_ids, attention_mask, temperatures, support)
         decoder = self.model.get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         batch, width = input_ids.shape[0], input_ids.shape[1] - 1
         hidden = hidden[:, :-1].reshape(batch * width, -1)  # (B·(T-1), H)
         targets = input_ids[:, 1:].reshape(-1)  # (B·(T-1),)
         temps = temperatures.repeat_interleave(width)  # (B·(T-1),)
+        supports = support.reshape(batch * width, 3) if support is not None else None
         parts = []
         for start in range(0, hidden.shape[0], self.chunk):
-            piece = (hidden[start:start + self.chunk], targets[start:start + self.chunk], temps[start:start + self.chunk])
+            end = start + self.chunk
+            piece = (hidden[start:end], targets[start:end], temps[start:end],
+                     supports[start:end] if supports is not None else None)
             if torch.is_grad_enabled():  # the model draws no random numbers: no RNG state to keep
                 parts.append(checkpoint(self._head_logprobs, *piece, use_reentrant=False, preserve_rng_state=False))
             else:
                 parts.append(self._head_logprobs(*piece))
         return torch.cat(parts).view(batch, width).clone()  # (B, T-1); not a view (FSDP2 hooks the output)
 
-    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-        """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32."""
+    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
+                       support: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32, within `support`."""
         head = self.model.get_output_embeddings()
         self.head_calls += 1
         with torch.autocast(hidden.device.type, enabled=False):
@@ -88,6 +98,8 @@ class TokenLogprobs(torch.nn.Module):
                 bias = None if head.bias is None else head.bias.float()
                 logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
             logits = logits / temps[:, None]  # (N, V)
+            if support is not None:
+                logits = restrict(logits, support)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 

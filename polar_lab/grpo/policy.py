@@ -92,7 +92,8 @@ class Policy:
             for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
-                    logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                    logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
+                                            mb.get("support"))
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config, teacher)
                     (loss * self.world_size).backward()
@@ -113,7 +114,8 @@ class Policy:
         for s in samples:
             mb = collate([s], self.pad_id, self.device)
             with self._autocast():
-                out.append(self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])[0].cpu())
+                out.append(self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
+                                                mb.get("support"))[0].cpu())
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -240,7 +242,8 @@ class Policy:
         with self._autocast():
             old = None
             if self.config.num_iterations > 1:
-                old = self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"])
+                old = self._logprobs_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
+                                           mb.get("support"))
             return (old, *self.scorers.score(mb))
 
     def _autocast(self):

@@ -219,16 +219,21 @@ def trajectory_builder(config: GRPOConfig) -> str | Callable[[list[ModelCall]], 
     return functools.partial(BUILDERS[config.builder], train_constrained=True)
 
 
+SUPPORT = ("top_k", "top_p", "min_p")  # what the trainer can replay (loss.restrict): sampling_support="replay"
+
+
 def rollout_sampling(config: GRPOConfig) -> dict[str, Any]:
     """What every training and evaluation call is forced to, whatever the harness sends: the distribution the
-    loss assumes. The trainer computes the full softmax at the training temperature, so the sampler must draw
-    from it too: no top-p/top-k truncation and no banned strings (each renormalises over fewer tokens, and the
-    engine's logprobs then belong to another distribution: a systematic TIS bias, not noise); penalties and
-    logit biases likewise reshape it, and a thinking budget forces a thought's end the policy did not choose. A
-    harness's own values are kept in the call's record
-    (`sampling["overridden"]`), not applied. (Grammars stay: a harness asking for JSON gets JSON; those tokens
-    are left out of the loss instead, see trajectory.builders._extend.)"""
-    return {"temperature": config.temperature, "max_tokens": config.max_completion_length, **TRAINING_OFF}
+    loss assumes. The trainer computes the softmax at the training temperature — within each call's top-k / top-p /
+    min-p support when `sampling_support="replay"` (the default: the harness's own values apply and are replayed,
+    loss.restrict), over the whole vocabulary with "force" (they are forced off). What it cannot replay is always
+    forced off: banned strings, penalties and logit biases reshape the distribution, and a thinking budget forces a
+    thought's end the policy did not choose (each would make the engine's logprobs another distribution's: a
+    systematic TIS bias, not noise). A harness's own values are kept in the call's record (`sampling["overridden"]`),
+    not applied. (Grammars stay: a harness asking for JSON gets JSON; those tokens are left out of the loss
+    instead, see trajectory.builders._extend.)"""
+    off = {k: v for k, v in TRAINING_OFF.items() if config.sampling_support == "force" or k not in SUPPORT}
+    return {"temperature": config.temperature, "max_tokens": config.max_completion_length, **off}
 
 
 def dropped_stats(dropped: list[Group], *, reruns: int = 0) -> dict[str, float]:

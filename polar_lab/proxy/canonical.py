@@ -80,6 +80,7 @@ class CompletedCall:
     sampling: dict[str, Any]
     choices: list[Choice]
     timings: dict[str, float]
+    delivered: bool = True  # the caller was still there when the answer was ready (http.serve checks)
 
     # Usage, counted once here and written by each API in its own shape, streamed or not (the same figures)
     @property

@@ -102,6 +102,7 @@ async def serve(request: Request, service: CallService, schema, api: str, to_can
             return await streaming.respond(service, session, req, raw, body, api=api, inline=inline, build=build,
                                            writer=stream)
         call = await service.complete(session, req, api=api, inline=inline)
+        call.delivered = not await request.is_disconnected()  # a harness that timed out: its retry follows
         response = build(call, req, body)
         service.record(call, raw, response)  # before anything is sent: nothing served goes unrecorded
     except Exception as exc:

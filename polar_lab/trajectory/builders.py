@@ -8,11 +8,12 @@ prefix_merging  calls are chained: a call whose prompt ids start with a chain's 
                 behaviour logprob. A call that extends no chain starts a new one; the break is
                 recorded as a `ChainBreak` and classified (drift.py). Sub-agents (own system prompt)
                 and compaction therefore become separate chains with no configuration.
-                A later call with exactly the prompt of a chain's last call is a retry (a harness that timed out
-                and asked again): that last call's answer was never used — a retry orphan — so the retry takes
-                its place in the chain, and the orphan, still in the record, is listed in the chain's
-                `info["retry_orphans"]` and trained on nowhere (else it would split the chain, and every earlier
-                turn would be trained twice).
+                A later call with exactly the prompt of a chain's last call, whose answer never reached its
+                caller (`delivered` False: the harness had hung up; or cut off mid-stream), is a retry: that
+                last call is a retry orphan, so the retry takes its place in the chain, and the orphan, still in
+                the record, is listed in the chain's `info["retry_orphans"]` and trained on nowhere (else it
+                would split the chain, and every earlier turn would be trained twice). A delivered answer asked
+                for again (best-of-n by hand) stays a chain of its own.
 
 Only token ids decide merging: the proxy's exact-id continuity makes every prompt start with the ids
 the model actually sampled, so re-tokenisation can never fake a break or hide one.
@@ -24,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from polar_lab.types import ModelCall, Trajectory
+from polar_lab.trajectory.support import support
+from polar_lab.types import NO_SUPPORT, ModelCall, Trajectory
 
 
 @dataclass
@@ -55,7 +57,7 @@ def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak
     """Merge each session's calls into chains. `on_break` receives every chain break (for diagnostics)."""
     out: list[Trajectory] = []
     by_session: dict[str, list[Trajectory]] = {}
-    last: dict[int, tuple[int, int]] = {}  # id(chain) → (its last call's index, where that call's prompt ends)
+    last: dict[int, tuple[int, int, bool]] = {}  # id(chain) → its last call's (index, prompt end, delivered)
     for call in _ordered(calls):
         chains = by_session.setdefault(call.session_id, [])
         chain = _longest_extended(chains, call.prompt_ids)
@@ -69,17 +71,18 @@ def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak
                 on_break(_break(call, chains, chain.chain_index))
             chains.append(chain)
             out.append(chain)
-        last[id(chain)] = (call.call_index, len(call.prompt_ids))
+        last[id(chain)] = (call.call_index, len(call.prompt_ids), call.delivered and call.finish_reason != "abort")
         _extend(chain, call, train_constrained)
     return out
 
 
-def _retried(chains: list[Trajectory], call: ModelCall, last: dict[int, tuple[int, int]]) -> Trajectory | None:
+def _retried(chains: list[Trajectory], call: ModelCall,
+             last: dict[int, tuple[int, int, bool]]) -> Trajectory | None:
     """The chain whose last call `call` retries: an earlier call (not another choice of the same one) with exactly
-    this prompt."""
+    this prompt, whose answer its caller never got."""
     for chain in chains:
-        index, prompt_end = last[id(chain)]
-        if index < call.call_index and prompt_end == len(call.prompt_ids) and \
+        index, prompt_end, delivered = last[id(chain)]
+        if not delivered and index < call.call_index and prompt_end == len(call.prompt_ids) and \
                 chain.token_ids[:prompt_end] == list(call.prompt_ids):
             return chain
     return None
@@ -89,7 +92,7 @@ def _drop_last_call(chain: Trajectory, prompt_end: int) -> None:
     """Cut the chain back to its last call's prompt: that call's answer is an orphan, recorded but not trained."""
     orphan = chain.call_ids.pop()
     chain.info.setdefault("retry_orphans", []).append(orphan)
-    for name in ("token_ids", "loss_mask", "behavior_logprobs", "policy_versions"):
+    for name in ("token_ids", "loss_mask", "behavior_logprobs", "policy_versions", "sampling_support"):
         del getattr(chain, name)[prompt_end:]
 
 
@@ -126,6 +129,7 @@ def _extend(chain: Trajectory, call: ModelCall, train_constrained: bool = False)
     chain.loss_mask += [0] * len(new_prompt) + [int(trained)] * len(call.output_ids)
     chain.behavior_logprobs += [0.0] * len(new_prompt) + list(call.output_logprobs)
     chain.policy_versions += [-1] * len(new_prompt) + list(call.output_versions)
+    chain.sampling_support += [NO_SUPPORT] * len(new_prompt) + [support(call.sampling)] * len(call.output_ids)
     chain.call_ids.append(call.call_id)
     if call.finish_reason == "length":
         chain.truncated = True  # a call ran out of max_tokens (mask_truncated_completions)

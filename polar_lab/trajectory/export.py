@@ -29,6 +29,9 @@ def from_frame(frame: pd.DataFrame) -> list[Trajectory]:
         for name in _LISTS:
             row[name] = [x.item() if hasattr(x, "item") else x for x in row[name]]
         row["info"] = orjson.loads(row["info"]) if row["info"] else {}
+        supports = row.get("sampling_support")  # absent from files written before it was a field
+        row["sampling_support"] = [] if supports is None or not len(supports) else \
+            [(int(s[0]), float(s[1]), float(s[2])) for s in supports]
         for name in ("temperature", "truncated"):  # files written before these were fields kept them in info
             if name not in row or pd.isna(row[name]):
                 row[name] = row["info"].pop(name, Trajectory.__dataclass_fields__[name].default)

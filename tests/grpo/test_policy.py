@@ -1,6 +1,8 @@
 """Policy.update: a second pass clips and a reference model adds KL (real rollouts); a NaN step is skipped; dropout
 off; the optimiser's groups and schedule; training samples the distribution the loss assumes."""
 
+import dataclasses
+
 import pytest
 
 from polar_lab.grpo import GRPOConfig, build_batch
@@ -81,8 +83,8 @@ async def _truncating_agent(session, task):
     return {"text": reply.choices[0].message.content}
 
 
-def test_training_sessions_sample_the_full_distribution_whatever_the_harness_asks(lab, model_path, shipped_weights,
-                                                                                 restore_weights, train_tasks):
+def test_forced_training_sessions_sample_the_full_distribution_whatever_the_harness_asks(
+        lab, model_path, shipped_weights, restore_weights, train_tasks):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +93,7 @@ def test_training_sessions_sample_the_full_distribution_whatever_the_harness_ask
 
     lab.sync_weights(shipped_weights)  # the engine samples with the weights the trainer model holds
     groups = lab.rollout(train_tasks[:2], _truncating_agent, num_generations=4, evaluator="final_answer",
-                         sampling=rollout_sampling(GRPOConfig()), progress=False)
+                         sampling=rollout_sampling(GRPOConfig(sampling_support="force")), progress=False)
     calls = lab.call_records(session_ids=[s.id for g in groups for s in g.sessions])
     assert len(calls) == 8
     for call in calls:  # applied: the full distribution; recorded: what the harness asked for
@@ -250,3 +252,42 @@ def test_a_teacher_scores_the_recorded_tokens_and_its_reverse_kl_moves_the_updat
     assert distilled.metrics()["distill_kl"] == pytest.approx(distilled.distill_kl_sum / distilled.tokens)
     with pytest.raises(ConfigError, match="another vocabulary"):
         Policy(model_path, GRPOConfig(teacher_model="data/models/tiny-calc-qwen35"))
+
+
+def test_a_harnesss_own_top_p_and_top_k_are_applied_and_the_trainer_renormalises_over_the_same_support(
+        lab, model_path, shipped_weights, restore_weights, train_tasks):
+    """sampling_support="replay" (the default): the engine samples within the harness's top_p 0.8 / top_k 20 and
+    reports the renormalised logprob; the trainer replays the same masks on its own logits, so on-policy the TIS
+    weight stays 1 — and without the replay it would not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polar_lab.grpo.rollouts import rollout_sampling
+    from polar_lab.trajectory import fidelity
+    from polar_lab.trajectory.fidelity import recompute_logprobs
+
+    lab.sync_weights(shipped_weights)
+    groups = lab.rollout(train_tasks[:2], _truncating_agent, num_generations=4, evaluator="final_answer",
+                         sampling=rollout_sampling(GRPOConfig()), progress=False)
+    calls = lab.call_records(session_ids=[s.id for g in groups for s in g.sessions])
+    for call in calls:  # the support applied; what reshapes the distribution otherwise still overridden
+        assert (call.sampling["top_p"], call.sampling["top_k"]) == (0.8, 20)
+        assert call.sampling["overridden"] == {"presence_penalty": 0.5, "frequency_penalty": 0.3,
+                                               "logit_bias": {"11": 3.0}}
+    trajectories = [t for g in groups for t in g.trajectories]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    check = fidelity(trajectories, model)
+    assert (check.trained_tokens > 0).all() and check.max_abs_diff.max() < 1e-4, check
+    full = [abs(b - r) for t in trajectories  # the control: the whole vocabulary's softmax is another distribution
+            for b, r, m in zip(t.behavior_logprobs, recompute_logprobs(model, dataclasses.replace(
+                t, sampling_support=[]), t.temperature), t.loss_mask) if m]
+    assert max(full) > 1e-2
+    from polar_lab.grpo.batch import _sample
+
+    samples = [_sample(t, advantage=0.0, weight=1.0) for t in trajectories]
+    assert all(s.support is not None for s in samples)
+    policy = Policy(model_path, GRPOConfig())  # the trainer's own chunked path, as a step computes π_old
+    weights = torch.cat([(lp - s.behavior_logprobs).exp()[s.weights > 0]
+                         for s, lp in zip(samples, policy.logprobs(samples))])
+    assert abs(weights.mean().item() - 1) < 1e-4 and (weights - 1).abs().max().item() < 1e-3
+

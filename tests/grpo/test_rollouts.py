@@ -68,9 +68,10 @@ def test_two_rollouts_with_the_same_seed_give_the_same_groups(replies_lab):
     for session_calls in by_session.values():
         run_seed = session_calls[0].sampling["seed"]
         assert [c.sampling["seed"] for c in session_calls] == [call_seed(run_seed, k) for k in (0, 1)]
-    # what the harness asked is recorded, not applied (max_tokens: the proxy's default, capped at 128)
-    assert all(c.sampling["overridden"] == {"seed": 42, "top_p": 0.5, "max_tokens": 1024} for c in calls)
-    assert all((c.sampling["top_p"], c.sampling["max_tokens"]) == (1.0, 128) for c in calls)
+    # what the harness asked and training overrides is recorded, not applied (max_tokens: the proxy's default,
+    # capped at 128); its top_p is applied: the trainer replays it (sampling_support="replay", the default)
+    assert all(c.sampling["overridden"] == {"seed": 42, "max_tokens": 1024} for c in calls)
+    assert all((c.sampling["top_p"], c.sampling["max_tokens"]) == (0.5, 128) for c in calls)
 
 
 async def hangs_every_other_run(session, task, _runs=itertools.count()):
@@ -270,15 +271,18 @@ def test_the_task_stream_reshuffles_each_epoch_and_puts_requeued_tasks_first():
     assert stream.requeue(task, max_reruns=1) and not stream.requeue(task, max_reruns=1)
 
 
-def test_training_sessions_force_every_knob_that_reshapes_the_distribution_off():
-    """min_p, top_p, penalties...: whatever a harness sends, a training call samples the full softmax the loss
-    assumes (a new knob declared training_off is forced off without touching the trainer)."""
+def test_training_sessions_force_off_every_knob_the_trainer_cannot_replay():
+    """Penalties, biases, banned strings, a thinking budget: whatever a harness sends, forced off (a new knob
+    declared training_off is too, without touching the trainer). top_k / top_p / min_p are replayed by default
+    (the harness's own values apply), forced off with sampling_support="force"."""
     from polar_lab.grpo.rollouts import rollout_sampling
     from polar_lab.types import TRAINING_OFF
 
-    forced = rollout_sampling(GRPOConfig(temperature=0.7, max_completion_length=64))
     assert {"min_p", "top_p", "top_k", "presence_penalty", "logit_bias", "banned_strings"} <= set(TRAINING_OFF)
+    forced = rollout_sampling(GRPOConfig(temperature=0.7, max_completion_length=64, sampling_support="force"))
     assert forced == {"temperature": 0.7, "max_tokens": 64, **TRAINING_OFF} and forced["min_p"] == 0.0
+    replayed = rollout_sampling(GRPOConfig(temperature=0.7, max_completion_length=64))
+    assert set(forced) - set(replayed) == {"top_k", "top_p", "min_p"}
 
 
 FLAT = [{"id": f"flat{i}", "q": f"flat {i}"} for i in range(4)]  # every run scores 1: no advantage

@@ -1,5 +1,7 @@
 """Builders on hand-made call records (pure functions; the real-engine version is in tests/integration)."""
 
+import dataclasses
+
 from polar_lab.trajectory import per_request, prefix_merging
 from polar_lab.types import ModelCall
 
@@ -129,17 +131,17 @@ def test_calls_without_a_temperature_are_all_at_the_engines_default():
     assert chain.temperature == 1.0 and "mixed_temperatures" not in chain.info
 
 
-def test_a_retry_that_sampled_further_is_the_chain_later_turns_extend():
-    short = call("s", 0, [1], [2, 3])  # chain 0: 1 2 3
-    retry = call("s", 1, [1], [2, 3, 4])  # the same prompt sampled again, further: it takes the first's place
-    later = call("s", 2, [1, 2, 3, 4, 5], [6])
-    (chain,) = prefix_merging([short, retry, later])
-    assert chain.token_ids == [1, 2, 3, 4, 5, 6] and chain.info["retry_orphans"] == ["s-0"]
+def test_a_prompt_asked_again_after_its_answer_was_delivered_is_a_chain_of_its_own():
+    short = call("s", 0, [1], [2, 3])  # chain 0: 1 2 3, delivered
+    again = call("s", 1, [1], [2, 3, 4])  # the same prompt sampled again, further (best-of-n by hand): chain 1
+    later = call("s", 2, [1, 2, 3, 4, 5], [6])  # both chains are prefixes of it: the longer one wins
+    chains = prefix_merging([short, again, later])
+    assert [c.token_ids for c in chains] == [[1, 2, 3], [1, 2, 3, 4, 5, 6]] and not chains[0].info
 
 
 def test_a_retry_orphan_is_recorded_but_neither_trained_nor_splitting_the_chain():
     """A harness whose call timed out asks again with the same messages: the first answer never reached it."""
-    orphan = call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8])  # turn 2, answered after the harness gave up on it
+    orphan = dataclasses.replace(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), delivered=False)  # its caller had gone
     retry = call("s", 2, [1, 2, 3, 4, 5, 6, 7], [9])  # the same prompt again
     turn3 = call("s", 3, [1, 2, 3, 4, 5, 6, 7, 9, 10], [11])  # the harness carries on from the retry's answer
     breaks = []
@@ -151,10 +153,8 @@ def test_a_retry_orphan_is_recorded_but_neither_trained_nor_splitting_the_chain(
 
 
 def test_two_choices_of_one_call_are_siblings_not_a_retry():
-    import dataclasses
-
-    first = call("s", 0, [1, 2], [3])
-    second = dataclasses.replace(call("s", 0, [1, 2], [4]), call_id="s-0-1", choice_index=1)
+    first = dataclasses.replace(call("s", 0, [1, 2], [3]), delivered=False)
+    second = dataclasses.replace(call("s", 0, [1, 2], [4]), call_id="s-0-1", choice_index=1, delivered=False)
     chains = prefix_merging([first, second])
     assert [c.token_ids for c in chains] == [[1, 2, 3], [1, 2, 4]] and not chains[0].info
 
@@ -173,3 +173,10 @@ def test_a_record_whose_per_token_lists_disagree_is_refused_by_name():
     for build in (per_request, prefix_merging):
         with pytest.raises(ValueError, match="call s-1: 2 output ids but 1 logprobs"):
             build([TURN1, short])
+
+
+def test_a_turn_cut_off_mid_stream_then_asked_again_is_a_retry_orphan():
+    cut = dataclasses.replace(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), finish_reason="abort")
+    retry = call("s", 2, [1, 2, 3, 4, 5, 6, 7], [9])
+    (chain,) = prefix_merging([TURN1, cut, retry])
+    assert chain.token_ids == [1, 2, 3, 4, 5, 6, 7, 9] and chain.info["retry_orphans"] == ["s-1"]

@@ -1,0 +1,84 @@
+"""On-policy TIS weight under a harness's own top_p / top_k (issue 43): with sampling_support="replay" the engine
+samples within the harness's support and the trainer renormalises over the same support; how close is the TIS weight
+exp(log π_old − log μ) to 1?
+
+One Lab on the shipped tiny model; `--sessions` three-turn chats whose every request sends top_p 0.9 and top_k 20
+(the issue's setting) at T=1 (seeded); every sampled token is rescored by the trainer's own chunked logprob path
+(Policy.logprobs, as a step computes π_old) two ways:
+  replay      within each token's recorded support (trajectory/support.py) — what training does
+  no replay   over the whole vocabulary — what a trainer that ignores the support computes
+Printed per way: the mean TIS weight, its max |w − 1|, and the mean |Δ logprob| over all sampled tokens.
+Goal: replay's mean within 1e-3 of 1.
+
+    python benchmarks/support_replay.py [--model data/models/tiny-calc] [--sessions 16] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from polar_lab import Lab
+from polar_lab.grpo import GRPOConfig
+from polar_lab.grpo.batch import _sample
+from polar_lab.grpo.policy import Policy
+
+QUESTIONS = ["What is 2+3?", "What is 17*4?", "Compute 120-45.", "What is (8+9)*3?", "What is 250+175?",
+             "Compute 13*13.", "What is 99-27?", "What is 6*(7+5)?"]
+
+
+def chains(lab: Lab, sessions: int) -> list:
+    import openai
+
+    out = []
+    for i in range(sessions):
+        s = lab.session(sampling={"temperature": 1.0, "seed": 300 + i})
+        client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        for follow_up in ("And times two?", "Thanks.", None):
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=48, top_p=0.9,
+                                                   extra_body={"top_k": 20})
+            if follow_up is not None:
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                             {"role": "user", "content": follow_up}]
+        out += lab.trajectories(session_ids=[s.id])
+    return out
+
+
+def weights(policy: Policy, trajectories: list, *, replay: bool) -> torch.Tensor:
+    """log π_old − log μ of every sampled token."""
+    samples = [_sample(t if replay else dataclasses.replace(t, sampling_support=[]), 0.0, 1.0) for t in trajectories]
+    return torch.cat([(lp - s.behavior_logprobs)[s.weights > 0] for s, lp in zip(samples, policy.logprobs(samples))])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--out", help="also write the figures as JSON here")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    with Lab(args.model, port=0, run_name=f"support-replay-{int(time.time())}") as lab:
+        trajectories = chains(lab, args.sessions)
+    policy = Policy(args.model, GRPOConfig())
+    rows = {}
+    for name, replay in (("replay", True), ("no replay", False)):
+        delta = weights(policy, trajectories, replay=replay)
+        w = delta.exp()
+        rows[name] = {"tokens": len(w), "tis_weight_mean": float(w.mean()),
+                      "tis_weight_max_dev": float((w - 1).abs().max()), "mean_abs_delta": float(delta.abs().mean())}
+        print(f"{name:10s} tokens {len(w):5d}  TIS weight mean {w.mean():.6f}  max |w-1| {(w - 1).abs().max():.2e}  "
+              f"mean |Δ logprob| {delta.abs().mean():.2e}")
+    goal = abs(rows["replay"]["tis_weight_mean"] - 1) <= 1e-3
+    print(f"goal (replay mean within 1e-3 of 1): {'met' if goal else 'MISSED'}; {time.perf_counter() - t0:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "sessions": args.sessions, **rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
