@@ -131,6 +131,130 @@ class Router:
                 self.sessions[slot] -= 1
 
 
+class Healer:
+    """Brings dead replicas of a set back (the module docstring's "Faults"): each replacement in a thread of its own,
+    at most `max_restarts` per slot, with a backoff; the set's death reported only when nothing serves and nothing
+    can come back. Owns the restart history and the slots being replaced; reads and swaps the set's engines."""
+
+    def __init__(self, replicas: ReplicaSet):
+        self.set = replicas
+        self.restarts: list[ReplicaRestart] = []
+        self.healing: set[int] = set()  # slots a replacement thread owns
+        self.starting: dict[int, Engine] = {}  # replacements being started
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # check and claim a slot at once
+
+    def stop(self) -> None:
+        """The set is closing: backoffs end, replacements still starting are closed (their wait_ready fails)."""
+        self.stopping.set()
+        for engine in list(self.starting.values()):
+            engine.close()
+
+    def exited_callback(self, slot: int) -> Callable[[Engine, str], None]:
+        def exited(engine: Engine, reason: str) -> None:
+            if not self.set.closed:
+                log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
+                self.replace(slot, reason, engine)
+        return exited
+
+    def replace(self, slot: int, reason: str, engine: Engine) -> None:
+        """`engine` (the slot's engine) failed: take the slot out of rotation and bring a replacement in a thread
+        of its own, or close it for good and report the set's death when nothing serves and nothing can come
+        back. A stale report (the slot holds another engine by now) and a slot being replaced are left alone."""
+        with self.lock:  # check and claim at once: two deaths heard together start one replacement
+            if self.set.closed or self.set.engines[slot] is not engine or slot in self.healing:
+                return
+            self.set.serving[slot] = False
+            replace = self._can_replace(slot)
+            if replace:
+                self.healing.add(slot)
+        if replace:
+            threading.Thread(target=self._heal, args=(slot, reason), name="polar-lab-replica", daemon=True).start()
+            return
+        # out for good: it would serve weights nobody asked for (closed from a thread of its own: this may be
+        # the dying engine's reader thread, which its close() joins)
+        threading.Thread(target=engine.close, name="polar-lab-replica", daemon=True).start()
+        if not self.set.alive and not self.healing:
+            self._set_died(reason)
+
+    def _can_replace(self, slot: int) -> bool:
+        used = sum(r.replica == slot for r in self.restarts)
+        return (self.set.factory is not None and not self.set.closed and used < self.set.max_restarts
+                and self.set.reloadable())
+
+    def _heal(self, slot: int, reason: str) -> None:
+        """The slot's replacement thread: attempts with a backoff while the budget lasts (the slot stays
+        claimed throughout), then either the replacement serves or the slot is out for good."""
+        ok = False
+        try:
+            while not self.set.closed:
+                ok = self._attempt(slot, reason)
+                if ok or not self._can_replace(slot):
+                    break
+                failures = sum(not r.ok and r.replica == slot for r in self.restarts)
+                if self.stopping.wait(min(2.0 ** failures, 30.0)):
+                    break
+        finally:
+            with self.lock:
+                self.healing.discard(slot)
+        if self.set.closed:
+            return
+        engine = self.set.engines[slot]
+        if not ok and not self.set.alive and not self.healing:
+            self._set_died(f"replica {slot} could not be brought back ({self.restarts[-1].error})")
+        elif ok and not engine.alive:  # it died while joining, unheard: its exit came before its on_exit was set
+            self.replace(slot, engine.failure or "died while joining", engine)
+
+    def _attempt(self, slot: int, reason: str) -> bool:
+        """One replacement: close the old engine, start a new one, load the served weights, swap it in."""
+        old = self.set.engines[slot]
+        record = ReplicaRestart(replica=slot, reason=reason, policy_version=self.set.policy_version)
+        t0 = time.perf_counter()
+        new = None
+        try:
+            old.close()  # fails what it still had in flight (503)
+            new = self.set.factory(slot)
+            self.starting[slot] = new  # close() closes it: a closing set does not wait out a start-up
+            if self.set.closed:
+                raise EngineError("the replica set closed while a replica restarted")
+            new.wait_ready()
+            with self.set.weights_lock:  # between two syncs: it joins at the version being served
+                if self.set.closed:  # no swap after close() began (it looks for late swaps under this lock)
+                    raise EngineError("the replica set closed while a replica restarted")
+                if self.set.policy_version > 0:
+                    if self.set.weights_file is not None:  # the kept file
+                        new.load_weights_file(self.set.weights_file, version=self.set.policy_version)
+                    elif getattr(self.set.shipped, "kept", False):  # the copy that outlives the file
+                        new.load_weights_file(self.set.served, version=self.set.policy_version,
+                                              shipped=self.set.shipped)
+                    else:
+                        raise EngineError(f"policy version {self.set.policy_version}'s weights were not kept")
+                record.policy_version = self.set.policy_version
+                record.startup_s = time.perf_counter() - t0
+                self.restarts.append(record)  # before the swap: a serving slot's restart is on record
+                self.set.busy_before += old.busy_seconds
+                new.on_exit = self.exited_callback(slot)
+                self.set.engines[slot] = new
+                self.set.serving[slot] = new.alive
+            log.warning("engine replica %d is back in %.1f s at policy version %d", slot, record.startup_s,
+                        record.policy_version)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a thread of our own: the replica stays out, the set goes on
+            record.ok, record.error = False, f"{type(exc).__name__}: {exc}"[:2000]
+            self.restarts.append(record)
+            if new is not None and self.set.engines[slot] is not new:
+                new.close()
+            if not self.set.closed:
+                log.error("engine replica %d could not be brought back: %s", slot, record.error)
+            return False
+        finally:
+            self.starting.pop(slot, None)
+
+    def _set_died(self, reason: str) -> None:
+        if self.set.on_exit is not None and not self.set.closed:
+            self.set.on_exit(self.set, f"every engine replica is down (last: {reason})")
+
+
 class ReplicaSet:
     """N engines behind one `Engine`; see the module docstring."""
 
@@ -158,21 +282,17 @@ class ReplicaSet:
         self.pid: int | None = None  # several processes: see `replica_status()`
         self.weights_file: Path | None = None
         self.on_exit: Callable[[Engine, str], None] | None = None
-        self.restarts: list[ReplicaRestart] = []
         self.serving = [True] * len(replicas)  # in rotation
         self.router = Router(len(replicas), queue_bound)
-        self._lock = threading.Lock()  # claims of a slot being replaced
-        self._weights_lock = threading.RLock()  # one weight load at a time; a replacement joins between loads
+        self.weights_lock = threading.RLock()  # one weight load at a time; a replacement joins between loads
         self._version = 0
         self.shipped: Any = None  # what `ship` made of the weights being served (for replacements)
-        self._served: Path | None = None  # the file (or folder) those weights came from
-        self._busy_before = 0.0  # busy seconds of replaced replicas
-        self._healing: set[int] = set()  # slots a replacement thread owns
-        self._starting: dict[int, Engine] = {}  # replacements being started
-        self._closed = False
-        self._stopping = threading.Event()
+        self.served: Path | None = None  # the file (or folder) those weights came from
+        self.busy_before = 0.0  # busy seconds of replaced replicas
+        self.closed = False
+        self.healer = Healer(self)  # dead replicas brought back
         for slot, engine in enumerate(replicas):
-            engine.on_exit = self._exited_callback(slot)
+            engine.on_exit = self.healer.exited_callback(slot)
 
     # ---- state --------------------------------------------------------------------------------
     @property
@@ -181,20 +301,24 @@ class ReplicaSet:
 
     @property
     def alive(self) -> bool:
-        return not self._closed and any(self._usable(slot) for slot in range(len(self.engines)))
+        return not self.closed and any(self._usable(slot) for slot in range(len(self.engines)))
 
     @property
     def failure(self) -> str | None:
         if self.alive:
             return None
-        if self._closed:
+        if self.closed:
             return "engine closed"
         why = "; ".join(f"replica {slot}: {e.failure or 'out of rotation'}" for slot, e in enumerate(self.engines))
         return f"no engine replica is serving ({why})"
 
     @property
     def busy_seconds(self) -> float:
-        return self._busy_before + sum(e.busy_seconds for e in self.engines)
+        return self.busy_before + sum(e.busy_seconds for e in self.engines)
+
+    @property
+    def restarts(self) -> list[ReplicaRestart]:
+        return self.healer.restarts
 
     @property
     def running(self) -> int:
@@ -203,14 +327,14 @@ class ReplicaSet:
     def replica_status(self) -> list[dict[str, Any]]:
         """One row per replica: serving (in rotation and alive), its pid, requests in flight, sessions routed
         to it, busy seconds, restarts."""
-        return [{"replica": slot, "serving": self._usable(slot), "pid": e.pid, "in_flight": self.inflight[slot],
+        return [{"replica": slot, "serving": self._usable(slot), "pid": e.pid, "in_flight": self.router.inflight[slot],
                  "sessions": self.router.sessions[slot], "policy_version": e.policy_version, "busy_s": e.busy_seconds,
                  "restarts": sum(r.ok and r.replica == slot for r in self.restarts),
                  "failure": e.failure} for slot, e in enumerate(self.engines)]
 
     def replica_counts(self) -> dict[str, Any]:
         return {"replicas_serving": sum(self._usable(slot) for slot in range(len(self.engines))),
-                "replicas": len(self.engines), "replica_moves": self.moved}
+                "replicas": len(self.engines), "replica_moves": self.router.moved}
 
     @property
     def weights_transport(self) -> str | None:
@@ -242,16 +366,8 @@ class ReplicaSet:
         self.router.forget(route)
 
     @property
-    def inflight(self) -> list[int]:
-        return self.router.inflight
-
-    @property
     def moves(self) -> deque[Move]:
         return self.router.moves
-
-    @property
-    def moved(self) -> int:
-        return self.router.moved
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], spec: SamplingSpec, *,
@@ -302,7 +418,7 @@ class ReplicaSet:
     def preload_weights_file(self, path: str | Path) -> str | None:
         """Preload the file into every serving replica's standby in parallel; None when all are ready, else the
         first reason one is not (that replica's load then goes in place; the others still swap)."""
-        with self._weights_lock:
+        with self.weights_lock:
             engines = [self.engines[slot] for slot in range(len(self.engines)) if self._usable(slot)]
             if not engines:
                 return f"engine is not running ({self.failure})"
@@ -315,7 +431,7 @@ class ReplicaSet:
         version. Replicas that fail while others succeed are taken out of rotation and replaced; if none
         succeeds the error is raised and the version does not change."""
         path = Path(path)
-        with self._weights_lock:
+        with self.weights_lock:
             target = self._version + 1 if version is None else version
             slots = [slot for slot in range(len(self.engines)) if self._usable(slot)]
             if not slots:
@@ -331,7 +447,7 @@ class ReplicaSet:
             for slot in errors:  # out of rotation before the version moves: none serves old weights under it
                 self.serving[slot] = False
             self._version = target
-            self.shipped, self._served = shipped, path
+            self.shipped, self.served = shipped, path
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
             if previous is not None and previous != self.weights_file:
@@ -343,7 +459,7 @@ class ReplicaSet:
                     log.exception("the weights could not be kept for replacements; a replica that dies stays out")
             for slot, exc in errors.items():
                 log.warning("replica %d failed to load policy version %d (%s); replacing it", slot, target, exc)
-                self._replace(slot, f"failed to load policy version {target}: {exc}", self.engines[slot])
+                self.healer.replace(slot, f"failed to load policy version {target}: {exc}", self.engines[slot])
         return target
 
     def _load_one(self, engine: Engine, path: Path, version: int, shipped: Any) -> int:
@@ -352,112 +468,10 @@ class ReplicaSet:
         return engine.load_weights_file(path, version=version, shipped=shipped)
 
     # ---- faults -------------------------------------------------------------------------------
-    def _exited_callback(self, slot: int) -> Callable[[Engine, str], None]:
-        def exited(engine: Engine, reason: str) -> None:
-            if not self._closed:
-                log.warning("engine replica %d died (%s); its sessions move on their next call", slot, reason)
-                self._replace(slot, reason, engine)
-        return exited
-
-    def _replace(self, slot: int, reason: str, engine: Engine) -> None:
-        """`engine` (the slot's engine) failed: take the slot out of rotation and bring a replacement in a thread
-        of its own, or close it for good and report the set's death when nothing serves and nothing can come
-        back. A stale report (the slot holds another engine by now) and a slot being replaced are left alone."""
-        with self._lock:  # check and claim at once: two deaths heard together start one replacement
-            if self._closed or self.engines[slot] is not engine or slot in self._healing:
-                return
-            self.serving[slot] = False
-            replace = self._can_replace(slot)
-            if replace:
-                self._healing.add(slot)
-        if replace:
-            threading.Thread(target=self._heal, args=(slot, reason), name="polar-lab-replica", daemon=True).start()
-            return
-        # out for good: it would serve weights nobody asked for (closed from a thread of its own: this may be
-        # the dying engine's reader thread, which its close() joins)
-        threading.Thread(target=engine.close, name="polar-lab-replica", daemon=True).start()
-        if not self.alive and not self._healing:
-            self._set_died(reason)
-
-    def _can_replace(self, slot: int) -> bool:
-        used = sum(r.replica == slot for r in self.restarts)
-        return self.factory is not None and not self._closed and used < self.max_restarts and self._kept()
-
-    def _kept(self) -> bool:
+    def reloadable(self) -> bool:
         """The served weights can be loaded again: the model folder, the kept file, or a shipped copy that
         outlives the file (a user's path may be gone or rewritten by now)."""
         return self._version == 0 or self.weights_file is not None or bool(getattr(self.shipped, "kept", False))
-
-    def _heal(self, slot: int, reason: str) -> None:
-        """The slot's replacement thread: attempts with a backoff while the budget lasts (the slot stays
-        claimed throughout), then either the replacement serves or the slot is out for good."""
-        ok = False
-        try:
-            while not self._closed:
-                ok = self._attempt(slot, reason)
-                if ok or not self._can_replace(slot):
-                    break
-                failures = sum(not r.ok and r.replica == slot for r in self.restarts)
-                if self._stopping.wait(min(2.0 ** failures, 30.0)):
-                    break
-        finally:
-            with self._lock:
-                self._healing.discard(slot)
-        if self._closed:
-            return
-        engine = self.engines[slot]
-        if not ok and not self.alive and not self._healing:
-            self._set_died(f"replica {slot} could not be brought back ({self.restarts[-1].error})")
-        elif ok and not engine.alive:  # it died while joining, unheard: its exit came before its on_exit was set
-            self._replace(slot, engine.failure or "died while joining", engine)
-
-    def _attempt(self, slot: int, reason: str) -> bool:
-        """One replacement: close the old engine, start a new one, load the served weights, swap it in."""
-        old = self.engines[slot]
-        record = ReplicaRestart(replica=slot, reason=reason, policy_version=self._version)
-        t0 = time.perf_counter()
-        new = None
-        try:
-            old.close()  # fails what it still had in flight (503)
-            new = self.factory(slot)
-            self._starting[slot] = new  # close() closes it: a closing set does not wait out a start-up
-            if self._closed:
-                raise EngineError("the replica set closed while a replica restarted")
-            new.wait_ready()
-            with self._weights_lock:  # between two syncs: it joins at the version being served
-                if self._closed:  # no swap after close() began (it looks for late swaps under this lock)
-                    raise EngineError("the replica set closed while a replica restarted")
-                if self._version > 0:
-                    if self.weights_file is not None:  # the kept file
-                        new.load_weights_file(self.weights_file, version=self._version)
-                    elif getattr(self.shipped, "kept", False):  # the copy that outlives the file
-                        new.load_weights_file(self._served, version=self._version, shipped=self.shipped)
-                    else:
-                        raise EngineError(f"policy version {self._version}'s weights were not kept")
-                record.policy_version = self._version
-                record.startup_s = time.perf_counter() - t0
-                self.restarts.append(record)  # before the swap: a serving slot's restart is on record
-                self._busy_before += old.busy_seconds
-                new.on_exit = self._exited_callback(slot)
-                self.engines[slot] = new
-                self.serving[slot] = new.alive
-            log.warning("engine replica %d is back in %.1f s at policy version %d", slot, record.startup_s,
-                        record.policy_version)
-            return True
-        except Exception as exc:  # noqa: BLE001 - a thread of our own: the replica stays out, the set goes on
-            record.ok, record.error = False, f"{type(exc).__name__}: {exc}"[:2000]
-            self.restarts.append(record)
-            if new is not None and self.engines[slot] is not new:
-                new.close()
-            if not self._closed:
-                log.error("engine replica %d could not be brought back: %s", slot, record.error)
-            return False
-        finally:
-            self._starting.pop(slot, None)
-
-    def _set_died(self, reason: str) -> None:
-        if self.on_exit is not None and not self._closed:
-            self.on_exit(self, f"every engine replica is down (last: {reason})")
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def wait_ready(self, timeout: float = 900.0) -> ReplicaSet:
@@ -474,16 +488,14 @@ class ReplicaSet:
 
     def close(self) -> None:
         """Close every replica (in parallel), then what `on_close` frees. Safe to call twice."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self._stopping.set()  # a replacement's backoff ends
-        for engine in list(self._starting.values()):
-            engine.close()  # a replacement starting: its wait_ready fails at once
+        self.closed = True
+        self.healer.stop()
         engines = list(self.engines)
         with concurrent.futures.ThreadPoolExecutor(len(engines), thread_name_prefix="polar-lab-close") as pool:
             list(pool.map(lambda e: e.close(), engines))  # a load in progress fails now instead of being waited out
-        with self._weights_lock:  # a replacement that swapped in meanwhile (it checked _closed just before)
+        with self.weights_lock:  # a replacement that swapped in meanwhile (it checked _closed just before)
             late = [e for e in self.engines if all(e is not seen for seen in engines)]
         for engine in late:
             engine.close()

@@ -80,7 +80,7 @@ def test_a_new_session_goes_to_the_replica_with_fewest_requests_in_flight(make):
     a2 = replicas.submit([1], SPEC, route="a")  # replica 0 again: 2 in flight there, 1 on replica 1
     c = replicas.submit([1], SPEC, route="c")  # sessions tie (1 and 1): the requests in flight decide
     assert [f.result().replica for f in (a1, b, a2, c)] == [0, 1, 0, 1]
-    assert replicas.inflight == [0, 0]
+    assert replicas.router.inflight == [0, 0]
 
 
 def test_a_dead_replicas_sessions_move_and_the_move_is_recorded(make):
@@ -237,7 +237,7 @@ def test_closing_the_set_ends_a_replacement_that_is_starting(tokenizer, model_pa
     until(lambda: starting)
     t0 = time.monotonic()
     replicas.close()
-    until(lambda: not replicas._healing)
+    until(lambda: not replicas.healer.healing)
     assert time.monotonic() - t0 < 5 and not starting[0].alive  # closed, not waited out
 
 
@@ -252,7 +252,7 @@ def test_a_replacement_that_finishes_starting_after_close_is_never_swapped_in(to
     replicas.engines[0].die()
     until(lambda: starting)
     replicas.close()  # while the replacement is still starting; it comes up a moment later
-    until(lambda: not replicas._healing)
+    until(lambda: not replicas.healer.healing)
     assert all(e is not starting[0] for e in replicas.engines) and not starting[0].alive
 
 
@@ -260,13 +260,13 @@ def test_two_deaths_heard_together_start_one_replacement(make, monkeypatch):
     replicas = make(2)
     dead = replicas.engines[0]
     dead._closed = True
-    decide = replicas._can_replace
+    decide = replicas.healer._can_replace
 
     def slowly(slot: int) -> bool:  # a slow decision: any thread that checks before another claims would slip in
         time.sleep(0.05)
         return decide(slot)
 
-    monkeypatch.setattr(replicas, "_can_replace", slowly)
+    monkeypatch.setattr(replicas.healer, "_can_replace", slowly)
     threads = [threading.Thread(target=dead.on_exit, args=(dead, "killed")) for _ in range(8)]
     for t in threads:
         t.start()

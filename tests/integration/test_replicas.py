@@ -135,7 +135,7 @@ def test_a_replica_killed_mid_rollout_comes_back_and_the_rollout_finishes(ray_la
     def kill_when_busy() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if ray_lab.engine.inflight[0] >= 2:
+            if ray_lab.engine.router.inflight[0] >= 2:
                 os.kill(victim, signal.SIGKILL)  # the replica's actor process, started by this Lab through Ray
                 killed.append(time.time())
                 return
