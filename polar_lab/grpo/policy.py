@@ -24,7 +24,7 @@ from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
-from polar_lab.grpo.scorers import FrozenScorers
+from polar_lab.grpo.scorers import FrozenScorers, disable_dropout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -437,15 +437,3 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
             continue
         (keep if param.ndim < 2 or "embed" in name else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout off in every pass (TRL's `disable_dropout`), while the model stays in train mode (gradient
-    checkpointing needs it): `nn.Dropout` modules get p=0, and attention modules' functional dropout rates
-    (`attention_dropout`, `dropout`, read only in train mode) are set to 0."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)

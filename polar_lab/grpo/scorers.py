@@ -39,8 +39,6 @@ class FrozenScorers:
                 self.teacher(*args) if self.teacher is not None else None)
 
     def _frozen(self, model: torch.nn.Module) -> TokenLogprobs:
-        from polar_lab.grpo.policy import disable_dropout
-
         scorer = TokenLogprobs(model.eval().requires_grad_(False), self.config.logprob_chunk_tokens)
         disable_dropout(scorer)
         if self._shard is not None:
@@ -55,3 +53,15 @@ def check_same_vocabulary(student: str, teacher: str) -> None:
     if AutoTokenizer.from_pretrained(student).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
         raise ConfigError(f"teacher_model {teacher} has another vocabulary than the policy {student}: it would score "
                           f"other tokens than the ones the engine sampled")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in every pass (TRL's `disable_dropout`), while the model stays in train mode (gradient
+    checkpointing needs it): `nn.Dropout` modules get p=0, and attention modules' functional dropout rates
+    (`attention_dropout`, `dropout`, read only in train mode) are set to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)

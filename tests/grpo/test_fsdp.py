@@ -204,7 +204,8 @@ with torch.no_grad():
     reference = token_logprobs(model, ids, mask, temps)[:, sampled]  # fp32 at T=0.7: what the engine's logprobs are
 seen = []
 head = TokenLogprobs._head_logprobs
-TokenLogprobs._head_logprobs = lambda self, h, t, temp: seen.append(temp.detach().clone()) or head(self, h, t, temp)
+TokenLogprobs._head_logprobs = lambda self, h, t, temp, *rest: (seen.append(temp.detach().clone())
+                                                                 or head(self, h, t, temp, *rest))
 wrapped = TokenLogprobs(model, chunk=32)
 shard_model(wrapped, GRPOConfig(dtype="bfloat16"), torch.device("cpu"), precision=fsdp_precision("cuda", "bfloat16"))
 with torch.no_grad():

@@ -1,0 +1,102 @@
+"""The algorithms side by side (issue 43): the same tasks, the same budget, several seeds each — held-out gain and
+seconds per step for grpo, dr_grpo, dapo, GSPO, CISPO, IcePop and dynamic sampling.
+
+One Lab on the shipped tiny model; each (method, seed) starts from the shipped weights: evaluate (eval_seed fixed),
+`--steps` sync steps, evaluate again. Methods are GRPOConfig overrides on one base (lr, tasks, group size):
+
+    grpo          loss_type="grpo"
+    dr_grpo       loss_type="dr_grpo"
+    dapo          the default (loss_type="dapo", token_truncate TIS at 2)
+    gspo          importance_sampling_level="sequence", loss_type="grpo"
+    cispo         loss_type="cispo", epsilon_high=5.0
+    dapo+icepop   vllm_importance_sampling_mode="token_mask", clip_min 0.5, clip_max 2.0
+    dapo+dynamic  dynamic_sampling=True (max_refill_rounds 3)
+
+On-policy and one pass per batch (num_iterations=1) the clip, the sequence ratio and the correction barely act: the
+methods then differ in their normalisers (grpo, dr_grpo, dapo), CISPO's gradient past the clip, and what dynamic
+sampling keeps. That is what this toy measures; it says so rather than crown a winner.
+
+    python benchmarks/algorithms.py [--methods grpo,dapo,...] [--seeds 1,2,3] [--steps 4] [--tasks-per-step 8]
+                                    [--eval-limit 50] [--lr 1e-3] [--out benchmarks/results/algorithms.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from polar_lab import GRPOConfig, GRPOTrainer, Lab
+
+METHODS = {
+    "grpo": {"loss_type": "grpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "dapo": {},
+    "gspo": {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "dapo+icepop": {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5,
+                    "vllm_importance_sampling_clip_max": 2.0},
+    "dapo+dynamic": {"dynamic_sampling": True},
+}
+
+
+def run_once(lab: Lab, shipped: dict, method: str, seed: int, args) -> dict:
+    lab.sync_weights(shipped)  # every run starts from the shipped weights, in the engine and the trainer
+    config = GRPOConfig(tasks_per_step=args.tasks_per_step, num_generations=8, learning_rate=args.lr, seed=seed,
+                        eval_limit=args.eval_limit, output_dir=str(lab.run_dir / f"{method}-seed{seed}"),
+                        **METHODS[method])
+    with GRPOTrainer(lab, config) as trainer:
+        before = trainer.evaluate(progress=False)["eval_reward"]
+        t0 = time.perf_counter()
+        trainer.train(args.steps, progress=False)
+        step_s = (time.perf_counter() - t0) / args.steps
+        after = trainer.evaluate(progress=False)["eval_reward"]
+    return {"method": method, "seed": seed, "before": before, "after": after, "gain": after - before,
+            "step_s": step_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tasks-per-step", type=int, default=8, help="tasks per step (8 runs each)")
+    parser.add_argument("--eval-limit", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--out", default="benchmarks/results/algorithms.json")
+    args = parser.parse_args()
+    methods, seeds = args.methods.split(","), [int(x) for x in args.seeds.split(",")]
+    runs = []
+    with Lab(args.model, port=0, run_name=time.strftime("bench-algorithms-%Y%m%d-%H%M%S")) as lab:
+        probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
+        shipped = probe.policy.state_dict()
+        probe.close()
+        print(f"{'method':>13} {'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'s/step':>7}")
+        for method in methods:
+            for seed in seeds:
+                r = run_once(lab, shipped, method, seed, args)
+                runs.append(r)
+                print(f"{method:>13} {seed:>4} {r['before']:>7.3f} {r['after']:>7.3f} {r['gain']:>+7.3f} "
+                      f"{r['step_s']:>7.1f}", flush=True)
+        lab.sync_weights(shipped)
+    summary = {}
+    print(f"\n{'method':>13} {'gain mean':>9} {'spread':>7} {'s/step':>7}   ({len(seeds)} seeds, {args.steps} steps)")
+    for method in methods:
+        gains = [r["gain"] for r in runs if r["method"] == method]
+        steps = [r["step_s"] for r in runs if r["method"] == method]
+        summary[method] = {"gain_mean": statistics.mean(gains), "gain_sd": statistics.pstdev(gains),
+                           "gain_min": min(gains), "gain_max": max(gains), "step_s": statistics.mean(steps)}
+        s = summary[method]
+        print(f"{method:>13} {s['gain_mean']:>+9.3f} {s['gain_sd']:>7.3f} {s['step_s']:>7.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
+                               "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs, "summary": summary},
+                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
