@@ -1,18 +1,15 @@
-"""The Lab: the one object a notebook holds. It owns the engine process, the proxy server (proxy/server.py: its sockets
-and loop thread) and the run store.
+"""The Lab: the one object a notebook holds — its parts (parts.py: run store, engine and supervisor, proxy server),
+Run's reads over its folder, its views (viz/views.py), and what notebooks call: sessions, rollouts, weight syncs.
 
-Threads:
-    caller (notebook/main)   creates sessions, reads calls, hands coroutines to the loop (`lab.run`)
-    polar-lab-loop           asyncio loop: uvicorn serving the proxy app, harness coroutines (proxy/server.py)
-    polar-lab-engine         reads finished generations from the engine process (see engine/vllm_engine.py)
-    polar-lab-heal           replaces an engine process that died (see engine/supervisor.py)
-The vLLM engine itself runs in a child process the Lab starts and stops; its log is <run>/engine.log. If it
-dies, the Lab starts another by itself, at the same weights and policy version (`EngineConfig.max_restarts`).
+Threads: the caller's (sessions, reads; `lab.run` hands coroutines to the loop), "polar-lab-loop" (uvicorn and the
+harness coroutines: proxy/server.py), "polar-lab-engine" (engine/vllm_engine.py) and "polar-lab-heal"
+(engine/supervisor.py). The vLLM engine runs in a child process; its log is <run>/engine.log. If it dies, the
+Lab starts another at the same weights and policy version (`EngineConfig.max_restarts`).
 
-One live Lab per (host, port): constructing a Lab with the same config again returns the running one,
-so re-running a notebook cell never starts a second server or engine. The default port (None) is a free
-port chosen by the first Lab of the process and stands for "this kernel's Lab". A different config on the
-same port closes the old Lab first. `close()` is idempotent and frees the port, the engine and the files.
+One live Lab per (host, port): constructing a Lab with the same config again returns the running one, so re-running
+a notebook cell never starts a second server or engine. The default port (None) is a free port chosen by the first
+Lab of the process ("this kernel's Lab"); a different config on the same port closes the old Lab first. `close()`
+is idempotent and frees the port, the engine and the files.
 """
 
 from __future__ import annotations
@@ -81,7 +78,7 @@ class Lab(LabViews):
         cfg = make_config(model, config, overrides)
         with cls._live_lock:
             existing = cls._live.get((cfg.proxy.host, cfg.proxy.port)) if cfg.proxy.port != 0 else None
-            if existing is not None and existing._same_setup(cfg):
+            if existing is not None and not existing.closed and existing.config == cfg:  # the same setup
                 return existing
         if existing is not None:
             warnings.warn(f"closing the Lab on port {existing.port} (model {existing.config.engine.model}) "
@@ -143,9 +140,6 @@ class Lab(LabViews):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"serving {self.url}"
         return f"<Lab {self.config.engine.model} {state} run={self.run_dir}>"
-
-    def _same_setup(self, cfg: LabConfig) -> bool:
-        return not self._closed and cfg == self.config
 
     @property
     def closed(self) -> bool:
