@@ -30,6 +30,8 @@ from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
 
+from learning_rate import shipped_weights  # benchmarks/ is on the path when run
+
 METHODS = {
     "grpo": {"loss_type": "grpo"},
     "dr_grpo": {"loss_type": "dr_grpo"},
@@ -71,9 +73,7 @@ def main() -> None:
     methods, seeds = args.methods.split(","), [int(x) for x in args.seeds.split(",")]
     runs = []
     with Lab(args.model, port=0, run_name=time.strftime("bench-algorithms-%Y%m%d-%H%M%S")) as lab:
-        probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
-        shipped = probe.policy.state_dict()
-        probe.close()
+        shipped = shipped_weights(lab)
         print(f"{'method':>13} {'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'s/step':>7}")
         for method in methods:
             for seed in seeds:

@@ -29,19 +29,21 @@ QUESTIONS = ["What is 2+3?", "What is 17*4?", "Compute 120-45.", "What is (8+9)*
              "Compute 13*13.", "What is 99-27?", "What is 6*(7+5)?"]
 
 
-def chains(lab: Lab, sessions: int) -> list:
+def chains(lab: Lab, sessions: int, *, temperature: float = 0.7, seed: int = 100, **request) -> list:
+    """`sessions` seeded three-turn calculator chats (session i samples with seed + i); `request`: more fields of
+    every request (benchmarks/support_replay.py sends top_p and top_k). Their trajectories, one chain each."""
     import openai
 
     out = []
     for i in range(sessions):
-        s = lab.session(sampling={"temperature": 0.7, "seed": 100 + i})
+        s = lab.session(sampling={"temperature": temperature, "seed": seed + i})
         client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key, max_retries=0)
         messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         for follow_up in ("And times two?", "Thanks."):
-            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=48)
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=48, **request)
             messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                          {"role": "user", "content": follow_up}]
-        client.chat.completions.create(model="m", messages=messages, max_tokens=48)
+        client.chat.completions.create(model="m", messages=messages, max_tokens=48, **request)
         out += lab.trajectories(session_ids=[s.id])
     return out
 

@@ -39,6 +39,12 @@ def run_once(lab: Lab, shipped: dict, lr: float, seed: int, args) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
+def shipped_weights(lab: Lab) -> dict:
+    """The model's weights as the trainer holds them before any step (each run syncs them back first)."""
+    with GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe"))) as probe:
+        return probe.policy.state_dict()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -54,9 +60,7 @@ def main() -> None:
 
     runs = []
     with Lab(args.model, port=0, run_name=time.strftime("bench-lr-%Y%m%d-%H%M%S")) as lab:
-        probe = GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe")))
-        shipped = probe.policy.state_dict()
-        probe.close()
+        shipped = shipped_weights(lab)
         print(f"{'lr':>8} {'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'worst drop':>10}  train reward per step")
         for lr in lrs:
             for seed in seeds:

@@ -27,27 +27,7 @@ from polar_lab.grpo import GRPOConfig
 from polar_lab.grpo.batch import _sample
 from polar_lab.grpo.policy import Policy
 
-QUESTIONS = ["What is 2+3?", "What is 17*4?", "Compute 120-45.", "What is (8+9)*3?", "What is 250+175?",
-             "Compute 13*13.", "What is 99-27?", "What is 6*(7+5)?"]
-
-
-def chains(lab: Lab, sessions: int) -> list:
-    import openai
-
-    out = []
-    for i in range(sessions):
-        s = lab.session(sampling={"temperature": 1.0, "seed": 300 + i})
-        client = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key, max_retries=0)
-        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        for follow_up in ("And times two?", "Thanks.", None):
-            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=48, top_p=0.9,
-                                                   extra_body={"top_k": 20})
-            if follow_up is not None:
-                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                             {"role": "user", "content": follow_up}]
-        out += lab.trajectories(session_ids=[s.id])
-    return out
-
+from hybrid_fidelity import chains  # the same seeded three-turn chats (benchmarks/ is on the path when run)
 
 def weights(policy: Policy, trajectories: list, *, replay: bool) -> torch.Tensor:
     """log π_old − log μ of every sampled token."""
@@ -63,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     with Lab(args.model, port=0, run_name=f"support-replay-{int(time.time())}") as lab:
-        trajectories = chains(lab, args.sessions)
+        trajectories = chains(lab, args.sessions, temperature=1.0, seed=300, top_p=0.9, extra_body={"top_k": 20})
     policy = Policy(args.model, GRPOConfig())
     rows = {}
     for name, replay in (("replay", True), ("no replay", False)):

@@ -222,3 +222,13 @@ def test_a_start_that_fails_at_any_stage_leaves_nothing_behind(stage, tokenizer,
     if made >= 3:
         assert not os.path.exists(lab.server.socket_dir) and _port_is_free(lab.server.port)
     assert lab.supervisor is None or (made >= 5 and lab.supervisor.engine is engines[0])
+
+
+def test_a_single_engine_is_replica_0_with_no_moves_and_no_replica_counters(scripted_lab):
+    """The Engine protocol's replica views for one process (engine/base.py OneProcess): what lab.replicas(),
+    lab.replica_moves() and lab.stats() read without asking what kind of engine they hold."""
+    (row,) = scripted_lab.replicas().to_dict("records")
+    assert (row["replica"], row["serving"], row["restarts"], row["failure"]) == (0, True, 0, None)
+    moves = scripted_lab.replica_moves()
+    assert moves.empty and list(moves.columns) == ["route", "from_replica", "to_replica", "why", "at"]
+    assert "replicas" not in scripted_lab.stats() and scripted_lab.stats()["calls"] == 0

@@ -1,6 +1,7 @@
 """A harness that times out and retries (the openai SDK's own retry, same body): the first answer, ready after its
 caller hung up, is recorded as not delivered, and the chain the trainer gets is the retry's — one chain, the orphan
-listed, nothing trained twice. A scripted engine: the proxy's delivery check is the subject."""
+listed, nothing trained twice. Its own scripted engine (no vLLM): only the first answer may be late, which the
+suite's shared scripted Lab cannot do."""
 
 import time
 
