@@ -76,7 +76,7 @@ def run_advantages(groups: list[Group], scale_rewards: str, eps: float = 1e-4,
     scored = [[(s.id, s.reward + shaping.get(s.id, 0.0)) for s in g.sessions
                if s.reward is not None and s.id not in masked] for g in groups]
     batch_std = _std([r for runs in scored for _, r in runs])
-    scored = [runs for runs in scored if len(runs) >= 2 and _std([r for _, r in runs]) > 0]
+    scored = [runs for runs in scored if _spread([r for _, r in runs])]
     out = {}
     for runs in scored:
         rewards = [r for _, r in runs]
@@ -129,7 +129,11 @@ def build_batch(groups: list[Group], config: GRPOConfig, trainer_version: int) -
 def informative(group: Group) -> bool:
     """Whether a group can give a gradient: two runs or more with a reward, not all the same (dynamic sampling keeps
     only these)."""
-    rewards = [s.reward for s in group.sessions if s.reward is not None]
+    return _spread([s.reward for s in group.sessions if s.reward is not None])
+
+
+def _spread(rewards: list[float]) -> bool:
+    """Two rewards or more, not all equal: a group advantage exists (run_advantages, dynamic sampling)."""
     return len(rewards) >= 2 and _std(rewards) > 0
 
 
