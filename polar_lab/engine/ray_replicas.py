@@ -44,6 +44,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from polar_lab.config import EngineConfig
+from polar_lab.engine.process import EngineProcess
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.process_env import ENV_DEFAULTS
 from polar_lab.engine.vllm_engine import VLLMEngine
@@ -335,6 +336,39 @@ def listen(host: str) -> socket.socket:
 
 
 # ---- the engine replica -------------------------------------------------------------------------------
+class ActorConnection(EngineProcess):
+    """A replica's process: a Ray actor's `serve` call that dials back to a port the kernel listens on (with an HMAC
+    key, as multiprocessing's Listener does); the start command goes over the socket once it is accepted."""
+
+    def __init__(self, config: EngineConfig, log_path: Path | None, actor: Any, *, host: str, target: str):
+        super().__init__(config, log_path)
+        self.actor = actor
+        self.node: str | None = None  # the Ray node it runs on (known once ready)
+        self._authkey = secrets.token_bytes(32)
+        self._listener = listen(host)
+        try:
+            ref = actor.serve.remote(target, self._listener.getsockname()[:2], self._authkey,
+                                     log_path=str(log_path) if log_path else None)
+        except BaseException:
+            self._listener.close()
+            raise
+        self.proc = ActorProcess(actor, ref)
+
+    def connect(self, deadline: float) -> None:
+        if self.conn is None:
+            self.conn = connect_back(self._listener, self._authkey, self.proc, deadline)
+            self.conn.send(("start", self.config))
+
+    def wait_ready(self, timeout: float) -> dict:
+        info = super().wait_ready(timeout)
+        self.proc.pid = info.get("pid")
+        self.node = ray.get(self.actor.ready.remote(), timeout=60)["node"]
+        return info
+
+    def release(self) -> None:
+        self._listener.close()  # not yet accepted: nothing will connect to it now
+
+
 class RayEngine(VLLMEngine):
     """A VLLMEngine whose process is a Ray actor: the same protocol over a socket the actor dials back."""
 
@@ -345,46 +379,14 @@ class RayEngine(VLLMEngine):
         self.actor = actor
         self.host = host
         self.target = target
-        self.process: ActorProcess | None = None
-        self.node: str | None = None  # the Ray node it runs on (known once ready)
-        self._scratch = None  # the actor makes its own temp folder on its node
 
-    def launch(self) -> RayEngine:
-        if self._launcher is not None:
-            return self
-        self._t_launch = time.perf_counter()
-        self._authkey = secrets.token_bytes(32)
-        self._listener = listen(self.host)
-        address = self._listener.getsockname()[:2]
-        try:
-            ref = self.actor.serve.remote(self.target, address, self._authkey,
-                                          log_path=str(self.log_path) if self.log_path else None)
-        except BaseException:
-            self._listener.close()
-            raise
-        self._proc = self.process = ActorProcess(self.actor, ref)  # `process` outlives close()
-        self._launcher = concurrent.futures.Future()  # launched already: no launch thread (VLLMEngine.launch)
-        self._launcher.set_result(self._proc)
-        return self
+    def _open_process(self) -> ActorConnection:
+        return ActorConnection(self.config, self.log_path, self.actor, host=self.host, target=self.target)
 
-    def _ready_message(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        try:
-            self._conn = connect_back(self._listener, self._authkey, self._proc, deadline)
-            self._conn.send(("start", self.config))
-        except BaseException:
-            self.close()
-            raise
-        info = super()._ready_message(max(1.0, deadline - time.monotonic()))
-        self.pid = self._proc.pid = info.get("pid")
-        self.node = ray.get(self.actor.ready.remote(), timeout=60)["node"]
-        return info
-
-    def close(self) -> None:
-        listener = getattr(self, "_listener", None)
-        if listener is not None:
-            listener.close()  # not yet accepted: nothing will connect to it now
-        super().close()
+    @property
+    def node(self) -> str | None:
+        """The Ray node it runs on (known once ready)."""
+        return self.process.node if self.process is not None else None
 
     def preload_weights_file(self, path: str | Path, *, timeout: float = 600.0) -> str | None:
         """Only a replica on the kernel's node maps the file itself and can load it before the load."""

@@ -1,7 +1,7 @@
 """vLLM owned by the kernel: `VLLMEngine` starts one engine process, talks to it over a socket, stops it.
 
 The process (engine/worker.py) is the only code that touches vLLM; this object is its handle in the
-kernel. `submit` from any thread sends the prompt ids and returns a `concurrent.futures.Future`; the
+kernel, and engine/process.py its socket's other end: how the process starts, is reached and is stopped. `submit` from any thread sends the prompt ids and returns a `concurrent.futures.Future`; the
 `generate` coroutine does the same for an asyncio caller, and with `on_delta` streams: the callback gets each
 step's new tokens (`TokenDelta`) on the caller's loop, all of them before `generate` returns. One reader
 thread ("polar-lab-engine") receives each step's deltas and finished generations and hands them over: thread
@@ -20,25 +20,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from polar_lab.config import EngineConfig
-from polar_lab.engine import forkserver
 from polar_lab.engine.base import OneProcess, Rejection
 from polar_lab.engine.pending import Pending, settle
-from polar_lab.engine.layout import engine_gpus, visible_gpus
-from polar_lab.engine.process_env import engine_env
+from polar_lab.engine.process import EngineProcess, LocalProcess
 from polar_lab.engine.weights import load_through_file, remove_weights_soon
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
@@ -64,15 +56,10 @@ class VLLMEngine(OneProcess):
         self.busy_seconds = 0.0  # wall time the worker spent inside vLLM steps (busy fraction = Δbusy / Δwall)
         self.steps = 0  # vLLM steps so far (tokens per step = batching)
         self.running = 0  # requests the engine process is working on, as it last reported
-        self.pid: int | None = None
         self._version = 0
-        self._proc: subprocess.Popen | forkserver.ForkedProcess | None = None  # once the launch thread has it
-        self._launcher: concurrent.futures.Future | None = None  # the launch thread's result: the process
-        self._conn: Connection | None = None
-        self._send_lock = threading.Lock()
+        self.process: EngineProcess | None = None  # once launched; kept after close (its pid, its exit code)
         self._pending = Pending()  # the requests it is working on (engine/pending.py)
-        self._weights: concurrent.futures.Future | None = None
-        self._staged: concurrent.futures.Future | None = None
+        self._weights = self._staged = None  # the futures of a weight load, of a preload (concurrent.futures)
         self.standby = False  # the engine keeps a standby copy of the model (engine/standby.py)
         self._weights_lock = threading.Lock()  # one weight load at a time
         self._failure: str | None = None
@@ -80,7 +67,6 @@ class VLLMEngine(OneProcess):
         self._closing = False
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.weights_file: Path | None = None  # the served weights, if they came from a load (not the model folder)
-        self._scratch: str | None = None  # the engine process's temp folder (removed on close)
         self.on_exit = on_exit
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -89,27 +75,26 @@ class VLLMEngine(OneProcess):
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> VLLMEngine:
-        """Start the engine process and return at once (the caller can load its tokenizer meanwhile). The process is
-        forked from the forkserver, or started fresh where it cannot be (engine/forkserver.py), by a short-lived thread
-        ("polar-lab-engine-launch"): a server still importing answers once its imports are done."""
-        if self._launcher is not None:
-            return self
-        self._t_launch = time.perf_counter()
-        self._conn, self._launcher, self._scratch = _spawn(self.config, self.log_path)
-        self._conn.send(("start", self.config))  # waits in the socket until the process reads it
+        """Start the engine process and return at once (the caller can load its tokenizer meanwhile); a server
+        still importing answers once its imports are done."""
+        if self.process is None:
+            self._t_launch = time.perf_counter()
+            self.process = self._open_process()
         return self
 
-    def _launched(self) -> None:
-        """Wait for the launch thread: `_proc` and `pid` are the engine process's from then on (or it raised)."""
-        if self._proc is None:
-            self._proc = self._launcher.result()
-            self.pid = self._proc.pid
+    def _open_process(self) -> EngineProcess:
+        """The process this engine talks to (engine/process.py): a local one here, a Ray actor for RayEngine."""
+        return LocalProcess(self.config, self.log_path)
 
     def wait_ready(self, timeout: float = 900.0) -> VLLMEngine:
         """Wait for the launched process to report ready; a start-up failure raises with its log's end."""
         if self._reader is not None:
             return self
-        info = self._ready_message(timeout)
+        try:
+            info = self.process.wait_ready(timeout)
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = info["max_model_len"]
         self.standby = bool(info.get("standby"))
         self.forked = bool(info.get("forked"))  # forked from the forkserver, not started fresh (engine/forkserver.py)
@@ -119,67 +104,17 @@ class VLLMEngine(OneProcess):
         self._reader.start()
         return self
 
-    def _ready_message(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        try:
-            self._launched()
-        except BaseException:
-            self.close()
-            raise
-        while time.monotonic() < deadline:
-            if self._conn.poll(0.1):
-                try:
-                    kind, payload = self._conn.recv()
-                except EOFError:
-                    break
-                if kind == "ready":
-                    return payload
-                self.close()
-                raise EngineError(f"vLLM failed to start: {payload}{self._log_tail()}")
-            if self._proc.poll() is not None:
-                break
-        try:
-            exited = self._proc.wait(timeout=5)  # it hung up: let it finish exiting, for its code
-        except subprocess.TimeoutExpired:
-            exited = None
-        self.close()
-        if exited is None:
-            raise EngineError(f"vLLM did not start within {timeout:.0f} s{self._log_tail()}")
-        raise EngineError(f"the engine process exited with code {exited} during start-up{self._log_tail()}")
-
     def close(self) -> None:
         """Stop the worker: ask, wait, then kill our own pid if it does not go. Safe to call twice."""
-        launcher, self._launcher = self._launcher, None
-        if launcher is None:
+        if self.process is None or self._closing:
             return
-        try:
-            proc = self._proc or launcher.result()
-        except BaseException:  # noqa: BLE001 - no process was started: only the socket and the folder are left
-            proc = None
-        self._proc = None
         self._closing = True
         self._failure = self._failure or "engine closed"
-        if self._reader is None and proc is not None:  # not ready yet: it reads no commands while vLLM builds
-            proc.kill()
-        if self._conn is not None:
-            try:
-                self._send(("stop",))
-            except OSError:
-                pass
-        try:
-            if proc is not None:
-                proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            log.warning("engine process %d did not stop within 60 s; killing it", proc.pid)
-            proc.kill()
-            proc.wait()
+        self.process.stop(serving=self._reader is not None)
         if self._reader is not None:
             self._reader.join(timeout=10)
-        if self._conn is not None:
-            self._conn.close()
+        self.process.close()
         self._fail_all(EngineError("engine closed"))
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
         return self.start()
@@ -188,12 +123,17 @@ class VLLMEngine(OneProcess):
         self.close()
 
     @property
+    def pid(self) -> int | None:
+        """The engine process's pid (known once it is started; kept after it stops)."""
+        return self.process.pid if self.process is not None else None
+
+    @property
     def policy_version(self) -> int:
         return self._version
 
     @property
     def alive(self) -> bool:
-        return self._launcher is not None and self._failure is None
+        return self.process is not None and self._failure is None
 
     @property
     def failure(self) -> str | None:
@@ -230,7 +170,7 @@ class VLLMEngine(OneProcess):
             error = EngineError(f"engine is not running ({self._failure})")
         else:
             try:
-                self._send(("add", rid, list(prompt_ids), spec, on_delta is not None))
+                self.process.send(("add", rid, list(prompt_ids), spec, on_delta is not None))
             except OSError as exc:
                 error = EngineError(f"engine is not running ({exc!r})")
         if error is not None:
@@ -262,7 +202,7 @@ class VLLMEngine(OneProcess):
                 return f"engine is not running ({self._failure})"
             self._staged = concurrent.futures.Future()
             try:
-                self._send(("stage", str(path)))
+                self.process.send(("stage", str(path)))
                 return self._staged.result(timeout)
             except (OSError, concurrent.futures.TimeoutError) as exc:
                 return f"the standby did not load: {exc!r}"
@@ -278,7 +218,7 @@ class VLLMEngine(OneProcess):
                 raise EngineError(f"engine is not running ({self._failure})")
             self._weights = concurrent.futures.Future()
             try:
-                self._send(("weights", str(path), version))
+                self.process.send(("weights", str(path), version))
             except OSError as exc:  # it died just now: let the reader see it, so `alive` is False when we raise
                 if self._reader is not None:
                     self._reader.join(timeout=10)
@@ -302,7 +242,7 @@ class VLLMEngine(OneProcess):
     def _read(self) -> None:
         try:
             while True:
-                msg = self._conn.recv()
+                msg = self.process.conn.recv()
                 if msg[0] == "delta":
                     self.busy_seconds, self.steps, self.running = msg[2]
                     self._pending.deliver(msg[1])
@@ -320,7 +260,7 @@ class VLLMEngine(OneProcess):
         except (EOFError, OSError):
             pass  # the worker exited (stopped, crashed or killed)
         if self._failure is None:
-            code = _exit_code(self._proc)
+            code = self.process.exit_code()
             self._failure = f"the engine process exited (code {code})"
         self._fail_all(EngineError(f"engine failed: {self._failure}"))
         if not self._closing:
@@ -331,73 +271,20 @@ class VLLMEngine(OneProcess):
     def _abort(self, rid: str) -> None:
         if self._pending.discard(rid):
             try:
-                self._send(("abort", rid))
+                self.process.send(("abort", rid))
             except OSError:
                 pass
 
     def _fail(self, reason: str) -> None:
         """Give up on a live engine: kill our own process; the reader thread then fails what waits."""
         self._failure = self._failure or reason
-        proc = self._proc
-        if proc is not None:
-            proc.kill()
+        self.process.kill()
 
     def _fail_all(self, exc: EngineError) -> None:
         self._pending.fail(exc)
         for waiting in (self._weights, self._staged):  # a load or a preload waiting on the dead engine
             if waiting is not None and not waiting.done():
                 waiting.set_result(str(exc))
-
-    def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
-
-    def _log_tail(self, chars: int = 3000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return f"\n--- {self.log_path} (end) ---\n{self.log_path.read_text(errors='replace')[-chars:]}"
-
-
-def _spawn(config: EngineConfig, log_path: Path | None) -> tuple[Connection, concurrent.futures.Future, str]:
-    """Start an engine process for `config`: (the kernel's end of its socket, the future of the process — forked from
-    the forkserver, or started fresh where it cannot be, by a short-lived thread — and its scratch folder, which the
-    engine removes on close)."""
-    gpus = engine_gpus(config, visible_gpus())
-    env = engine_env(config, gpus)  # vLLM's settings, TCMalloc and thread binding on CPU (process_env.py)
-    ours, theirs = socket.socketpair()
-    if gpus:  # the engine sees its own GPUs only (indices as torch numbers them in this process)
-        outer = os.environ.get("CUDA_VISIBLE_DEVICES")
-        names = outer.split(",") if outer else [str(g) for g in range(visible_gpus())]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[g] for g in gpus)
-    # vLLM leaves rendezvous files (vllm_dist_*) in the temp dir; give it one we remove on close
-    scratch = tempfile.mkdtemp(prefix="polar-lab-engine-")
-    env["TMPDIR"] = scratch
-    out = open(log_path, "ab") if log_path else None
-    launched: concurrent.futures.Future = concurrent.futures.Future()
-
-    def start() -> None:
-        try:
-            launched.set_result(forkserver.launch(env, theirs.fileno(), out.fileno() if out else None,
-                                                  gpus=bool(gpus)))
-        except BaseException as exc:  # noqa: BLE001 - raised by whoever waits for the process
-            launched.set_exception(exc)
-        finally:
-            theirs.close()
-            if out is not None:
-                out.close()
-
-    threading.Thread(target=start, name="polar-lab-engine-launch", daemon=True).start()
-    return Connection(ours.detach()), launched, scratch
-
-
-def _exit_code(proc: subprocess.Popen | forkserver.ForkedProcess | None) -> int | None:
-    """The exit code of a process whose socket just closed (it may take a moment to be reapable)."""
-    if proc is None:
-        return None
-    try:
-        return proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        return None
 
 
 def _outcome(result: Generation | Rejection | str) -> Generation | Exception:
@@ -407,5 +294,3 @@ def _outcome(result: Generation | Rejection | str) -> Generation | Exception:
     if isinstance(result, Rejection):
         return RequestError(f"the engine rejected the request: {result.message}", param=result.param)
     return EngineError(result)
-
-

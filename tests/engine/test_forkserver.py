@@ -34,7 +34,7 @@ def _server_pid() -> int:
 
 def test_the_labs_engine_is_a_child_of_the_forkserver(lab):
     server = _server_pid()
-    assert isinstance(lab.engine._proc, forkserver.ForkedProcess)
+    assert isinstance(lab.engine.process.proc, forkserver.ForkedProcess)
     if server is not None:  # started by this process (not named by an ancestor)
         assert _parent(lab.engine.pid) == server
         assert _parent(server) == os.getpid()
@@ -49,7 +49,7 @@ def test_a_forked_engine_serves_the_environment_and_folder_it_asked_for(model_pa
     monkeypatch.chdir(ROOT)
     relative = os.path.relpath(model_path, ROOT)
     with VLLMEngine(EngineConfig(model=relative)) as engine:
-        assert isinstance(engine._proc, forkserver.ForkedProcess)
+        assert isinstance(engine.process.proc, forkserver.ForkedProcess)
         line = json.loads(log.read_text().splitlines()[-1])
         assert line["pid"] == engine.pid and line["forked"] is True
         assert line["test"].startswith("tests/engine/test_forkserver.py::test_a_forked_engine_serves")
