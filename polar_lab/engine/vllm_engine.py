@@ -1,15 +1,15 @@
 """vLLM owned by the kernel: `VLLMEngine` starts one engine process, talks to it over a socket, stops it.
 
-The process (engine/worker.py) is the only code that touches vLLM; this object is its handle in the
-kernel, and engine/process.py its socket's other end: how the process starts, is reached and is stopped. `submit` from any thread sends the prompt ids and returns a `concurrent.futures.Future`; the
-`generate` coroutine does the same for an asyncio caller, and with `on_delta` streams: the callback gets each
-step's new tokens (`TokenDelta`) on the caller's loop, all of them before `generate` returns. One reader
-thread ("polar-lab-engine") receives each step's deltas and finished generations and hands them over: thread
-futures at once, and each event loop's share in one callback per step (a cross-thread wake-up per request
-cost the loop more than the request).
-Weights travel as a safetensors file in /dev/shm (engine/weights.py) that the worker maps and loads between two steps; given a
-`weights_dir`, the file of the weights being served is kept there (`weights_file`, one at a time) so that a
-replacement engine can load them again without the kernel holding a copy.
+The process (engine/worker.py) is the only code that touches vLLM; this object is its handle in the kernel, and
+engine/process.py holds the process and its socket: how it starts, is reached and stops. `submit` from any thread
+sends the prompt ids and returns a `concurrent.futures.Future`; the `generate` coroutine does the same for an
+asyncio caller, and with `on_delta` streams: the callback gets each step's new tokens (`TokenDelta`) on the caller's
+loop, all of them before `generate` returns. One reader thread ("polar-lab-engine") receives each step's deltas and
+finished generations and hands them over: thread futures at once, and each event loop's share in one callback per
+step (a cross-thread wake-up per request cost the loop more than the request).
+Weights travel as a safetensors file in /dev/shm (engine/weights.py) that the worker maps and loads between two
+steps; given a `weights_dir`, the file of the weights being served is kept there (`weights_file`, one at a time) so
+that a replacement engine can load them again without the kernel holding a copy.
 If the process dies, every waiting caller gets `EngineError` (the proxy turns that into a 503), later
 submits fail at once, and `on_exit` is called (from the reader thread); this object never restarts itself —
 its owner does (engine/supervisor.py).
@@ -209,9 +209,9 @@ class VLLMEngine(OneProcess):
 
     def load_weights_file(self, path: str | Path, *, version: int | None = None, timeout: float = 600.0) -> int:
         """Load a safetensors file of HF-named tensors (engine/weights.py) from `path`, as `load_weights` does,
-        or a PEFT LoRA adapter's folder (served to new requests from now on; needs `max_lora_rank`). With a `weights_dir`, the file
-        becomes `weights_file` and the one it replaces there is removed; a replacement engine is handed the
-        dead one's `weights_file` this way, without a copy."""
+        or a PEFT LoRA adapter's folder (served to new requests from now on; needs `max_lora_rank`). With a
+        `weights_dir`, the file becomes `weights_file` and the one it replaces there is removed; a replacement
+        engine is handed the dead one's `weights_file` this way, without a copy."""
         path = Path(path)
         with self._weights_lock:
             if not self.alive:
