@@ -260,6 +260,8 @@ class SamplingSpec(Sampling):
     #   structural tag (JSON) every sampled token must keep the output in
     thinking_budget: int | None = knob(Whole(0, INT64_MAX, optional=True), None, vllm="thinking_token_budget",
                                        training_off=True)  # at most this many thought tokens, then the end is forced
+    prompt_logprobs: bool = knob(Flag(), False, vllm=None, forceable=False, recorded=False)  # score the prompt:
+    #   the logprob of each of its tokens after the first (`Generation.prompt_logprobs`; a teacher engine's job)
 
     @classmethod
     def of(cls, sampling: Sampling, **decided: Any) -> SamplingSpec:
@@ -353,6 +355,7 @@ class Generation:
     replica: int = 0  # which engine replica sampled it (engine/replicas.py); 0 for a single engine
     moved_from: int | None = None  # its session's previous replica, when this call moved it (dead, queue full)
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (vLLM's num_cached_tokens)
+    prompt_logprobs: list[float] | None = None  # log p(prompt[i] | prompt[:i]) for i ≥ 1, when the spec asked
 
 
 @dataclass

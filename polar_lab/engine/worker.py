@@ -327,6 +327,7 @@ class Worker:
             stop_reason=c.stop_reason,
             top_logprobs=[{t: lp.logprob for t, lp in d.items()} for d in logprob_dicts],
             cached_tokens=output.num_cached_tokens or 0,
+            prompt_logprobs=_prompt_logprobs(output),
         )
 
 
@@ -441,7 +442,16 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
 
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     structured = StructuredOutputsParams(structural_tag=spec.structure) if spec.structure is not None else None
-    return SamplingParams(**spec.vllm_params(), output_kind=kind, structured_outputs=structured)
+    scored = {"prompt_logprobs": 0} if spec.prompt_logprobs else {}  # the prompt's own tokens only
+    return SamplingParams(**spec.vllm_params(), output_kind=kind, structured_outputs=structured, **scored)
+
+
+def _prompt_logprobs(output) -> list[float] | None:
+    """log p of each prompt token after the first, from vLLM's per-position {token id: Logprob} (None at position 0)."""
+    if not output.prompt_logprobs:
+        return None
+    ids = output.prompt_token_ids
+    return [output.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
 
 
 def main(fd: int) -> int:

@@ -30,6 +30,7 @@ class Sample:
     temperature: float  # the trainer recomputes logprobs at the temperature the engine sampled with
     session_id: str = ""
     support: torch.Tensor | None = None  # (L-1, 3) each target's (top_k, top_p, min_p); None = whole vocabulary
+    teacher_logprobs: torch.Tensor | None = None  # (L-1,) a teacher engine's log p of each target (grpo/teacher.py)
 
     @property
     def num_tokens(self) -> int:
@@ -269,6 +270,8 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str) -> d
         batch["support"] = torch.stack([
             torch.cat([s.support if s.support is not None else neutral.expand(len(s.input_ids) - 1, 3),
                        neutral.expand(width - len(s.input_ids), 3)]) for s in samples])  # (B, T-1, 3)
+    if any(s.teacher_logprobs is not None for s in samples):  # scored by a teacher engine before the update
+        batch["teacher"] = torch.stack([pad(s.teacher_logprobs, width - 1, 0.0) for s in samples])  # (B, T-1)
     return {k: v.to(device) for k, v in batch.items()}
 
 

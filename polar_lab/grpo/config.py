@@ -76,6 +76,9 @@ class GRPOConfig:
                                          "scores every trained token of the recorded chains; each token's "
                                          "advantage becomes A - distill_coef x (log pi_old - log pi_teacher)")
     distill_coef: float = _f(1.0, "the weight of the teacher's per-token reverse KL in the advantage")
+    teacher_scorer: str = _f("trainer", "who runs the teacher: 'trainer' (a frozen copy beside the policy, at the "
+                                        "training temperature, sharded like it) or 'engine' (a vLLM engine of its own "
+                                        "scores the chains as prompts; vLLM's prompt logprobs are at T=1)")
     # ---- the engine-vs-trainer correction (TRL's names): weight pi_old / mu, mu the engine's sampler logprob
     vllm_importance_sampling_correction: bool = _f(True, "weight each token by the trainer-vs-engine ratio "
                                                          "pi_old / mu as vllm_importance_sampling_mode says")
@@ -200,6 +203,11 @@ class GRPOConfig:
                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
         _check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
         _check(self.distill_coef >= 0, f"distill_coef must be >= 0, got {self.distill_coef}")
+        _check(self.teacher_scorer in ("trainer", "engine"),
+               f"teacher_scorer must be trainer or engine, got {self.teacher_scorer!r}")
+        _check(self.teacher_scorer == "trainer" or self.temperature == 1.0,
+               f"teacher_scorer='engine' scores at T=1 (vLLM's prompt logprobs are the raw distribution): train at "
+               f"temperature 1.0 (got {self.temperature}) or let the trainer score (teacher_scorer='trainer')")
         _check(self.sampling_support in ("replay", "force"),
                f"sampling_support must be replay or force, got {self.sampling_support!r}")
         self._check_correction()

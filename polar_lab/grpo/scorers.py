@@ -25,7 +25,7 @@ class FrozenScorers:
         self.config, self.device, self._shard = config, device, shard
         self.ref = self._frozen(copy.deepcopy(model)) if config.beta > 0 else None  # at step 0 the KL is exactly 0
         self.teacher = None
-        if config.teacher_model:
+        if config.teacher_model and config.teacher_scorer == "trainer":  # else a teacher engine (grpo/teacher.py)
             from transformers import AutoModelForCausalLM
 
             check_same_vocabulary(model_path, config.teacher_model)
@@ -33,10 +33,11 @@ class FrozenScorers:
             self.teacher = self._frozen(teacher.to(device))
 
     def score(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(log π_ref, log π_teacher) of a micro-batch's targets, each None without its model."""
+        """(log π_ref, log π_teacher) of a micro-batch's targets, each None without its model; a teacher engine's
+        scores come with the micro-batch ("teacher")."""
         args = (mb["input_ids"], mb["attention_mask"], mb["temperature"])
-        return (self.ref(*args) if self.ref is not None else None,
-                self.teacher(*args) if self.teacher is not None else None)
+        teacher = self.teacher(*args) if self.teacher is not None else mb.get("teacher")
+        return self.ref(*args) if self.ref is not None else None, teacher
 
     def _frozen(self, model: torch.nn.Module) -> TokenLogprobs:
         scorer = TokenLogprobs(model.eval().requires_grad_(False), self.config.logprob_chunk_tokens)

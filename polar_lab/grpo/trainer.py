@@ -41,6 +41,7 @@ from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.lora import check_targets
 from polar_lab.grpo.policy import Policy, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
+from polar_lab.grpo.teacher import EngineTeacher
 from polar_lab.grpo.trackers import Trackers, resolve_report_to
 from polar_lab.harness.registry import get_harness
 from polar_lab.rewards.registry import get_evaluator
@@ -50,13 +51,17 @@ from polar_lab.types import Evaluator, Group, Harness, SyncResult
 
 if TYPE_CHECKING:
     from polar_lab.config import LabConfig
+    from polar_lab.engine.base import Engine
     from polar_lab.lab import Lab
 
 
 class GRPOTrainer:
     def __init__(self, lab: Lab, config: GRPOConfig | None = None, *, harness: str | Harness | None = None,
-                 evaluator: str | Evaluator | None = None, tasks: list[dict[str, Any]] | None = None):
-        """Train the Lab's model on `tasks` (default: config.tasks) run through `harness`.
+                 evaluator: str | Evaluator | None = None, tasks: list[dict[str, Any]] | None = None,
+                 teacher: Engine | None = None):
+        """Train the Lab's model on `tasks` (default: config.tasks) run through `harness`. teacher: with
+        teacher_scorer="engine", an engine of the caller's that scores the chains (default: one started for
+        teacher_model, stopped with the trainer).
 
         The trainer starts from the model folder the engine serves. If the engine already holds other
         weights (policy_version > 0), the trainer's are loaded into it first so both agree.
@@ -87,9 +92,15 @@ class GRPOTrainer:
         self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
         card = {"model": str(lab.model_path), "served_as": lab.served_as, "strategy": config.strategy,
                 "world_size": config.world_size, "lora": config.peft_config is not None, "run": str(lab.run_dir)}
+        self.teacher: EngineTeacher | None = None
         try:
+            if config.teacher_model and config.teacher_scorer == "engine":
+                self.teacher = EngineTeacher(str(lab.model_path), config.teacher_model, engine, engine=teacher,
+                                             log_path=self.output_dir / "teacher-engine.log")
             self.trackers = Trackers(resolve_report_to(config.report_to), self.output_dir, config.to_dict(), card)
-        except BaseException:  # a tracker that cannot start: nothing of this trainer is left running
+        except BaseException:  # a teacher or a tracker that cannot start: nothing of this trainer is left running
+            if self.teacher is not None:
+                self.teacher.close()
             self.policy.close()
             torch.set_num_threads(self._threads_before)
             raise
@@ -104,6 +115,8 @@ class GRPOTrainer:
         groups, rollout_stats = self._source().next_groups(version, progress=progress)
         t1 = time.perf_counter()
         batch = build_batch(groups, self.config, version)
+        if self.teacher is not None and batch.samples:
+            self.teacher.score(batch.samples)
         update = self.policy.update(batch.samples) if batch.samples else None
         self._check_finite(update)
         self._check_fidelity(batch, update)
@@ -268,6 +281,8 @@ class GRPOTrainer:
             self._rollouts.close()
             self._rollouts = None
         self.policy.close()
+        if self.teacher is not None:
+            self.teacher.close()
         self.trackers.close()
         torch.set_num_threads(self._threads_before)
         self.lab.release(self)

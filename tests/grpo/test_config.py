@@ -22,6 +22,8 @@ BAD = [  # (fields, words the error must contain)
     ({"async_mode": True, "async_window_steps": 3, "max_staleness": 2}, ["async_window_steps", "3", "2"]),
     ({"max_reruns": -1}, ["max_reruns", "-1"]),
     ({"async_window_steps": 0}, ["async_window_steps", "0"]),
+    ({"teacher_scorer": "server"}, ["teacher_scorer", "server"]),
+    ({"teacher_scorer": "engine", "temperature": 0.7}, ["T=1", "0.7", "teacher_scorer='trainer'"]),  # vLLM's raw scores
 ]
 
 

@@ -254,6 +254,33 @@ def test_a_teacher_scores_the_recorded_tokens_and_its_reverse_kl_moves_the_updat
         Policy(model_path, GRPOConfig(teacher_model="data/models/tiny-calc-qwen35"))
 
 
+def test_a_teacher_engine_scores_every_recorded_token_as_the_trainer_side_teacher_and_moves_the_update_alike(
+        lab, model_path, train_tasks):
+    """teacher_scorer="engine": vLLM's prompt logprobs of each recorded chain (the shared engine as the teacher, the
+    student's own weights) equal a trainer-side teacher's of the same model within the engine-vs-transformers gap,
+    and the update is the same; the policy holds no teacher of its own, and an engine passed in stays its owner's."""
+    from polar_lab.grpo.batch import collate
+    from polar_lab.grpo.teacher import EngineTeacher
+
+    samples = build_batch(rollout(lab, train_tasks[:2], n=4), GRPOConfig(teacher_model=model_path),
+                          lab.policy_version).samples  # distilling: groups without reward spread are kept
+    assert samples
+    teacher = EngineTeacher(model_path, model_path, lab.config.engine, engine=lab.engine)
+    teacher.score(samples)
+    teacher.close()
+    assert lab.engine.alive
+    mb = collate(samples, pad_id=0, device="cpu")
+    beside = Policy(model_path, GRPOConfig(teacher_model=model_path))
+    expected = beside.scorers.teacher(mb["input_ids"], mb["attention_mask"], mb["temperature"])
+    real = mb["attention_mask"][:, 1:].bool()  # every target, trained or not
+    assert (mb["teacher"] - expected)[real].abs().max() < 1e-4
+    engine_side = Policy(model_path, GRPOConfig(teacher_model=model_path, teacher_scorer="engine"))
+    assert engine_side.scorers.teacher is None
+    ours, theirs = engine_side.update(samples), beside.update(samples)
+    assert ours.distill_kl_sum == pytest.approx(theirs.distill_kl_sum, abs=1e-3)
+    assert ours.loss == pytest.approx(theirs.loss, rel=1e-3, abs=1e-5)
+
+
 def test_a_harnesss_own_top_p_and_top_k_are_applied_and_the_trainer_renormalises_over_the_same_support(
         lab, model_path, shipped_weights, restore_weights, train_tasks):
     """sampling_support="replay" (the default): the engine samples within the harness's top_p 0.8 / top_k 20 and

@@ -11,12 +11,17 @@ EXPECTED_METRICS = {"step", "policy_version", "reward_mean", "groups_zero_advant
                     "rollout_s", "train_s", "sync_s", "engine_busy_frac", "sampled_tokens_per_s"}
 
 
-def test_a_step_trains_syncs_and_logs(lab, restore_weights, tmp_path):
-    config = GRPOConfig(tasks_per_step=4, num_generations=8, learning_rate=1e-3, output_dir=str(tmp_path))
-    with GRPOTrainer(lab, config) as trainer:
+def test_a_step_trains_syncs_and_logs(lab, model_path, restore_weights, tmp_path):
+    # distilling from a teacher engine (teacher_scorer="engine") rides along: the engine passed in is the student's
+    # own, scored before the update, so its reverse KL is ~0 and changes nothing else this test checks
+    config = GRPOConfig(tasks_per_step=4, num_generations=8, learning_rate=1e-3, output_dir=str(tmp_path),
+                        teacher_model=model_path, teacher_scorer="engine")
+    with GRPOTrainer(lab, config, teacher=lab.engine) as trainer:
         version = lab.policy_version
         m = trainer.step()
         assert EXPECTED_METRICS <= set(m)
+        assert all(s.teacher_logprobs is not None for s in trainer.last_batch.samples)
+        assert abs(m["distill_kl"]) < 1e-3 and trainer.policy.scorers.teacher is None
         assert m["policy_version"] == version + 1 and m["trained_version"] == version
         assert m["tokens"] == sum(s.num_tokens for s in trainer.last_batch.samples) > 0
         assert m["staleness_max"] == 0  # sync mode is on-policy
@@ -38,6 +43,7 @@ def test_a_step_trains_syncs_and_logs(lab, restore_weights, tmp_path):
     assert (got - expected).abs().max() < 1e-4
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 1
     assert (ckpt / "tokenizer.json").exists() and list((ckpt / "training_state").glob("*.distcp"))
+    assert lab.engine.alive  # the teacher engine passed in stays its owner's
 
 
 def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path):
