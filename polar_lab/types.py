@@ -260,8 +260,9 @@ class SamplingSpec(Sampling):
     #   structural tag (JSON) every sampled token must keep the output in
     thinking_budget: int | None = knob(Whole(0, INT64_MAX, optional=True), None, vllm="thinking_token_budget",
                                        training_off=True)  # at most this many thought tokens, then the end is forced
-    prompt_logprobs: bool = knob(Flag(), False, vllm=None, forceable=False, recorded=False)  # score the prompt:
-    #   the logprob of each of its tokens after the first (`Generation.prompt_logprobs`; a teacher engine's job)
+    prompt_logprobs: int | None = knob(Whole(0, TOP_LOGPROBS_MAX, optional=True), None, forceable=False,
+                                       recorded=False)  # score the prompt (vLLM's meaning: 0 = each token's own
+    #   logprob, k = and k alternatives): `Generation.prompt_logprobs`, a teacher engine's job (grpo/teacher.py)
 
     @classmethod
     def of(cls, sampling: Sampling, **decided: Any) -> SamplingSpec:

@@ -442,8 +442,7 @@ def _sampling_params(spec: SamplingSpec, stream: bool = False):
 
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     structured = StructuredOutputsParams(structural_tag=spec.structure) if spec.structure is not None else None
-    scored = {"prompt_logprobs": 0} if spec.prompt_logprobs else {}  # the prompt's own tokens only
-    return SamplingParams(**spec.vllm_params(), output_kind=kind, structured_outputs=structured, **scored)
+    return SamplingParams(**spec.vllm_params(), output_kind=kind, structured_outputs=structured)
 
 
 def _prompt_logprobs(output) -> list[float] | None:

@@ -1,7 +1,7 @@
 """On-policy distillation with the teacher in a vLLM engine of its own (`GRPOConfig(teacher_scorer="engine")`).
 
 A teacher only has to score what was recorded: each sample's token ids go to the teacher engine as a prompt, and
-vLLM's prompt logprobs (`SamplingSpec(prompt_logprobs=True)`, one sampled token that is thrown away) give
+vLLM's prompt logprobs (`SamplingSpec(prompt_logprobs=0)`, one sampled token that is thrown away) give
 log π_teacher of every target, before the update; the samples carry them to the policy's ranks, where the loss reads
 them as it reads a trainer-side teacher's (grpo/scorers.py). The teacher can be larger than anything the trainer
 holds, on GPUs of its own, and a notebook can hand over an engine it already runs.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from polar_lab.config import EngineConfig
     from polar_lab.engine.base import Engine
 
-SCORE = SamplingSpec(max_tokens=1, temperature=1.0, prompt_logprobs=True)
+SCORE = SamplingSpec(max_tokens=1, temperature=1.0, prompt_logprobs=0)  # each target's own logprob
 
 
 class EngineTeacher:

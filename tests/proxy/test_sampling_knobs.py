@@ -25,7 +25,7 @@ EXTENSION_CASES = {
 SPEC_VALUES = {
     "temperature": 0.5, "top_p": 0.5, "top_k": 5, "seed": 7, "stop": ("x",), "ignore_eos": True,
     "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": ((3, 1.5),), "max_tokens": 9,
-    "banned_strings": ("y",), "num_logprobs": 2, "thinking_budget": 4, "min_p": 0.25,
+    "banned_strings": ("y",), "num_logprobs": 2, "thinking_budget": 4, "min_p": 0.25, "prompt_logprobs": 0,
     "structure": '{"type": "structural_tag"}',  # the engine builds its grammar (structured_outputs)
 }
 APIS = list(SURFACES)
