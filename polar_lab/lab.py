@@ -33,6 +33,7 @@ from polar_lab.engine.supervisor import Restart, sync_weights
 from polar_lab.errors import LabError
 from polar_lab.parts import LabParts
 from polar_lab.proxy.server import warn_if_exposed
+from polar_lab.replay import replay as _replay
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rollout import RolloutSpec, rollout_async
 from polar_lab.run import Run
@@ -162,7 +163,8 @@ class Lab(LabViews):
     # ---- what notebooks call ---------------------------------------------------------------
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                 chat_template: str | None = None, sampling: dict[str, Any] | None = None,
-                continuity: str | None = None, name: str | None = None, **info: Any) -> Session:
+                continuity: str | None = None, name: str | None = None, replay: Any = None,
+                **info: Any) -> Session:
         """A new session (one harness run) with its own secret key.
 
         chat_template: render this session's prompts with another Jinja template (see polar_lab.templates).
@@ -173,11 +175,12 @@ class Lab(LabViews):
             (re-rendered by the chat template); None: the Lab's `ProxyConfig.continuity`. See proxy/splice.py.
         name: what a request under the Lab's shared key (`ProxyConfig.shared_key`) calls this session in its
             `X-Session-ID` header (or `session_field`); its id works as well. Unique in the Lab.
+        replay: a proxy/replay.py Script its first calls are answered from (`lab.replay` makes them).
         info: free-form facts stored with the session, e.g. harness="claude-code" (used by drift_report).
         """
         self._check_open()
         return self.registry.create(task, group_id=group_id, info=info, chat_template=chat_template,
-                                    sampling=sampling, continuity=continuity, name=name)
+                                    sampling=sampling, continuity=continuity, name=name, replay=replay)
 
     @property
     def shared_key(self) -> str | None:
@@ -218,6 +221,8 @@ class Lab(LabViews):
         return self.run(rollout_async(self, tasks, harness, num_generations=num_generations, spec=spec,
                                       evaluator=get_evaluator(evaluator), concurrency=concurrency, builder=builder,
                                       progress=progress, sampling=sampling, seed=seed))
+
+    replay = _replay  # lab.replay(session_id, until_turn=k, harness=..., branches=N): polar_lab/replay.py
 
     # ---- reading the run: Run's own methods over this Lab's folder (one implementation: polar_lab/run.py) ----
     call_records = _reads(Run.call_records)
@@ -263,18 +268,14 @@ class Lab(LabViews):
 
     def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
                        drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> Restart:
-        """Replace the engine process with a fresh one now — to clear a wedged one, or after it died and the
-        Lab's own restarts (`max_restarts`) were spent. The proxy, its sessions and keys, and the run's records
-        carry on; new calls wait at the paused proxy while the engine starts, calls still in flight after
-        `drain_timeout` fail with a 503.
-
-        The new engine serves what the old one served: the model from disk at version 0, or the weights of the
-        last load (kept in shared memory) at their version. `state_dict` replaces those with the weights
-        passed in, loaded as `version` (default: the version the old engine served). Without kept weights
-        (`keep_weights=False`) and past version 0 it refuses rather than silently roll training back.
-        If the new engine fails to start, the error is raised and the Lab keeps answering 503s; call again.
-        Returns the restart's record (policy_version, startup_s...).
-        """
+        """Replace the engine process with a fresh one now — to clear a wedged one, or after it died and the Lab's
+        own restarts (`max_restarts`) were spent. The proxy, its sessions and keys, and the run's records carry on;
+        new calls wait at the paused proxy while the engine starts, calls in flight after `drain_timeout` get a 503.
+        The new engine serves what the old one served (the model from disk at version 0, or the last load's kept
+        weights at their version), or `state_dict` as `version` (default: the old engine's). Without kept weights
+        (`keep_weights=False`) past version 0 it refuses rather than silently roll training back. If the new
+        engine fails to start, the error is raised and the Lab keeps answering 503s; call again.
+        Returns the restart's record (policy_version, startup_s...)."""
         self._check_open()
         return self.supervisor.restart(state_dict, version=version, drain_timeout=drain_timeout,
                                        startup_timeout=startup_timeout)

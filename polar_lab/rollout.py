@@ -15,14 +15,17 @@ import asyncio
 import time
 import traceback
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
 
 from polar_lab.errors import HarnessError, MaskedRunError, SandboxError
 from polar_lab.types import Evaluator, Group, Harness, Session, Trajectory, derived_seed
+
+if TYPE_CHECKING:
+    from polar_lab.proxy.replay import Script
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Host(Protocol):
     """What a rollout needs of a Lab: sessions to run in, and the trajectories their calls became."""
 
     def session(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
-                sampling: dict[str, Any] | None = None, **info: Any) -> Session:
+                sampling: dict[str, Any] | None = None, replay: Script | None = None, **info: Any) -> Session:
         ...
 
     def trajectories(self, builder: str = "prefix_merging", *,
@@ -90,15 +93,17 @@ def failure_cause(session: Session, status: str) -> str | None:
 
 async def run_one(host: Host, task: dict[str, Any], harness: Harness, *, group_id: str,
                   evaluator: Evaluator | None, spec: RolloutSpec, name: str,
-                  sampling: dict[str, Any] | None = None) -> Session:
+                  sampling: dict[str, Any] | None = None, replay: Callable[[], Script] | None = None) -> Session:
     """One harness run in a fresh session; the session is closed with its status, reward and reward parts.
 
     A failed run's reward follows its cause (`failure_cause`, kept in `session.info["failure"]`) as `spec` says.
     Infrastructure failures, an evaluator that fails, and a run its environment masks (MaskedRunError, cause
     "masked"; "overflow" when its last call overflowed the context, the policy's doing) are always masked.
-    sampling: forced on every call of the run (see Lab.session).
+    sampling: forced on every call of the run (see Lab.session). replay: makes the run's Script, when it replays a
+    recorded session (polar_lab/replay.py).
     """
-    session = host.session(task, group_id=group_id, sampling=sampling, harness=name)
+    session = host.session(task, group_id=group_id, sampling=sampling, harness=name,
+                           replay=replay() if replay is not None else None)
     t0 = time.perf_counter()
 
     def fail(status: str, cause: str | None = None, **info: Any) -> Session:
@@ -157,11 +162,11 @@ async def _within_deadline(run: Coroutine[Any, Any, Any], session: Session, dead
 async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harness, *, num_generations: int,
                         evaluator: Evaluator | None, concurrency: int, spec: RolloutSpec, builder: str,
                         progress: bool = True, sampling: dict[str, Any] | None = None,
-                        seed: int | None = None) -> list[Group]:
+                        seed: int | None = None, replay: Callable[[], Script] | None = None) -> list[Group]:
     """Run `num_generations` sessions per task (at most `concurrency` at once) and build one Group per task.
 
     seed: run i (task-major order) gets the forced sampling seed `derived_seed(seed, i)` (seed + i); its calls
-    then sample with `call_seed(that seed, k)`.
+    then sample with `call_seed(that seed, k)`. replay: each run's Script (polar_lab/replay.py).
     """
     gate = asyncio.Semaphore(concurrency)
     name = harness_name(harness)
@@ -171,7 +176,7 @@ async def rollout_async(host: Host, tasks: list[dict[str, Any]], harness: Harnes
         forced = dict(sampling or {}) | ({"seed": derived_seed(seed, i)} if seed is not None else {})
         async with gate:
             session = await run_one(host, task, harness, group_id=group_id, evaluator=evaluator, spec=spec,
-                                    name=harness_name(harness, task), sampling=forced)
+                                    name=harness_name(harness, task), sampling=forced, replay=replay)
         bar.update(1)
         return session
 

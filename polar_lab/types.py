@@ -402,6 +402,7 @@ class Session:
     name: str | None = None  # what requests under the Lab's shared key call it (proxy/sessions.py); its id works too
     shared: bool = False  # requests under the Lab's shared key may name it (by name or id); True when it has a name
     _closer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+    replay: Any = field(default=None, repr=False, compare=False)  # a replay.Script: its first calls come from a record
 
     def close(self, reward: float | None = None, *, status: str = "closed",
               reward_parts: dict[str, float] | None = None, **info: Any) -> Session:
@@ -443,7 +444,7 @@ class Session:
 
     def record(self) -> dict[str, Any]:
         """The JSON-safe view written to the store (the key stays out of it)."""
-        skip = {"key", "base_url", "proxy_socket", "_closer", "waiting"}
+        skip = {"key", "base_url", "proxy_socket", "_closer", "waiting", "replay"}
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
@@ -475,6 +476,7 @@ class ModelCall:
     replica: int = 0  # the engine replica that served it (0 for a single engine)
     moved_from: int | None = None  # the session's replica before this call moved it there (None: it did not move)
     delivered: bool = True  # False: its caller had hung up before the answer was ready (a harness that timed out)
+    replayed: bool = False  # answered from the record of the session it replays (lab.replay), not by the engine
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> ModelCall:

@@ -81,6 +81,7 @@ class CompletedCall:
     choices: list[Choice]
     timings: dict[str, float]
     delivered: bool = True  # the caller was still there when the answer was ready (http.serve checks)
+    replayed: bool = False  # answered from a recorded session's call (proxy/replay.py), not sampled
 
     # Usage, counted once here and written by each API in its own shape, streamed or not (the same figures)
     @property

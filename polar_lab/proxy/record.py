@@ -39,7 +39,8 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
             finish_reason=choice.finish_reason, stop_reason=gen.stop_reason,
             sampling={**call.sampling, "seed": choice.seed},  # each choice's own seed (n > 1: derived)
             request=request, response=response, render=call.render, parse=choice.parsed.info(),
-            timings=timings, replica=gen.replica, moved_from=gen.moved_from, delivered=call.delivered))
+            timings=timings, replica=gen.replica, moved_from=gen.moved_from, delivered=call.delivered,
+            replayed=call.replayed))
     return records
 
 

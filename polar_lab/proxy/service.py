@@ -68,6 +68,7 @@ class Prepared:
     in_thought: bool  # the prompt ends inside a thought the template opened
     timings: dict[str, float] = field(default_factory=dict)
     max_tokens_source: str = "request"  # where the first choice's max_tokens came from (max_tokens_source)
+    replayed: bool = False  # answered from the record its session replays (proxy/replay.py), not by the engine
 
 
 class CallService:
@@ -142,7 +143,16 @@ class CallService:
     async def generate(self, p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None = None
                        ) -> list[Generation]:
         """The engine's generations of each choice, once the gate is open (a weight sync drains these like any
-        call). on_delta[i]: streams choice i's tokens as they are sampled."""
+        call). on_delta[i]: streams choice i's tokens as they are sampled. A replaying session's call that is still
+        on its record is answered from it, without the engine or the gate (proxy/replay.py)."""
+        if p.session.replay is not None:
+            replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, self._engine_text)
+            if replayed is not None:
+                p.replayed = True
+                for i, gen in enumerate(replayed if on_delta else ()):
+                    on_delta[i](TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]
+                                           if gen.output_versions else self.engine.policy_version))
+                return replayed
         t_gate = time.perf_counter()
         p.session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
         try:
@@ -193,8 +203,12 @@ class CallService:
             session=session, call_index=p.call_index, request_id=p.request_id, api=p.api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
             sampling={**_spec_dict(p.specs[0], p.requested, p.constraint), "max_tokens_source": p.max_tokens_source},
-            choices=choices,
+            choices=choices, replayed=p.replayed,
             timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
+
+    def _engine_text(self, ids: list[int]) -> str:
+        """The text the engine gives for `ids` (vLLM skips special tokens): a replayed answer's."""
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def splitter(self, p: Prepared) -> Splitter:
         """What reads one choice's text into deltas as it streams (proxy/streaming.py)."""

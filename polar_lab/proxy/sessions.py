@@ -19,11 +19,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polar_lab.errors import AuthError, ConfigError, ContextLengthError, EngineError, RequestError
 from polar_lab.store import RunStore
 from polar_lab.types import CONTINUITY, FORCEABLE, SamplingSpec, Session
+
+if TYPE_CHECKING:
+    from polar_lab.proxy.replay import Script
 
 
 def _check_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
@@ -67,8 +70,9 @@ class SessionRegistry:
     def create(self, task: dict[str, Any] | None = None, *, group_id: str | None = None,
                key: str | None = None, info: dict[str, Any] | None = None,
                chat_template: str | None = None, sampling: dict[str, Any] | None = None,
-               continuity: str | None = None, name: str | None = None) -> Session:
-        """name: what a request under the shared key calls this session (its id works too); unique in the Lab."""
+               continuity: str | None = None, name: str | None = None, replay: Script | None = None) -> Session:
+        """name: what a request under the shared key calls this session (its id works too); unique in the Lab.
+        replay: the recorded calls its first calls are answered from (proxy/replay.py)."""
         if continuity not in (None, *CONTINUITY):
             raise ConfigError(f"continuity must be one of {CONTINUITY} or None, got {continuity!r}")
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
@@ -78,7 +82,7 @@ class SessionRegistry:
                           task=task, group_id=group_id, info=dict(info or {}), base_url=self.base_url,
                           proxy_socket=self.proxy_socket,
                           chat_template=chat_template, sampling=_check_sampling(sampling), continuity=continuity,
-                          _closer=self.close)
+                          _closer=self.close, replay=replay)
         with self._lock:
             if name is not None and (name in self._by_name or name in self._by_id):
                 taken = self._by_name.get(name) or self._by_id[name]
@@ -144,6 +148,8 @@ class SessionRegistry:
             session.reward_parts = dict(reward_parts)
         session.closed_at = time.time()
         session.info.update(info or {})
+        if session.replay is not None:  # what it replayed, where it left the record
+            session.info["replay"] = session.replay.report()
         self.store.append_session(session, status)
         for hook in self.on_close:
             hook(session)

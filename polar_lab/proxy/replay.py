@@ -1,0 +1,88 @@
+"""A recorded session replayed up to a turn: the proxy answers a branch's first calls from the record, then samples.
+
+A branch session carries a `Script` (`Session.replay`): the recorded calls of the session it replays, by call index.
+Call i of the branch, for i < `live_from` (until_turn − 1), is answered from recorded call i when the prompt the proxy
+rendered for it is the recorded prompt, id for id: the recorded ids, logprobs and versions become the answer's
+Generation (its text decoded as the engine decodes: special tokens skipped, cut at a stop string) and go through the
+same parsing, streaming and recording as a live answer, without the engine (`engine_s` 0, `ModelCall.replayed`).
+The first call whose prompt differs — the harness is not deterministic, a tool answered differently — is the
+branch's divergence (`Divergence`: the call, the first differing token, both ids); it and every later call go live.
+From `live_from` on every call is live. What differs from the recorded answer is what the proxy issues fresh for
+every answer: the response's id, its tool-call ids and its timestamp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from polar_lab.types import Generation, ModelCall
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a branch's prompt first left the record: call `call_index`, token `token` of its prompt."""
+
+    call_index: int
+    token: int
+    recorded: int | None  # the recorded prompt's id there (None: the recorded prompt ended)
+    sent: int | None  # the branch's
+
+
+class Script:
+    """What a branch replays: `calls` (one session's records) answered until call `live_from`."""
+
+    def __init__(self, calls: list[ModelCall], live_from: int):
+        by_index: dict[int, list[ModelCall]] = {}
+        for call in calls:
+            by_index.setdefault(call.call_index, []).append(call)
+        self.calls = {i: sorted(choices, key=lambda c: c.choice_index) for i, choices in by_index.items()}
+        self.live_from = live_from
+        self.replayed = 0  # calls answered from the record so far
+        self.diverged: Divergence | None = None
+
+    def answer(self, call_index: int, prompt_ids: list[int],
+               decode: Callable[[list[int]], str]) -> list[Generation] | None:
+        """The recorded generations of call `call_index` if the branch is still on the record there, else None
+        (the call goes live; a prompt that differs is the branch's divergence)."""
+        recorded = self.calls.get(call_index)
+        if self.diverged is not None or call_index >= self.live_from or recorded is None:
+            return None
+        if recorded[0].prompt_ids != prompt_ids:
+            self.diverged = divergence(call_index, recorded[0].prompt_ids, prompt_ids)
+            return None
+        self.replayed += 1
+        return [generation(call, decode) for call in recorded]
+
+    def report(self) -> dict[str, Any]:
+        """What the branch replayed, for its session's info."""
+        exact = self.diverged is None and self.replayed == min(self.live_from, len(self.calls))
+        return {"source": next(iter(self.calls.values()))[0].session_id if self.calls else None,
+                "live_from": self.live_from, "replayed": self.replayed, "exact": exact,
+                "diverged": asdict(self.diverged) if self.diverged is not None else None}
+
+
+def divergence(call_index: int, recorded: list[int], sent: list[int]) -> Divergence:
+    """The first token where two prompts differ (one may be the other's prefix).
+
+    >>> divergence(1, [5, 6, 7], [5, 6, 9])
+    Divergence(call_index=1, token=2, recorded=7, sent=9)
+    >>> divergence(0, [5, 6], [5, 6, 7]).recorded is None
+    True
+    """
+    token = next((i for i, (a, b) in enumerate(zip(recorded, sent)) if a != b), min(len(recorded), len(sent)))
+    return Divergence(call_index, token, recorded[token] if token < len(recorded) else None,
+                      sent[token] if token < len(sent) else None)
+
+
+def generation(call: ModelCall, decode: Callable[[list[int]], str]) -> Generation:
+    """A recorded choice as the engine's answer: its ids, logprobs and versions; its text as vLLM detokenises
+    (`decode` skips special tokens), cut where a stop string matched."""
+    text = decode(call.output_ids)
+    if isinstance(call.stop_reason, str) and call.stop_reason in text:
+        text = text[:text.index(call.stop_reason)]
+    return Generation(output_ids=list(call.output_ids), output_logprobs=list(call.output_logprobs),
+                      output_versions=list(call.output_versions), text=text,
+                      finish_reason="stop" if call.finish_reason == "tool_calls" else call.finish_reason,  # as parsed
+                      stop_reason=call.stop_reason, replica=call.replica)
