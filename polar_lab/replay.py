@@ -13,21 +13,30 @@ version against a recorded run (does it still send the recorded prompts?).
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
 from polar_lab.errors import ConfigError
 from polar_lab.proxy.replay import Script
 from polar_lab.rewards.registry import get_evaluator
-from polar_lab.rollout import RolloutSpec, rollout_async
+from polar_lab.rollout import Host, RolloutSpec, rollout_async
 from polar_lab.run import Run
 from polar_lab.types import Evaluator, Group, Harness
 
-if TYPE_CHECKING:
-    from polar_lab.lab import Lab
+T = TypeVar("T")
+
+
+class ReplayHost(Host):
+    """What a replay needs of a Lab beyond a rollout's: its run folder's reader and its loop."""
+
+    reader: Run
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        ...
 
 
 @dataclass
@@ -62,7 +71,7 @@ class Replayed:
                 f"{self.exact} exact{spread})")
 
 
-def replay(host: Lab, source: str, *, until_turn: int, harness: Harness, branches: int = 4,
+def replay(host: ReplayHost, source: str, *, until_turn: int, harness: Harness, branches: int = 4,
            run: Run | str | Path | None = None, evaluator: str | Evaluator | None = None,
            spec: RolloutSpec | None = None,
            sampling: dict[str, Any] | None = None, seed: int | None = None, progress: bool = False) -> Replayed:
