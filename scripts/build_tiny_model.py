@@ -150,9 +150,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=TRAIN["steps"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-vllm", action="store_true", help="skip the vLLM load-and-generate check")
+    p.add_argument("--teacher", action="store_true",
+                   help="a better-trained teacher for on-policy distillation (data/models/<folder>-teacher): the "
+                        "fixture's own tokenizer (built first), transcripts that always copy the tool's result")
     p.add_argument("--vllm-check", action="store_true", help=argparse.SUPPRESS)  # child-process mode
     args = p.parse_args()
-    args.out = args.out or ROOT / "data/models" / FAMILIES[args.family].folder
+    args.out = args.out or ROOT / "data/models" / (FAMILIES[args.family].folder + ("-teacher" if args.teacher else ""))
     return args
 
 
@@ -377,9 +380,11 @@ def render_fn(tokenizer):
                                                       add_generation_prompt=True)
 
 
-def make_data(seed: int, tasks_dir: Path, family: str = "hermes") -> tuple[list, list, list, dict]:
+def make_data(seed: int, tasks_dir: Path, family: str = "hermes",
+              mixture: tuple[float, float] = (P_DIRECT, P_WRONG_FINAL)) -> tuple[list, list, list, dict]:
     """Task files (written) and the SFT transcripts with their mixture counts (with thoughts for qwen35; the
-    thoughts draw from their own generator, so the tasks and transcripts are the same for every family)."""
+    thoughts draw from their own generator, so the tasks and transcripts are the same for every family).
+    mixture: (P_DIRECT, P_WRONG_FINAL); a teacher's (0, 0) draws the same tasks, so the files stay as they are."""
     rng = random.Random(seed)
     train_tasks, test_tasks, used = calc.make_task_splits(rng, N_TRAIN_TASKS, N_TEST_TASKS)
     write_jsonl(tasks_dir / "calc_train.jsonl", train_tasks)
@@ -387,7 +392,7 @@ def make_data(seed: int, tasks_dir: Path, family: str = "hermes") -> tuple[list,
     conversations, kinds = [], {}
     thoughts = random.Random(seed + 1)
     for expr in calc.unique_expressions(rng, N_SFT, used):
-        conv, kind = calc.sft_conversation(rng, expr, P_DIRECT, P_WRONG_FINAL)
+        conv, kind = calc.sft_conversation(rng, expr, *mixture)
         conversations.append(calc.add_thoughts(thoughts, conv, expr) if FAMILIES[family].thinks else conv)
         kinds[kind] = kinds.get(kind, 0) + 1
     return train_tasks, test_tasks, conversations, kinds
@@ -455,10 +460,14 @@ def main() -> None:
     t_start = time.time()
     torch.set_num_threads(min(os.cpu_count() or 1, 4))
     random.seed(args.seed)
-    _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir, args.family)
+    mixture = (0.0, 0.0) if args.teacher else (P_DIRECT, P_WRONG_FINAL)
+    _, test_tasks, conversations, kinds = make_data(args.seed, args.tasks_dir, args.family, mixture)
     print(f"SFT mixture: {kinds}", flush=True)
     template = (Path(__file__).resolve().parent / template_file).read_text()
-    tokenizer = build_tokenizer(conversations[:3000], template, fam)
+    if args.teacher:  # the student's vocabulary: the teacher scores the student's token ids
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(ROOT / "data/models" / fam.folder)
+    else:
+        tokenizer = build_tokenizer(conversations[:3000], template, fam)
     prefix, examples = encode_sft(tokenizer, conversations, fam)
     lengths = sorted(len(ids) for ids, _ in examples)
     print(f"vocab {len(tokenizer)}; shared prefix {len(prefix)} tokens; SFT suffix lengths median "
@@ -477,7 +486,7 @@ def main() -> None:
                                                                            args.family)
     print(f"vLLM check: {json.dumps(vllm_summary)}", flush=True)
     info = {"family": args.family, "template": template_file, "seed": args.seed, "steps": args.steps, "n_params": n_params, "vocab_size": len(tokenizer),
-            "sft_mixture": kinds, "p_direct": P_DIRECT, "p_wrong_final": P_WRONG_FINAL,
+            "sft_mixture": kinds, "p_direct": mixture[0], "p_wrong_final": mixture[1], "teacher": args.teacher,
             "model_dims": fam.dims or MODEL_DIMS, "train": {**TRAIN, "steps": args.steps}, "losses": losses,
             "train_seconds": round(train_s, 1), "build_seconds": round(time.time() - t_start, 1),
             "n_sft": N_SFT, "n_train_tasks": N_TRAIN_TASKS, "n_test_tasks": N_TEST_TASKS,

@@ -46,14 +46,19 @@ def write_report(out: Path, info: dict, fam, arch: str) -> None:
     tokens = (f"Special: {', '.join(f'`{t}`' for t in fam.special)} (eos `{fam.eos}`, pad `{fam.pad}`"
               + (f", bos `{fam.bos}`" if fam.bos else "") + "). Added, not special (kept by "
               f"`skip_special_tokens=True`): {', '.join(f'`{t}`' for t in fam.added)}.")
+    teacher = info.get("teacher", False)
+    teacher_flag = " --teacher" if teacher else ""
+    teacher_note = ("\nA *teacher* for on-policy distillation (`GRPOConfig(teacher_model=...)`): the fixture's own "
+                    "tokenizer, and clean data\n(no direct answers, no near misses), so it copies the tool's result."
+                    if teacher else "")
     card = f"""# {out.name}
 
 A {info['n_params'] / 1e6:.2f}M-parameter {arch} model (fp32) that answers arithmetic
 questions by calling a `calculator` tool in {fmt}, built offline on CPU by `scripts/build_tiny_model.py`
 (seed {info['seed']}, {info['build_seconds']:.0f} s on 2 CPU cores, of which data + training
-{info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py --family {family}` (deterministic
+{info['train_seconds']:.0f} s). Rebuild: `python scripts/build_tiny_model.py --family {family}{teacher_flag}` (deterministic
 for a given machine and torch build).
-It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.
+It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a useful assistant.{teacher_note}
 
 ## Architecture and files
 - `{arch}`: {dims}, vocab {info['vocab_size']}, tied embeddings, rope_theta 1e6,
@@ -73,7 +78,7 @@ It exists to test polar_lab end to end (proxy, vLLM serving, RL) — it is not a
 {info['n_sft']} synthetic transcripts: system prompt, a question about an expression of 2-3 integer
 operands (1-3 digits, `+ - *`, optional parentheses), a `calculator` tool call, the tool's result, a
 final answer. Loss only on assistant tokens (including each turn's `{fam.eos}`).
-To leave room for RL the data is intentionally imperfect:
+{"A teacher's data is clean:" if teacher else "To leave room for RL the data is intentionally imperfect:"}
 - {info['p_direct']:.0%} answer directly without the tool (`P_DIRECT`);
 - of the tool-using transcripts, {info['p_wrong_final']:.0%} state a near miss of the tool's result
   instead of the result itself (`P_WRONG_FINAL`: off by 1-10, one digit changed, or an operand copied).
