@@ -211,9 +211,10 @@ class GRPOTrainer:
         self.save_checkpoint()
         return self.metrics
 
-    def evaluate(self, tasks: list[dict[str, Any]] | None = None, *, limit: int | None = None,
-                 seed: int | None = None, progress: bool = True) -> dict[str, Any]:
-        """Mean reward on held-out tasks, one seeded run each at the training temperature.
+    def evaluate(self, tasks: list[dict[str, Any]] | None = None, *, limit: int | None = None, seed: int | None = None,
+                 progress: bool = True, harness: str | Harness | None = None) -> dict[str, Any]:
+        """Mean reward on held-out tasks, one seeded run each at the training temperature; behind `harness` when
+        given (another harness than the one trained behind: benchmarks/harness_transfer.py).
 
         The same seed on the same weights gives the same runs, so before/after numbers are comparable.
         """
@@ -224,9 +225,9 @@ class GRPOTrainer:
             tasks = load_tasks(c.eval_tasks)
         tasks = tasks[:limit or c.eval_limit or len(tasks)]
         t0 = time.perf_counter()
-        groups = self.lab.rollout(tasks, self.harness, num_generations=1, evaluator=self.evaluator,
-                                  concurrency=c.concurrency, deadline_s=c.deadline_s, builder=trajectory_builder(c),
-                                  progress=progress, sampling=rollout_sampling(c),
+        groups = self.lab.rollout(tasks, get_harness(harness) if harness else self.harness, num_generations=1,
+                                  evaluator=self.evaluator, concurrency=c.concurrency, deadline_s=c.deadline_s,
+                                  builder=trajectory_builder(c), progress=progress, sampling=rollout_sampling(c),
                                   seed=c.eval_seed if seed is None else seed)
         self.last_eval_groups = groups
         sessions = [s for g in groups for s in g.sessions]

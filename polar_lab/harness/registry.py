@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 
 from polar_lab.harness.calculator import calculator_agent
+from polar_lab.harness.calculator_apis import anthropic_calculator_agent, google_calculator_agent
 from polar_lab.harness.code_agent import code_agent
+from polar_lab.harness.command import Command
 from polar_lab.harness.mixture import HarnessMixture
 from polar_lab.harness.multiagent import planner_solver
 from polar_lab.harness.presets import claude_code, codex, gemini_cli, mini_swe_agent, opencode, pi, qwen_code
@@ -14,6 +16,10 @@ from polar_lab.types import Harness
 
 HARNESSES: dict[str, Harness] = {
     "calculator": calculator_agent,  # openai-SDK tool loop, the tiny model's home task
+    "calculator_anthropic": anthropic_calculator_agent,  # the same task over the Anthropic SDK's tool loop
+    "calculator_google": google_calculator_agent,  # ... and google-genai's
+    # the same loop as a program of its own, run in the sandbox (polar_lab/harness/calc_cli.py)
+    "calc_cli": Command(["{python}", "-m", "polar_lab.harness.calc_cli", "{question}"], name="calc_cli"),
     "code_agent": code_agent,  # writes a function, runs the task's unit tests, retries
     "planner_solver": planner_solver,  # two agents, two chains per session
 }
