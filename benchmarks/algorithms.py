@@ -1,5 +1,5 @@
 """The algorithms side by side (issue 43): the same tasks, the same budget, several seeds each — held-out gain and
-seconds per step for grpo, dr_grpo, dapo, GSPO, CISPO, IcePop and dynamic sampling.
+seconds per step for grpo, dr_grpo, dapo, GSPO, CISPO, IcePop, dynamic sampling and on-policy distillation.
 
 One Lab on the shipped tiny model; each (method, seed) starts from the shipped weights: evaluate (eval_seed fixed),
 `--steps` sync steps, evaluate again. Methods are GRPOConfig overrides on one base (lr, tasks, group size):
@@ -11,6 +11,7 @@ One Lab on the shipped tiny model; each (method, seed) starts from the shipped w
     cispo         loss_type="cispo", epsilon_high=5.0
     dapo+icepop   vllm_importance_sampling_mode="token_mask", clip_min 0.5, clip_max 2.0
     dapo+dynamic  dynamic_sampling=True (max_refill_rounds 3)
+    dapo+distill  teacher_model="data/models/tiny-calc-teacher" (the build script's --teacher), scored by an engine
 
 On-policy and one pass per batch (num_iterations=1) the clip, the sequence ratio and the correction barely act: the
 methods then differ in their normalisers (grpo, dr_grpo, dapo), CISPO's gradient past the clip, and what dynamic
@@ -41,6 +42,8 @@ METHODS = {
     "dapo+icepop": {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5,
                     "vllm_importance_sampling_clip_max": 2.0},
     "dapo+dynamic": {"dynamic_sampling": True},
+    # the teacher: the build script's better-trained tiny-calc (`build_tiny_model.py --teacher`), in its own engine
+    "dapo+distill": {"teacher_model": "data/models/tiny-calc-teacher", "teacher_scorer": "engine"},
 }
 
 
