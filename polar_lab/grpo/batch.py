@@ -29,6 +29,7 @@ class Sample:
     versions: torch.Tensor  # (L-1,) long, policy version that sampled each target (-1 where not trained)
     temperature: float  # the trainer recomputes logprobs at the temperature the engine sampled with
     session_id: str = ""
+    chain_index: int = 0  # which chain of its session (with session_id: the sample's name in a step's X-ray)
     support: torch.Tensor | None = None  # (L-1, 3) each target's (top_k, top_p, min_p); None = whole vocabulary
     teacher_logprobs: torch.Tensor | None = None  # (L-1,) a teacher engine's log p of each target (grpo/teacher.py)
 
@@ -205,6 +206,7 @@ def _sample(t: Trajectory, advantage: float, weight: float) -> Sample:
         versions=torch.tensor(t.policy_versions[1:], dtype=torch.long),
         temperature=float(t.temperature),
         session_id=t.session_id,
+        chain_index=t.chain_index,
         support=torch.tensor(t.sampling_support[1:], dtype=torch.float32)
         if any(s != NO_SUPPORT for s in t.sampling_support) else None,
     )
@@ -226,9 +228,14 @@ def micro_batches(samples: list[Sample], config: GRPOConfig, pad_id: int,
                   device: torch.device | str) -> list[dict[str, torch.Tensor]]:
     """Sorted by length so padding stays small; `micro_batch_size` sequences each, or, with
     `micro_batch_tokens`, as many as fit that many padded tokens (a longer sample goes alone)."""
+    return [collate(group, pad_id, device) for group in micro_batch_groups(samples, config)]
+
+
+def micro_batch_groups(samples: list[Sample], config: GRPOConfig) -> list[list[Sample]]:
+    """The samples of each micro-batch, in `micro_batches`' order (the X-ray maps each row back to its sample)."""
     order = sorted(samples, key=lambda s: len(s.input_ids))
-    return [collate(group, pad_id, device) for group in token_budget_groups(
-        [len(s.input_ids) for s in order], config.micro_batch_size, config.micro_batch_tokens, order)]
+    return token_budget_groups([len(s.input_ids) for s in order], config.micro_batch_size,
+                               config.micro_batch_tokens, order)
 
 
 def same_count_on_every_rank(micro: list[dict[str, torch.Tensor]],

@@ -170,6 +170,8 @@ class GRPOConfig:
     eval_limit: int | None = _f(None, "evaluate on the first N held-out tasks only")
     eval_seed: int = _f(1234, "sampling seed of evaluations (run i uses eval_seed + i)")
     eval_steps: int = _f(0, "also evaluate every N steps during train() (0 = never)")
+    xray_steps: int = _f(8, "the loss X-ray (lab.show_loss): every token's logprobs, weight and rule, kept for the "
+                            "last N steps (0 = not captured)")
 
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
@@ -189,8 +191,7 @@ class GRPOConfig:
                f"overlong_buffer_len must be in [0, {self.overlong_limit}) (overlong_max_tokens), "
                f"got {self.overlong_buffer_len}")
         for name in ("tasks_per_step", "max_completion_length", "micro_batch_size", "num_iterations",
-                     "logprob_chunk_tokens",
-                     "max_nonfinite_updates", "async_window_steps",
+                     "logprob_chunk_tokens", "max_nonfinite_updates", "async_window_steps",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}")

@@ -123,9 +123,10 @@ def _plain_head(model: torch.nn.Module) -> bool:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch.Tensor,
                 ref_logp: torch.Tensor | None, advantages: torch.Tensor, weights: torch.Tensor,
-                config: GRPOConfig, teacher_logp: torch.Tensor | None = None
+                config: GRPOConfig, teacher_logp: torch.Tensor | None = None, *, xray: bool = False
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss (a scalar) and detached per-batch sums for metrics. All tensors (B, T-1) except advantages (B,)."""
+    """Loss (a scalar) and detached per-batch sums for metrics. All tensors (B, T-1) except advantages (B,).
+    xray: also the per-token tensors the loss used (stats["xray"]: grpo/xray.py shows them)."""
     trained = weights > 0
     adv = advantages[:, None]
     reverse_kl = torch.zeros_like(logp)
@@ -168,6 +169,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
             "distill_kl_sum": reverse_kl[trained].sum(),  # k1 of KL(π_old ‖ π_teacher) on the sampled tokens
             "log_is": log_is[trained],  # per trained token: log(π_old / μ), for quantiles
         }
+        if xray:
+            stats["xray"] = {"logp": logp.detach(), "old": old_logp, "behavior": behavior_logp, "weight": weights,
+                             "is_weight": is_weight, "is_truncated": truncated, "is_masked": masked,
+                             "clipped": was_clipped, "advantage": adv.expand_as(logp)}
     return loss, stats
 
 

@@ -21,10 +21,11 @@ import torch
 from polar_lab.engine.weights import WeightsWriter
 from polar_lab.errors import TrainerError
 from polar_lab.grpo import lora
-from polar_lab.grpo.batch import Sample, collate, micro_batches, same_count_on_every_rank
+from polar_lab.grpo.batch import Sample, collate, micro_batch_groups, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
 from polar_lab.grpo.scorers import FrozenScorers, disable_dropout
+from polar_lab.grpo.xray import token_rows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,7 +85,8 @@ class Policy:
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
-        micro = same_count_on_every_rank(self._micro_batches(samples), self.device)
+        groups = micro_batch_groups(samples, self.config)
+        micro = same_count_on_every_rank([collate(g, self.pad_id, self.device) for g in groups], self.device)
         frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref, teacher) per micro-batch
         totals = UpdateStats()
         for iteration in range(self.config.num_iterations):
@@ -95,8 +97,11 @@ class Policy:
                     logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
                                             mb.get("support"))
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
-                                              ref, mb["advantage"], mb["weights"], self.config, teacher)
+                                              ref, mb["advantage"], mb["weights"], self.config, teacher,
+                                              xray=self.config.xray_steps > 0 and iteration == 0 and i < len(groups))
                     (loss * self.world_size).backward()
+                if "xray" in stats:
+                    totals.xray += token_rows(groups[i], stats.pop("xray"))
                 if iteration == 0:
                     totals.add(stats)  # tokens, loss, IS: what the batch was; later passes re-use it
                 else:
@@ -291,6 +296,7 @@ class UpdateStats:
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
     iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
     skipped: int = 0  # of those passes, the ones whose optimiser step was skipped (non-finite gradient norm)
+    xray: list[dict] = field(default_factory=list)  # per sample, the loss's per-token tensors (grpo/xray.py)
 
     @property
     def stepped(self) -> bool:
@@ -305,9 +311,10 @@ class UpdateStats:
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
-                if f.name not in ("log_is", "grad_norm", "iterations", "skipped")}
+                if f.name not in ("log_is", "grad_norm", "iterations", "skipped", "xray")}
         return UpdateStats(**sums, log_is=torch.cat([self.log_is, other.log_is]), grad_norm=self.grad_norm,
-                           iterations=self.iterations, skipped=self.skipped)  # the same on every rank
+                           iterations=self.iterations, skipped=self.skipped,  # the same on every rank
+                           xray=self.xray + other.xray)
 
     def metrics(self) -> dict[str, float]:
         """The logged metrics: means over trained tokens, importance-ratio quantiles."""

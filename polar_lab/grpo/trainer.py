@@ -43,6 +43,7 @@ from polar_lab.grpo.policy import Policy, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
 from polar_lab.grpo.teacher import EngineTeacher
 from polar_lab.grpo.trackers import Trackers, resolve_report_to
+from polar_lab.grpo.xray import XRays
 from polar_lab.harness.registry import get_harness
 from polar_lab.rewards.registry import get_evaluator
 from polar_lab.rewards.table import reward_rows, rewards_frame
@@ -61,10 +62,8 @@ class GRPOTrainer:
                  teacher: Engine | None = None):
         """Train the Lab's model on `tasks` (default: config.tasks) run through `harness`. teacher: with
         teacher_scorer="engine", an engine of the caller's that scores the chains (default: one started for
-        teacher_model, stopped with the trainer).
-
-        The trainer starts from the model folder the engine serves. If the engine already holds other
-        weights (policy_version > 0), the trainer's are loaded into it first so both agree.
+        teacher_model, stopped with the trainer). The trainer starts from the model folder the engine serves; if
+        the engine already holds other weights (policy_version > 0), the trainer's are loaded into it first.
         """
         self.lab = lab
         self.config = config = config or GRPOConfig()
@@ -87,6 +86,7 @@ class GRPOTrainer:
         self.evaluations: list[dict[str, Any]] = []
         self.last_groups: list[Group] = []  # the latest step's inputs, for inspection in a notebook
         self.last_batch: Batch | None = None
+        self.xrays = XRays(config.xray_steps, lab.tokenizer, config)  # the loss X-ray of recent steps (lab.show_loss)
         self.last_eval_groups: list[Group] = []
         self._rollouts: SyncRollouts | AsyncRollouts | None = None
         self._nonfinite_in_a_row = 0  # updates whose every step was skipped (see _check_finite)
@@ -118,6 +118,7 @@ class GRPOTrainer:
         if self.teacher is not None and batch.samples:
             self.teacher.score(batch.samples)
         update = self.policy.update(batch.samples) if batch.samples else None
+        self.xrays.record(len(self.history) + 1, update.xray if update else [], batch.samples, version)
         self._check_finite(update)
         self._check_fidelity(batch, update)
         t2 = time.perf_counter()

@@ -23,6 +23,7 @@ class ShowsTraining(Protocol):
 
     history: Sequence[dict[str, Any]]
     reward_log: Sequence[dict[str, Any]]
+    xrays: Any  # grpo/xray.py's XRays: `steps`, step number → that step's token table
 
 
 class LabViews:
@@ -43,13 +44,31 @@ class LabViews:
     def training(self) -> dict[str, Any]:
         """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`) and its
         runs' rewards as (step, reward); without a trainer, the rewards of this Lab's finished runs (step 0)."""
-        trainers = self.owned(ShowsTraining)
-        trainer = trainers[-1] if trainers else self._last_trainer  # a closed trainer's curves stay on show
+        trainer = self._trainer()
         if trainer is not None:
             return {"history": list(trainer.history),
                     "rewards": [(r["step"], r["reward"]) for r in list(trainer.reward_log) if r["reward"] is not None]}
         return {"history": [], "rewards": [(0, s.reward) for s in self.registry.all()
                                            if s.status != "open" and s.reward is not None]}
+
+    def show_loss(self, step: int | None = None):
+        """The loss X-ray of a training step (default the latest kept; GRPOConfig.xray_steps): every token of its
+        samples coloured by the engine-vs-trainer gap, the importance weight, the advantage or the staleness, with
+        the rule that decided it; filter by session, chain and rule (viz/xray.py)."""
+        from polar_lab.viz.xray import show_loss
+
+        trainer = self._trainer()
+        kept = trainer.xrays.steps if trainer is not None else {}
+        if not kept or (step is not None and step not in kept):
+            raise KeyError(f"no X-ray of step {step if step is not None else '(any)'}: the trainer keeps the last "
+                           f"GRPOConfig.xray_steps steps ({list(kept) or 'none yet'})")
+        step = step if step is not None else next(reversed(kept))
+        return show_loss(kept[step], step)
+
+    def _trainer(self) -> Any:
+        """The newest attached trainer, else the latest released (a closed trainer's curves stay on show)."""
+        trainers = self.owned(ShowsTraining)
+        return trainers[-1] if trainers else self._last_trainer
 
     def replicas(self) -> pd.DataFrame:
         """One row per engine replica (engine/replicas.py): serving, pid, requests in flight, sessions routed to

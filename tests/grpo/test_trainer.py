@@ -22,6 +22,9 @@ def test_a_step_trains_syncs_and_logs(lab, model_path, restore_weights, tmp_path
         assert EXPECTED_METRICS <= set(m)
         assert all(s.teacher_logprobs is not None for s in trainer.last_batch.samples)
         assert abs(m["distill_kl"]) < 1e-3 and trainer.policy.scorers.teacher is None
+        xray = trainer.xrays.steps[1]  # the loss X-ray of this step, every target of every sample
+        assert len(xray) == sum(len(s.input_ids) - 1 for s in trainer.last_batch.samples)
+        assert xray["trained"].sum() == m["tokens"] and "polar-lab-xray-token" in lab.show_loss().children[-1].value
         assert m["policy_version"] == version + 1 and m["trained_version"] == version
         assert m["tokens"] == sum(s.num_tokens for s in trainer.last_batch.samples) > 0
         assert m["staleness_max"] == 0  # sync mode is on-policy
