@@ -42,6 +42,9 @@ class Watched(Protocol):
     def release(self, owned: Any) -> None:
         ...
 
+    def show_loss(self, step: int | None = None) -> Any:
+        ...
+
 
 class Dashboard:
     def __init__(self, lab: Watched, *, interval: float = 1.0, plot_interval: float = 5.0, plots: bool = True):
@@ -52,7 +55,12 @@ class Dashboard:
         self.table = widgets.HTML()
         self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="980px"))
         self.caption = widgets.HTML()
-        self.widget = widgets.VBox([self.table, self.image, self.caption] if plots else [self.table])
+        # the samples behind the reward plot: a step's loss X-ray (viz/xray.py), opened below the plots
+        self.step = widgets.Dropdown(description="X-ray of step", options=[], value=None)
+        self.xray = widgets.VBox([])
+        self.step.observe(self._open_xray, names="value")
+        self.widget = widgets.VBox([self.table, self.image, self.caption, self.step, self.xray] if plots
+                                   else [self.table])
         self.plots, self.plot_interval = plots, plot_interval
         self._drawn: tuple[float, Any] = (-1e9, None)  # (when, what it showed) of the last redraw
         self.series: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # one snapshot per refresh
@@ -108,7 +116,13 @@ class Dashboard:
             return
         self.image.value, self.plotted = draw(list(self.series), training)
         self.caption.value = caption(self.plotted)
+        steps = list(training.get("xray_steps") or [])
+        if list(self.step.options) != steps:  # the steps whose X-ray the trainer keeps
+            self.step.options = steps
         self._drawn = (time.perf_counter(), state)
+
+    def _open_xray(self, change: dict[str, Any]) -> None:
+        self.xray.children = () if change["new"] is None else (self.lab.show_loss(change["new"]),)
 
     def redraw(self) -> dict[str, int]:
         """Refresh now, the plots too; what each plot holds."""

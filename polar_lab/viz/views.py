@@ -42,11 +42,12 @@ class LabViews:
                 "engine_busy_s": self.supervisor.busy_seconds, **engine, **self.engine.replica_counts()}
 
     def training(self) -> dict[str, Any]:
-        """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`) and its
-        runs' rewards as (step, reward); without a trainer, the rewards of this Lab's finished runs (step 0)."""
+        """What the dashboard plots of training: the newest attached trainer's metrics per step (`history`), its
+        runs' rewards as (step, reward) and the steps whose loss X-ray it keeps; without a trainer, the rewards of
+        this Lab's finished runs (step 0)."""
         trainer = self._trainer()
         if trainer is not None:
-            return {"history": list(trainer.history),
+            return {"history": list(trainer.history), "xray_steps": list(trainer.xrays.steps),
                     "rewards": [(r["step"], r["reward"]) for r in list(trainer.reward_log) if r["reward"] is not None]}
         return {"history": [], "rewards": [(0, s.reward) for s in self.registry.all()
                                            if s.status != "open" and s.reward is not None]}

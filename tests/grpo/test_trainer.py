@@ -24,7 +24,15 @@ def test_a_step_trains_syncs_and_logs(lab, model_path, restore_weights, tmp_path
         assert abs(m["distill_kl"]) < 1e-3 and trainer.policy.scorers.teacher is None
         xray = trainer.xrays.steps[1]  # the loss X-ray of this step, every target of every sample
         assert len(xray) == sum(len(s.input_ids) - 1 for s in trainer.last_batch.samples)
-        assert xray["trained"].sum() == m["tokens"] and "polar-lab-xray-token" in lab.show_loss().children[-1].value
+        assert xray["trained"].sum() == m["tokens"]
+        board = lab.dashboard(start=False)  # the reward plot's step list opens that step's X-ray below it
+        try:
+            board.redraw()
+            assert list(board.step.options) == [1]
+            board.step.value = 1
+            assert "polar-lab-xray-token" in board.xray.children[0].children[-1].value
+        finally:
+            board.close()
         assert m["policy_version"] == version + 1 and m["trained_version"] == version
         assert m["tokens"] == sum(s.num_tokens for s in trainer.last_batch.samples) > 0
         assert m["staleness_max"] == 0  # sync mode is on-policy
