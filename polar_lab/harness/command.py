@@ -87,7 +87,11 @@ class Command:
 
     async def _run(self, session: Session, task: dict[str, Any], workdir: str) -> dict[str, Any]:
         repo = os.path.join(workdir, REPO)
-        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), "workdir": workdir, "repo": repo,
+        # isolated, the program sees its workdir at a fixed path: its prompts (an agent names its cwd) are the same
+        # run after run, which a replay of the run needs (polar_lab/replay.py); the host's folder stays unique
+        seen = f"/tmp/polar-{self.name}" if sandbox.resolve(self.sandbox) == "isolated" else workdir
+        values = {"python": sys.executable, "bin": os.path.dirname(sys.executable), "workdir": seen,
+                  "repo": os.path.join(seen, REPO),
                   "openai_base_url": session.openai_base_url, "anthropic_base_url": session.anthropic_base_url,
                   **task}
 
@@ -100,10 +104,11 @@ class Command:
             os.makedirs(repo, exist_ok=True)
             sandbox.write_files(repo, pristine)
         argv = [fill(a) for a in self.argv]
-        env = sandbox.environment(workdir, {**session.env(), **{k: fill(v) for k, v in self.env.items()}})
+        env = sandbox.environment(seen, {**session.env(), **{k: fill(v) for k, v in self.env.items()}})
         proxy = sandbox.Proxy.from_url(session.base_url, session.proxy_socket) if session.proxy_socket else None
         box = sandbox.Sandbox(argv, workdir=workdir, env=env, limits=self.limits, level=self.sandbox,
-                              readonly=tuple(self.readonly), proxy=proxy, cwd=repo if self.workspace else None)
+                              readonly=tuple(self.readonly), proxy=proxy, cwd=repo if self.workspace else None,
+                              inside=seen if seen != workdir else None)
         outcome = await box.start().wait_async()
         result = {"returncode": outcome.returncode, "stdout": outcome.stdout, "stderr": outcome.stderr,
                   "workdir": workdir, "pids_peak": outcome.pids_peak, "sandbox": outcome.level}

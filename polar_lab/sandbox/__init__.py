@@ -102,14 +102,16 @@ class Sandbox:
     level: "isolated" | "process" | None (the configured default; see `configure`). readonly: paths the
     program needs besides the system and the interpreter (its install), shown read-only when isolated.
     proxy: how an isolated program reaches the Lab's proxy (None: it reaches no network at all).
-    cwd: where the program starts, inside the workdir (default: the workdir).
+    cwd: where the program starts, inside the workdir (default: the workdir). inside: where an isolated program sees
+    its workdir (default: at its own path) — a fixed path makes its view the same run after run (harness/command.py).
     """
 
     def __init__(self, argv: list[str], *, workdir: str | Path, env: dict[str, str], limits: Limits = Limits(),
                  level: str | None = None, readonly: tuple[str, ...] = (), proxy: Proxy | None = None,
-                 cwd: str | Path | None = None):
+                 cwd: str | Path | None = None, inside: str | None = None):
         self.argv, self.workdir, self.env, self.limits = list(argv), str(workdir), env, limits
         self.cwd = str(cwd or workdir)
+        self.inside = inside
         self.readonly, self.proxy = tuple(readonly), proxy
         self._prlimit = _find_prlimit(limits)  # refuses before anything starts
         self.level = resolve(level)  # refuses too, where "isolated" cannot run and no fallback is allowed
@@ -163,9 +165,10 @@ class Sandbox:
         argv = self.argv
         if self.level == "isolated":
             isolation.prepare_workdir(self.workdir, self._owner)
+            seen_cwd = self.cwd if self.inside is None else self.inside + self.cwd[len(self.workdir):]
             argv = isolation.wrap(argv, workdir=self.workdir, tmp_mb=self.limits.disk_mb, readonly=self.readonly,
-                                  proxy=self.proxy, cwd=self.cwd, owner=self._owner, seccomp_fd=self._seccomp,
-                                  etc=self._etc)
+                                  proxy=self.proxy, cwd=seen_cwd, owner=self._owner, seccomp_fd=self._seccomp,
+                                  etc=self._etc, inside=self.inside)
         return ["/bin/sh", "-c", shell, "sh", *_limits_argv(self._prlimit, self.limits, nproc=nproc), *argv]
 
     def _watch(self) -> None:

@@ -285,9 +285,10 @@ def prepare_workdir(workdir: str | Path, owner: User | None = None) -> None:
 
 def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, etc: tuple[int, int],
          readonly: tuple[str, ...] = (), proxy: Proxy | None = None, owner: User | None = None, cwd: str | None = None,
-         seccomp_fd: int | None = None) -> list[str]:
+         seccomp_fd: int | None = None, inside: str | None = None) -> list[str]:
     """`argv` run isolated: the setpriv + bwrap prefix, then (with a proxy) the forwarding launcher. etc: the
-    passwd and group descriptors (`etc_fds`), passed to the run with the seccomp filter's."""
+    passwd and group descriptors (`etc_fds`), passed to the run with the seccomp filter's. inside: where the run
+    sees its workdir (default: at its own path); cwd is then a path as the run sees it."""
     owner = owner or user()
     if proxy is not None:  # the forwarder first, then the program
         argv = [sys.executable, "-I", "-S", str(LAUNCH), "--listen", proxy.host, str(proxy.port), "--to",
@@ -304,12 +305,13 @@ def wrap(argv: list[str], *, workdir: str | Path | None, tmp_mb: int, etc: tuple
            "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
            "--perms", "1777", "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
     mounts = _readonly(readonly)
-    box += _parents([*mounts, *([str(workdir)] if workdir is not None else []),
+    seen = inside or (str(workdir) if workdir is not None else None)
+    box += _parents([*mounts, *([seen] if seen is not None else []),
                      *([SOCKET_DIR] if proxy is not None else [])])
     for path in mounts:  # after /tmp: a venv or checkout under /tmp is bound over the tmpfs
         box += ["--ro-bind", path, path]
     if workdir is not None:
-        box += ["--bind", str(workdir), str(workdir), "--chdir", str(cwd or workdir)]
+        box += ["--bind", str(workdir), seen, "--chdir", str(cwd or seen)]
     if proxy is not None:
         box += ["--ro-bind", os.path.dirname(proxy.socket), SOCKET_DIR]
     return [*box, "--", *argv]

@@ -47,18 +47,29 @@ def _run_agent(lab, harness):
     return calls
 
 
+def _rerun_exactly(lab, harness, calls):
+    """The recorded run again, every call answered from the record (issue 44): the agent, isolated, sees its workdir
+    at the same path run after run, so its prompts match the record id for id and the engine never steps."""
+    steps = lab.engine.steps
+    replayed = lab.replay(calls[0].session_id, until_turn=len(calls) + 1, harness=harness, branches=1)
+    assert replayed.exact == 1, replayed.frame().to_dict("records")
+    assert lab.engine.steps == steps
+
+
 @pytest.mark.skipif(not _installed("claude"), reason="run `make agents` (npm) to install Claude Code")
-def test_claude_code_runs_unmodified_over_the_anthropic_surface(lab):
+def test_claude_code_runs_unmodified_over_the_anthropic_surface_and_reruns_exactly_from_its_record(lab):
     calls = _run_agent(lab, claude_code())
     assert all(c.api == "anthropic.messages" and c.request["stream"] is True for c in calls)
     assert {t["name"] for t in calls[0].request["tools"]} >= {"Bash", "Read"}
+    _rerun_exactly(lab, claude_code(), calls)
 
 
 @pytest.mark.skipif(not _installed("codex"), reason="run `make agents` (npm) to install Codex CLI")
-def test_codex_runs_unmodified_over_the_responses_surface(lab):
+def test_codex_runs_unmodified_over_the_responses_surface_and_reruns_exactly_from_its_record(lab):
     calls = _run_agent(lab, codex())
     assert all(c.api == "openai.responses" and c.request["stream"] is True for c in calls)
     assert any(m.get("role") == "developer" for m in calls[0].request["input"])
+    _rerun_exactly(lab, codex(), calls)
 
 
 TOKENS = 384
