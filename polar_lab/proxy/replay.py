@@ -42,15 +42,19 @@ class Script:
         self.replayed = 0  # calls answered from the record so far
         self.diverged: Divergence | None = None
 
-    def answer(self, call_index: int, prompt_ids: list[int],
+    def answer(self, call_index: int, prompt_ids: list[int], choices: int,
                decode: Callable[[list[int]], str]) -> list[Generation] | None:
         """The recorded generations of call `call_index` if the branch is still on the record there, else None
-        (the call goes live; a prompt that differs is the branch's divergence)."""
+        (the call goes live). A prompt that differs is the branch's divergence, at its first differing token; a
+        request for another number of choices than the record's, at token -1."""
         recorded = self.calls.get(call_index)
         if self.diverged is not None or call_index >= self.live_from or recorded is None:
             return None
         if recorded[0].prompt_ids != prompt_ids:
             self.diverged = divergence(call_index, recorded[0].prompt_ids, prompt_ids)
+            return None
+        if len(recorded) != choices:
+            self.diverged = Divergence(call_index, -1, None, None)
             return None
         self.replayed += 1
         return [generation(call, decode) for call in recorded]

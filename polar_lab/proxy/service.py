@@ -146,12 +146,12 @@ class CallService:
         call). on_delta[i]: streams choice i's tokens as they are sampled. A replaying session's call that is still
         on its record is answered from it, without the engine or the gate (proxy/replay.py)."""
         if p.session.replay is not None:
-            replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, self._engine_text)
+            replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, len(p.specs), self._engine_text)
             if replayed is not None:
                 p.replayed = True
-                for i, gen in enumerate(replayed if on_delta else ()):
-                    on_delta[i](TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]
-                                           if gen.output_versions else self.engine.policy_version))
+                for deliver, gen in zip(on_delta or (), replayed):  # a stream gets each answer as one delta
+                    if gen.output_ids:
+                        deliver(TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]))
                 return replayed
         t_gate = time.perf_counter()
         p.session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
