@@ -77,7 +77,9 @@ def plot(runs: pd.DataFrame, path: str | Path | None = None):
     image = ax.imshow(mean.values, cmap="RdBu", vmin=-bound, vmax=bound)
     for i in range(len(order)):
         for j in range(len(order)):
-            ax.text(j, i, f"{mean.values[i, j]:+.3f}\n±{std.values[i, j]:.3f}", ha="center", va="center", fontsize=8)
+            dark = abs(mean.values[i, j]) > 0.6 * bound
+            ax.text(j, i, f"{mean.values[i, j]:+.3f}\n±{std.values[i, j]:.3f}", ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
     ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
     ax.set_yticks(range(len(order)), order)
     ax.set_xlabel("evaluated behind")
