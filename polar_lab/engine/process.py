@@ -141,7 +141,7 @@ class LocalProcess(EngineProcess):
 
     def __init__(self, config: EngineConfig, log_path: Path | None):
         super().__init__(config, log_path)
-        self.conn, self._launcher, self._scratch = _spawn(config, log_path)
+        self.conn, self._launcher, self.scratch = _spawn(config, log_path)  # scratch: its TMPDIR
         self.conn.send(("start", config))
 
     def connect(self, deadline: float) -> None:
@@ -155,7 +155,7 @@ class LocalProcess(EngineProcess):
             return None
 
     def release(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _spawn(config: EngineConfig, log_path: Path | None) -> tuple[Connection, concurrent.futures.Future, str]:

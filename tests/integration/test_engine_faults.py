@@ -64,7 +64,7 @@ def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, t
         client = openai.OpenAI(base_url=done.openai_base_url, api_key=done.key, max_retries=0)
         for i in range(3):  # completed before the crash: these must survive it, once each
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{i}+1"}], max_tokens=4)
-        engine_pid, scratch = lab.engine.pid, lab.engine._scratch
+        engine_pid, scratch = lab.engine.pid, lab.engine.process.scratch
 
         sessions = [lab.session() for _ in range(5)]
         errors = asyncio.run(_kill_engine_mid_flight(lab, sessions))
@@ -111,7 +111,7 @@ def test_engine_killed_mid_request_then_restarted(model_path, shipped_weights, t
         after = recorded[-1]
         assert after.policy_version == 2 and len(after.output_ids) == 8
         assert max(after.output_logprobs) - min(after.output_logprobs) < 1e-4  # uniform: the zero head
-        engine_pid, scratch = lab.engine.pid, lab.engine._scratch
+        engine_pid, scratch = lab.engine.pid, lab.engine.process.scratch
     assert not running(engine_pid)
     assert not os.path.exists(scratch), "the engine's scratch dir outlived the Lab"
 
