@@ -13,7 +13,6 @@ every answer: the response's id, its tool-call ids and its timestamp.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,8 +41,7 @@ class Script:
         self.replayed = 0  # calls answered from the record so far
         self.diverged: Divergence | None = None
 
-    def answer(self, call_index: int, prompt_ids: list[int], choices: int,
-               decode: Callable[[list[int]], str]) -> list[Generation] | None:
+    def answer(self, call_index: int, prompt_ids: list[int], choices: int, tokenizer) -> list[Generation] | None:
         """The recorded generations of call `call_index` if the branch is still on the record there, else None
         (the call goes live). A prompt that differs is the branch's divergence, at its first differing token; a
         request for another number of choices than the record's, at token -1."""
@@ -57,7 +55,7 @@ class Script:
             self.diverged = Divergence(call_index, -1, None, None)
             return None
         self.replayed += 1
-        return [generation(call, decode) for call in recorded]
+        return [generation(call, tokenizer) for call in recorded]
 
     def report(self) -> dict[str, Any]:
         """What the branch replayed, for its session's info."""
@@ -80,10 +78,10 @@ def divergence(call_index: int, recorded: list[int], sent: list[int]) -> Diverge
                       sent[token] if token < len(sent) else None)
 
 
-def generation(call: ModelCall, decode: Callable[[list[int]], str]) -> Generation:
+def generation(call: ModelCall, tokenizer) -> Generation:
     """A recorded choice as the engine's answer: its ids, logprobs and versions; its text as vLLM detokenises
-    (`decode` skips special tokens), cut where a stop string matched."""
-    text = decode(call.output_ids)
+    (special tokens skipped), cut where a stop string matched."""
+    text = tokenizer.decode(call.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if isinstance(call.stop_reason, str) and call.stop_reason in text:
         text = text[:text.index(call.stop_reason)]
     return Generation(output_ids=list(call.output_ids), output_logprobs=list(call.output_logprobs),

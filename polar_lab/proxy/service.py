@@ -145,14 +145,8 @@ class CallService:
         """The engine's generations of each choice, once the gate is open (a weight sync drains these like any
         call). on_delta[i]: streams choice i's tokens as they are sampled. A replaying session's call that is still
         on its record is answered from it, without the engine or the gate (proxy/replay.py)."""
-        if p.session.replay is not None:
-            replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, len(p.specs), self._engine_text)
-            if replayed is not None:
-                p.replayed = True
-                for deliver, gen in zip(on_delta or (), replayed):  # a stream gets each answer as one delta
-                    if gen.output_ids:
-                        deliver(TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]))
-                return replayed
+        if p.session.replay is not None and (replayed := from_record(p, on_delta, self.renderer.tokenizer)):
+            return replayed
         t_gate = time.perf_counter()
         p.session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
         try:
@@ -205,10 +199,6 @@ class CallService:
             sampling={**_spec_dict(p.specs[0], p.requested, p.constraint), "max_tokens_source": p.max_tokens_source},
             choices=choices, replayed=p.replayed,
             timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
-
-    def _engine_text(self, ids: list[int]) -> str:
-        """The text the engine gives for `ids` (vLLM skips special tokens): a replayed answer's."""
-        return self.renderer.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def splitter(self, p: Prepared) -> Splitter:
         """What reads one choice's text into deltas as it streams (proxy/streaming.py)."""
@@ -330,6 +320,18 @@ class CallService:
 
 
 MAX_TOKENS_HEADER = "polar-lab-max-tokens"  # on every answer: `1024; source=default` (docs/api-conformance.md)
+
+
+def from_record(p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None, tokenizer) -> list[Generation] | None:
+    """A replaying session's call while it is still on its record (proxy/replay.py): the recorded answers, each
+    streamed as one delta; None when the call goes live."""
+    replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, len(p.specs), tokenizer)
+    if replayed is not None:
+        p.replayed = True
+        for deliver, gen in zip(on_delta or (), replayed):
+            if gen.output_ids:
+                deliver(TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]))
+    return replayed
 
 
 def max_tokens_header(max_tokens: int, source: str) -> str:

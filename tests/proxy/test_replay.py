@@ -16,29 +16,35 @@ RECORD = [_call(0, [1, 2], [7, 8], finish="tool_calls"), _call(1, [1, 2, 7, 8, 9
           _call(2, [1, 2, 7, 8, 9, 5, 6], [4])]
 
 
-def decode(ids):
-    return " ".join(map(str, ids))
+class Digits:
+    """A tokenizer stand-in: each id is its own digit."""
+
+    def decode(self, ids, **options):
+        return " ".join(map(str, ids))
+
+
+DIGITS = Digits()
 
 
 def test_calls_before_turn_k_come_from_the_record_and_the_rest_go_live():
     script = Script(RECORD, live_from=2)
-    (first,) = script.answer(0, [1, 2], 1, decode)
+    (first,) = script.answer(0, [1, 2], 1, DIGITS)
     assert (first.output_ids, first.output_versions, first.text, first.finish_reason) == ([7, 8], [3, 3], "7 8", "stop")
-    assert script.answer(1, [1, 2, 7, 8, 9], 1, decode)[0].output_ids == [5]
-    assert script.answer(2, [1, 2, 7, 8, 9, 5, 6], 1, decode) is None  # turn 3: live
+    assert script.answer(1, [1, 2, 7, 8, 9], 1, DIGITS)[0].output_ids == [5]
+    assert script.answer(2, [1, 2, 7, 8, 9, 5, 6], 1, DIGITS) is None  # turn 3: live
     assert script.report() == {"source": "src", "live_from": 2, "replayed": 2, "exact": True, "diverged": None}
 
 
 def test_a_branch_that_leaves_the_record_stays_live_even_where_a_later_prompt_matches_again():
     script = Script(RECORD, live_from=3)
-    assert script.answer(0, [1, 2], 1, decode) is not None
-    assert script.answer(1, [1, 2, 7, 8, 0], 1, decode) is None
-    assert script.answer(2, [1, 2, 7, 8, 9, 5, 6], 1, decode) is None
+    assert script.answer(0, [1, 2], 1, DIGITS) is not None
+    assert script.answer(1, [1, 2, 7, 8, 0], 1, DIGITS) is None
+    assert script.answer(2, [1, 2, 7, 8, 9, 5, 6], 1, DIGITS) is None
     assert script.report()["diverged"] == {"call_index": 1, "token": 4, "recorded": 9, "sent": 0}
     assert not script.report()["exact"]
 
 
 def test_another_number_of_choices_is_a_divergence_of_the_request_not_of_its_prompt():
     script = Script(RECORD, live_from=3)
-    assert script.answer(0, [1, 2], 2, decode) is None
+    assert script.answer(0, [1, 2], 2, DIGITS) is None
     assert script.report()["diverged"] == {"call_index": 0, "token": -1, "recorded": None, "sent": None}
