@@ -19,6 +19,7 @@ tokens among the prompt's: special and added tokens, and a role header after a s
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -43,18 +44,20 @@ def token_rows(samples: list[Sample], per_token: dict[str, torch.Tensor]) -> lis
 
 
 class XRays:
-    """The X-rays of a trainer's last `keep` steps, by step number, as token tables (`frame`)."""
+    """The X-rays of a trainer's last `keep` steps: `steps[n]` is step n's token table (`frame`), built when first
+    read — a step keeps only the captured arrays, so a trainer whose X-rays nobody reads pays no decoding."""
 
     def __init__(self, keep: int, tokenizer, config: GRPOConfig):
         self.keep, self.tokenizer, self.config = keep, tokenizer, config
-        self.steps: OrderedDict[int, pd.DataFrame] = OrderedDict()
+        self.steps = _Tables(self.frame)
 
     def record(self, step: int, captured: list[dict[str, Any]], samples: list[Sample], version: int) -> None:
         if not self.keep or not captured:
             return
-        self.steps[step] = self.frame(captured, samples, version)
-        while len(self.steps) > self.keep:
-            self.steps.popitem(last=False)
+        self.steps.raw[step] = (captured, samples, version)
+        while len(self.steps.raw) > self.keep:
+            dropped, _ = self.steps.raw.popitem(last=False)
+            self.steps.built.pop(dropped, None)
 
     def frame(self, captured: list[dict[str, Any]], samples: list[Sample], version: int) -> pd.DataFrame:
         """One row per target token of every sample, in batch order."""
@@ -97,3 +100,27 @@ class XRays:
                 out[i] = True
                 header = "\n" not in self.tokenizer.decode([token])
         return out
+
+
+class _Tables(Mapping):
+    """Step number → token table, each built once from its captured arrays on first read."""
+
+    def __init__(self, build):
+        self.build, self.raw, self.built = build, OrderedDict(), {}
+
+    def __getitem__(self, step: int) -> pd.DataFrame:
+        if step not in self.built:
+            self.built[step] = self.build(*self.raw[step])
+        return self.built[step]
+
+    def __contains__(self, step: object) -> bool:  # without building the table (Mapping's would)
+        return step in self.raw
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __reversed__(self):
+        return reversed(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)

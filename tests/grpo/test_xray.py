@@ -79,3 +79,13 @@ def test_the_widget_draws_every_token_and_filters_by_rule(tokenizer, samples, mo
     assert "data-rule='trained'" not in body.value
     colour_by.value = "advantage"
     assert "advantage (per token" in body.value
+
+
+def test_a_steps_table_is_built_when_first_read_and_only_the_last_steps_are_kept(model_path, tokenizer, samples):
+    """Decoding every token costs seconds on a large batch: a step the notebook never looks at is never decoded."""
+    update = Policy(model_path, GRPOConfig()).update(samples[:2])
+    xrays = XRays(2, tokenizer, GRPOConfig())
+    for step in (1, 2, 3):
+        xrays.record(step, update.xray, samples[:2], version=0)
+    assert list(xrays.steps) == [2, 3] and 3 in xrays.steps and 1 not in xrays.steps and not xrays.steps.built
+    assert len(xrays.steps[3]) == sum(len(s.input_ids) - 1 for s in samples[:2]) and list(xrays.steps.built) == [3]
