@@ -477,6 +477,8 @@ class ModelCall:
     moved_from: int | None = None  # the session's replica before this call moved it there (None: it did not move)
     delivered: bool = True  # False: its caller had hung up before the answer was ready (a harness that timed out)
     replayed: bool = False  # answered from the record of the session it replays (lab.replay), not by the engine
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the alternatives a request asked for
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> ModelCall:

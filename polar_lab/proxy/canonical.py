@@ -73,6 +73,7 @@ class CompletedCall:
     session: Session
     call_index: int
     request_id: str
+    created: float  # unix time: when it was received (its record's time, when replayed); its body's timestamp
     api: str
     model: str
     prompt_ids: list[int]
@@ -114,25 +115,26 @@ class Lenient(BaseModel):
 class ThoughtSigner:
     """Signs the thoughts the proxy returns (Anthropic's thinking `signature`), so that an echoed thought can be
     checked: HMAC-SHA256 over its text with a secret of this proxy's, never sent anywhere. Also seals them (the
-    Responses API's `encrypted_content`): Fernet (AES-128-CBC + HMAC) under another secret, opaque to the client
-    and refused when altered."""
+    Responses API's `encrypted_content`): AES-SIV under another secret, opaque to the client and refused when altered.
+    Both are deterministic (SIV needs no nonce: the same thought seals to the same bytes, which tells a client only
+    that two of its thoughts are equal), so a replayed answer carries the recorded signature and seal."""
 
     def __init__(self) -> None:
-        from cryptography.fernet import Fernet
+        from cryptography.hazmat.primitives.ciphers.aead import AESSIV
 
         self._key = secrets.token_bytes(32)
-        self._fernet = Fernet(Fernet.generate_key())
+        self._siv = AESSIV(AESSIV.generate_key(512))
 
     def seal(self, thinking: str) -> str:
-        return self._fernet.encrypt(thinking.encode()).decode()
+        return base64.urlsafe_b64encode(self._siv.encrypt(thinking.encode(), None)).decode()
 
     def unseal(self, blob: str) -> str | None:
         """The sealed thought, or None when `blob` is not one this proxy sealed (or was altered)."""
-        from cryptography.fernet import InvalidToken
+        from cryptography.exceptions import InvalidTag
 
         try:
-            return self._fernet.decrypt(blob.encode()).decode()
-        except (InvalidToken, ValueError, TypeError):
+            return self._siv.decrypt(base64.urlsafe_b64decode(blob.encode()), None).decode()
+        except (InvalidTag, ValueError, TypeError):
             return None
 
     def sign(self, thinking: str) -> str:

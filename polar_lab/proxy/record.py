@@ -40,7 +40,8 @@ def model_calls(call: CompletedCall, request: dict[str, Any], response: dict[str
             sampling={**call.sampling, "seed": choice.seed},  # each choice's own seed (n > 1: derived)
             request=request, response=response, render=call.render, parse=choice.parsed.info(),
             timings=timings, replica=gen.replica, moved_from=gen.moved_from, delivered=call.delivered,
-            replayed=call.replayed))
+            replayed=call.replayed, cached_tokens=gen.cached_tokens,
+            top_logprobs=[list(alts.items()) for alts in gen.top_logprobs] if gen.top_logprobs else None))
     return records
 
 

@@ -7,8 +7,14 @@ Generation (its text decoded as the engine decodes: special tokens skipped, cut 
 same parsing, streaming and recording as a live answer, without the engine (`engine_s` 0, `ModelCall.replayed`).
 The first call whose prompt differs — the harness is not deterministic, a tool answered differently — is the
 branch's divergence (`Divergence`: the call, the first differing token, both ids); it and every later call go live.
-From `live_from` on every call is live. What differs from the recorded answer is what the proxy issues fresh for
-every answer: the response's id, its tool-call ids and its timestamp.
+From `live_from` on every call is live.
+
+A replayed answer is the recorded one byte for byte: the call takes its record's request id and time
+(`CallService.prepare`), and what the proxy issues per answer derives from those — the response's id, its tool-call
+ids (`Prepared.tool_call_id`), its timestamp. Two things are this proxy's secrets: an Anthropic thinking signature and
+a sealed Responses reasoning item are the recorded bytes when the Lab that recorded them replays them (the same
+secrets; sealing is deterministic), and differ in another Lab — which could not have checked the recorded ones
+either. A streamed answer carries the recorded text in one delta, not in the chunks it was sampled in.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ class Script:
         self.replayed = 0  # calls answered from the record so far
         self.diverged: Divergence | None = None
 
-    def answer(self, call_index: int, prompt_ids: list[int], choices: int, tokenizer) -> list[Generation] | None:
-        """The recorded generations of call `call_index` if the branch is still on the record there, else None
+    def answer(self, call_index: int, prompt_ids: list[int], choices: int) -> list[ModelCall] | None:
+        """The recorded choices of call `call_index` if the branch is still on the record there, else None
         (the call goes live). A prompt that differs is the branch's divergence, at its first differing token; a
         request for another number of choices than the record's, at token -1."""
         recorded = self.calls.get(call_index)
@@ -55,7 +61,7 @@ class Script:
             self.diverged = Divergence(call_index, -1, None, None)
             return None
         self.replayed += 1
-        return [generation(call, tokenizer) for call in recorded]
+        return recorded
 
     def report(self) -> dict[str, Any]:
         """What the branch replayed, for its session's info."""
@@ -79,12 +85,13 @@ def divergence(call_index: int, recorded: list[int], sent: list[int]) -> Diverge
 
 
 def generation(call: ModelCall, tokenizer) -> Generation:
-    """A recorded choice as the engine's answer: its ids, logprobs and versions; its text as vLLM detokenises
-    (special tokens skipped), cut where a stop string matched."""
+    """A recorded choice as the engine's answer: its ids, logprobs, versions, alternatives and prefix-cache hit; its
+    text as vLLM detokenises (special tokens skipped), cut where a stop string matched."""
     text = tokenizer.decode(call.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if isinstance(call.stop_reason, str) and call.stop_reason in text:
         text = text[:text.index(call.stop_reason)]
     return Generation(output_ids=list(call.output_ids), output_logprobs=list(call.output_logprobs),
                       output_versions=list(call.output_versions), text=text,
                       finish_reason="stop" if call.finish_reason == "tool_calls" else call.finish_reason,  # as parsed
-                      stop_reason=call.stop_reason, replica=call.replica)
+                      stop_reason=call.stop_reason, replica=call.replica, cached_tokens=call.cached_tokens,
+                      top_logprobs=[dict(pairs) for pairs in call.top_logprobs] if call.top_logprobs else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import logging
 import time
 import uuid
@@ -29,10 +30,11 @@ from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PauseState
 from polar_lab.proxy.record import call_id, model_calls, without_ids
 from polar_lab.proxy.render import Rendered, Renderer, Tip, TipCache
+from polar_lab.proxy.replay import generation
 from polar_lab.proxy.sessions import SessionRegistry
 from polar_lab.proxy.splice import HistoryDigests, Turn, TurnLedger, pick
 from polar_lab.store import RunStore
-from polar_lab.types import Generation, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
+from polar_lab.types import Generation, ModelCall, SamplingSpec, Session, TokenDelta, call_seed, derived_seed, mix_seed
 
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,18 @@ class Prepared:
     in_thought: bool  # the prompt ends inside a thought the template opened
     timings: dict[str, float] = field(default_factory=dict)
     max_tokens_source: str = "request"  # where the first choice's max_tokens came from (max_tokens_source)
-    replayed: bool = False  # answered from the record its session replays (proxy/replay.py), not by the engine
+    created: float = 0.0  # the answer's unix time as its body says it (its record's, when replayed)
+    recorded: list[ModelCall] | None = None  # the recorded choices that answer it (proxy/replay.py); None: live
+
+    @property
+    def replayed(self) -> bool:
+        return self.recorded is not None
+
+    def tool_call_id(self, choice: int, k: int) -> str:
+        """The id of choice `choice`'s k-th tool call: derived from the request's id (unique per call), so that a
+        replayed call, which carries its record's request id, issues the recorded ids again."""
+        digest = hashlib.blake2b(f"{self.request_id}/{choice}/{k}".encode(), digest_size=12).hexdigest()
+        return "call_" + digest
 
 
 class CallService:
@@ -120,10 +133,15 @@ class CallService:
                                    spec.max_tokens)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
-        return Prepared(session=session, req=req, api=api, request_id=uuid.uuid4().hex[:16], call_index=call_index,
+        # a replaying session's call still on its record is answered from it (proxy/replay.py), under the recorded
+        # request id and time: the answer's ids (response, tool calls) and timestamp are the recorded ones
+        recorded = session.replay.answer(call_index, rendered.prompt_ids, len(specs)) if session.replay else None
+        request_id, created = ((recorded[0].request_id, recorded[0].timings["received"]) if recorded
+                               else (uuid.uuid4().hex[:16], received))
+        return Prepared(session=session, req=req, api=api, request_id=request_id, call_index=call_index,
                         rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs,
                         splicing=splicing, histories=histories, in_thought=in_thought, timings={"received": received},
-                        max_tokens_source=source)
+                        max_tokens_source=source, created=created, recorded=recorded)
 
     async def prompt(self, session: Session, req: CanonicalRequest, *, inline: bool = False
                      ) -> tuple[Rendered, str, str | None, bool, list[str]]:
@@ -145,8 +163,8 @@ class CallService:
         """The engine's generations of each choice, once the gate is open (a weight sync drains these like any
         call). on_delta[i]: streams choice i's tokens as they are sampled. A replaying session's call that is still
         on its record is answered from it, without the engine or the gate (proxy/replay.py)."""
-        if p.session.replay is not None and (replayed := from_record(p, on_delta, self.renderer.tokenizer)):
-            return replayed
+        if p.recorded is not None:
+            return from_record(p.recorded, on_delta, self.renderer.tokenizer)
         t_gate = time.perf_counter()
         p.session.waiting += 1  # a run's deadline does not count this wait (rollout.run_one)
         try:
@@ -180,6 +198,8 @@ class CallService:
         for i, gen in enumerate(generations):
             parsed = self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
                                        in_thought=p.in_thought)
+            for k, tool_call in enumerate(parsed.tool_calls):
+                tool_call["id"] = p.tool_call_id(i, k)
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=p.specs[i].seed,
                                   thought_tokens=self.parser.thought_tokens(gen.output_ids, parsed, p.prefill)))
@@ -194,14 +214,14 @@ class CallService:
                 if turn is not None:
                     self.turns.add(session.id, turn, p.histories[-1])
         return CompletedCall(
-            session=session, call_index=p.call_index, request_id=p.request_id, api=p.api,
+            session=session, call_index=p.call_index, request_id=p.request_id, created=p.created, api=p.api,
             model=self.engine.model_name, prompt_ids=rendered.prompt_ids, render=rendered.info,
             sampling={**_spec_dict(p.specs[0], p.requested, p.constraint), "max_tokens_source": p.max_tokens_source},
             choices=choices, replayed=p.replayed,
             timings={"render_s": rendered.info["render_s"], "engine_s": 0.0, "paused_s": 0.0, **p.timings})
 
-    def splitter(self, p: Prepared) -> Splitter:
-        """What reads one choice's text into deltas as it streams (proxy/streaming.py)."""
+    def splitter(self, p: Prepared, choice: int) -> Splitter:
+        """What reads choice `choice`'s text into deltas as it streams (proxy/streaming.py)."""
         fmt = self.renderer.tool_format
         calls = bool(p.req.tools) and p.req.tool_choice != "none" and self.parser.tool_parser is not None
         # where the text before a call is not known to be content, all text after a thought waits for the final
@@ -211,7 +231,8 @@ class CallService:
         known = fmt is not None and (self.parser.own or fmt.close is not None)
         opening = (fmt.open if known else "") if calls else None
         return Splitter(thinking=self.parser.thinking, in_thought=p.in_thought, tool_open=opening,
-                        tool_close=fmt.close if calls and known else None, own=self.parser.own)
+                        tool_close=fmt.close if calls and known else None, own=self.parser.own,
+                        call_id=lambda k: p.tool_call_id(choice, k))
 
     def _forget(self, session: Session) -> None:
         self._freed += self.tips.drop(session.id)
@@ -322,15 +343,14 @@ class CallService:
 MAX_TOKENS_HEADER = "polar-lab-max-tokens"  # on every answer: `1024; source=default` (docs/api-conformance.md)
 
 
-def from_record(p: Prepared, on_delta: list[Callable[[TokenDelta], None]] | None, tokenizer) -> list[Generation] | None:
+def from_record(recorded: list[ModelCall], on_delta: list[Callable[[TokenDelta], None]] | None, tokenizer
+                ) -> list[Generation]:
     """A replaying session's call while it is still on its record (proxy/replay.py): the recorded answers, each
-    streamed as one delta; None when the call goes live."""
-    replayed = p.session.replay.answer(p.call_index, p.rendered.prompt_ids, len(p.specs), tokenizer)
-    if replayed is not None:
-        p.replayed = True
-        for deliver, gen in zip(on_delta or (), replayed):
-            if gen.output_ids:
-                deliver(TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]))
+    streamed as one delta."""
+    replayed = [generation(call, tokenizer) for call in recorded]
+    for deliver, gen in zip(on_delta or (), replayed):
+        if gen.output_ids:
+            deliver(TokenDelta(gen.output_ids, gen.output_logprobs, gen.text, gen.output_versions[0]))
     return replayed
 
 

@@ -21,6 +21,7 @@ reads as text) is kept in `diverged` and recorded with the call (render["stream_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,13 @@ class Splitter:
     """One choice's text → deltas (see the module docstring). Feed it the forced prefill first, if any."""
 
     def __init__(self, *, thinking: tuple[str, str] | None, in_thought: bool, tool_open: str | None,
-                 tool_close: str | None, own: bool):
+                 tool_close: str | None, own: bool, call_id: Callable[[int], str] | None = None):
         """thinking: the (open, close) markers of a thought, or None. in_thought: the prompt opened one.
         tool_open/tool_close: the call markers when calls are parsed (None: all text is content). own: the
-        Hermes reader reads calls (blocks stream as they close); else vLLM's parsers do (calls at the end)."""
+        Hermes reader reads calls (blocks stream as they close); else vLLM's parsers do (calls at the end).
+        call_id: the id of the k-th call, as the final reading will carry it (Prepared.tool_call_id)."""
         self.thinking, self.tool_open, self.tool_close, self.own = thinking, tool_open, tool_close, own
+        self.call_id = call_id
         self.mode = "thought" if in_thought and thinking else "lead"  # lead | thought | content | calls
         self.text = ""  # everything fed
         self.pos = 0  # text before this is read
@@ -165,6 +168,8 @@ class Splitter:
                 self.sent["content"] += self.held["content"][:-1]
                 out.append(Delta("content", self.held["content"][:-1]))
             self.held["content"] = ""
+            if self.call_id is not None:
+                call["id"] = self.call_id(len(self.calls))
             self.calls.append(call)
             out.append(Delta("call", call=call, index=len(self.calls) - 1))
         elif not self.calls:

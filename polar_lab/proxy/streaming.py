@@ -133,7 +133,7 @@ class EventStream(Response):
         super().__init__()
         self.service, self.prepared, self.task, self.feed = service, prepared, task, feed
         self.raw, self.body, self.build, self.writer = raw, body, build, writer
-        self.splitters = [service.splitter(prepared) for _ in range(prepared.req.n)]
+        self.splitters = [service.splitter(prepared, i) for i in range(prepared.req.n)]
         self.recorded = False
         self.queued: list[bytes] = []  # events produced, not yet sent (a slow reader's backlog)
         self.ended = False  # the last event is queued

@@ -1,17 +1,18 @@
 """Replay and branch a recorded run (issue 44) on the shared real engine: every API surface, streamed or not, gets its
-recorded answer again without the engine; branches share the recorded prefix's ids exactly and go live at turn k; a
-harness that sends another prompt is caught at the first differing token."""
+recorded answer again without the engine, byte for byte; branches share the recorded prefix's ids exactly and go live
+at turn k; a harness that sends another prompt is caught at the first differing token."""
 
 import asyncio
 
+import httpx
+import orjson
 import pytest
 
 from polar_lab.harness import calculator_agent
-from polar_lab.harness.calculator import run_calculator
+from polar_lab.harness.calculator import CALC_TOOL, run_calculator
 from polar_lab.tasks import load_tasks
 
 QUESTION = "What is 12+30?"
-FRESH = {"id", "created", "created_at", "responseId", "createTime"}  # what the proxy issues anew for every answer
 
 
 def openai_chat(s, stream):
@@ -54,15 +55,6 @@ SDKS = {"openai.chat": openai_chat, "openai.responses": openai_responses, "anthr
         "google.generate_content": google_genai}
 
 
-def without_fresh(value):
-    """A recorded response without what every answer gets anew (its id, tool-call ids, timestamps)."""
-    if isinstance(value, dict):
-        return {k: without_fresh(v) for k, v in value.items() if k not in FRESH}
-    if isinstance(value, list):
-        return [without_fresh(v) for v in value]
-    return value
-
-
 def calls_of(lab, session_id):
     return sorted(lab.call_records([session_id]), key=lambda c: (c.call_index, c.choice_index))
 
@@ -88,8 +80,51 @@ def test_every_surface_gets_its_recorded_answer_again_without_the_engine(lab, st
         assert new.timings["engine_s"] == 0.0 and new.prompt_ids == old.prompt_ids
         assert (new.output_ids, new.output_logprobs, new.output_versions) == \
             (old.output_ids, old.output_logprobs, old.output_versions)
-        assert without_fresh(new.response) == without_fresh(old.response), api
+        assert orjson.dumps(new.response) == orjson.dumps(old.response), api  # its id and timestamp too
         assert replayed.exact == 1 and branch.info["replay"]["replayed"] == 1
+
+
+TOOL = CALC_TOOL["function"]
+RAW = {  # one request per API with the calculator tool, as each API's wire format writes it
+    "openai.chat": ("/v1/chat/completions", {"model": "m", "max_tokens": 48, "tools": [CALC_TOOL],
+                                             "messages": [{"role": "user", "content": QUESTION}]}),
+    "openai.responses": ("/v1/responses", {"model": "m", "max_output_tokens": 48, "input": QUESTION,
+                                           "tools": [{"type": "function", **TOOL}]}),
+    "anthropic.messages": ("/v1/messages", {
+        "model": "m", "max_tokens": 48, "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]}),
+    "google.generate_content": ("/v1beta/models/m:generateContent", {
+        "contents": [{"role": "user", "parts": [{"text": QUESTION}]}], "generationConfig": {"maxOutputTokens": 48},
+        "tools": [{"functionDeclarations": [TOOL]}]}),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_replayed_answer_is_the_recorded_bytes_tool_call_ids_and_all(lab, stream):
+    """Answers with a tool call, read off the wire: a whole answer reaches the branch as the source's body byte for
+    byte; a streamed one carries the source's text and tool-call ids (in one delta), and its record is the source's."""
+    bodies: dict[str, bytes] = {}
+
+    async def harness(session, task):
+        path, body = RAW[task["api"]]
+        if stream:
+            path, body = (path.replace(":generateContent", ":streamGenerateContent?alt=sse"), body) \
+                if "google" in task["api"] else (path, {**body, "stream": True})
+        async with httpx.AsyncClient(timeout=60) as client:
+            response = await client.post(session.openai_base_url.removesuffix("/v1") + path, json=body)
+        bodies[session.id] = response.raise_for_status().content
+
+    called = 0
+    for api in RAW:
+        (group,) = lab.rollout([{"api": api}], harness, num_generations=1, seed=7, progress=False)
+        (source,) = group.sessions
+        (branch,) = lab.replay(source.id, until_turn=2, harness=harness, branches=1).group.sessions
+        (old,), (new,) = calls_of(lab, source.id), calls_of(lab, branch.id)
+        assert new.replayed and orjson.dumps(new.response) == orjson.dumps(old.response), api
+        if not stream:
+            assert bodies[branch.id] == bodies[source.id], api
+        called += old.parse["num_tool_calls"] > 0
+    assert called >= 2, "the tiny model called the tool in fewer than two APIs: the ids were not put to the test"
 
 
 def _two_turn_session(lab):

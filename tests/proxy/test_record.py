@@ -7,7 +7,7 @@ from polar_lab.types import Generation, Session, derived_seed
 
 def _call(choices, sampling):
     return CompletedCall(
-        session=Session(id="sess", key="k"), call_index=12, request_id="req-1", api="anthropic.messages",
+        session=Session(id="sess", key="k"), call_index=12, request_id="req-1", created=100.0, api="anthropic.messages",
         model="tiny", prompt_ids=[5, 6, 7], render={"mode": "exact"}, sampling=sampling, choices=choices,
         timings={"received": 100.0, "render_s": 0.25, "engine_s": 2.0, "paused_s": 0.5})
 

@@ -113,14 +113,18 @@ def test_the_anthropic_stream_carries_the_signature(lab):
 
 
 def test_encrypted_reasoning_round_trips_and_refuses_an_altered_blob(lab):
-    """Responses `include=["reasoning.encrypted_content"]`: the thought comes back sealed (opaque), and a client
-    that keeps no state (store=false) sends the item back with only the blob: the prompt gets the thought."""
+    """Responses `include=["reasoning.encrypted_content"]`: the thought comes back sealed (opaque, deterministic), and a
+    client that keeps no state (store=false) sends the item back with only the blob: the prompt gets the thought."""
     s = lab.session()
     first = _post(s, "/v1/responses", {"input": "What is 2+2?", "store": False,
                                        "include": ["reasoning.encrypted_content"]}).json()
     (item,) = [o for o in first["output"] if o["type"] == "reasoning"]
     blob = item["encrypted_content"]
     assert "Add them." not in blob and b"Add them." not in base64.urlsafe_b64decode(blob + "==")  # opaque, not encoded
+    again = _post(s, "/v1/responses", {"input": "What is 3+3?", "store": False,
+                                       "include": ["reasoning.encrypted_content"]}).json()
+    # the same thought seals to the same bytes (a replayed answer carries the recorded blob; proxy/replay.py)
+    assert [o["encrypted_content"] for o in again["output"] if o["type"] == "reasoning"] == [blob]
     echoed = {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
     answer = [o for o in first["output"] if o["type"] == "message"]
     # the answered turn is the last one: the template renders its thought, which only the blob carried

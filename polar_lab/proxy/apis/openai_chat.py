@@ -10,7 +10,6 @@ chunk shape; the record is written before the last chunk.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
 import orjson
@@ -217,7 +216,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, tokenizer,
             choice["token_ids"] = list(c.generation.output_ids)
         choices.append(choice)
     response = {
-        "id": "chatcmpl-" + call.request_id, "object": "chat.completion", "created": int(time.time()),
+        "id": "chatcmpl-" + call.request_id, "object": "chat.completion", "created": int(call.created),
         "model": req.model or call.model, "choices": choices,
         "usage": usage(call),
         "system_fingerprint": f"polar_lab-v{call.choices[0].generation.output_versions[-1]}"
@@ -267,7 +266,7 @@ class ChatStream:
         # in its finishing chunk (vLLM spreads them over the chunks; joined, the two are the same list)
         self.prompt_ids = p.rendered.prompt_ids if body.return_token_ids else None
         self.n = p.req.n
-        self.base = {"id": "chatcmpl-" + p.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+        self.base = {"id": "chatcmpl-" + p.request_id, "object": "chat.completion.chunk", "created": int(p.created),
                      "model": p.req.model or model, "system_fingerprint": f"polar_lab-v{version}"}
 
     def event(self, choices: list, **extra: Any) -> bytes:

@@ -13,7 +13,6 @@ answered), `GET /v1/responses/{id}` returns one.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Any, Literal
 
@@ -205,15 +204,16 @@ class StoredResponses:
     """The responses a session keeps for `previous_response_id` and `GET /v1/responses/{id}` (`store`, true unless
     the request says false, as OpenAI's). Each keeps its own input items, its output items, its previous
     response's id and its body — what its recorded call holds — so a conversation is rebuilt by walking back
-    through the previous responses. A response belongs to its session: another session's id is a 404, as an
-    unknown one. Kept only for calls answered whole (not a stream its client cut off) while the session is open;
-    dropped when it closes. Bounded: per session by the bytes of its kept inputs (`session_bytes`: a client that
+    through the previous responses. A response belongs to its session, kept under (session, id): another session's
+    id is a 404, as an unknown one, and a replayed branch that answers with its record's id keeps its own copy.
+    Kept only for calls answered whole (not a stream its client cut off) while the session is open; dropped when it
+    closes. Bounded: per session by the bytes of its kept inputs (`session_bytes`: a client that
     resends the whole conversation each turn and leaves `store` on would otherwise keep O(turns²)), and in all
     by count (`size`); the oldest go first."""
 
     def __init__(self, size: int = 100_000, session_bytes: int = 32 * 2**20):
         self.size, self.session_bytes = size, session_bytes
-        self._kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()  # (session, response id) → kept
         self._by_session: dict[str, OrderedDict[str, int]] = {}  # session → its kept ids → their input bytes
         self._bytes: dict[str, int] = {}  # session → the input bytes it keeps (the sum of the above)
 
@@ -227,24 +227,24 @@ class StoredResponses:
             size = len(orjson.dumps(items))
         except (TypeError, ValueError):  # nested past orjson's limit: not kept (continuing it would 404)
             return
-        self._kept[response["id"]] = {"session": call.session.id, "previous": request.get("previous_response_id"),
-                                      "response": response, "input": items}
         sid = call.session.id
+        self._kept[sid, response["id"]] = {"session": sid, "previous": request.get("previous_response_id"),
+                                           "response": response, "input": items}
         mine = self._by_session.setdefault(sid, OrderedDict())
         mine[response["id"]] = size
         self._bytes[sid] = self._bytes.get(sid, 0) + size
         while self._bytes[sid] > self.session_bytes and len(mine) > 1:
             oldest, freed = mine.popitem(last=False)
-            self._kept.pop(oldest, None)
+            self._kept.pop((sid, oldest), None)
             self._bytes[sid] -= freed
         while len(self._kept) > self.size:
-            response_id, kept = self._kept.popitem(last=False)
+            (_, response_id), kept = self._kept.popitem(last=False)
             freed = self._by_session.get(kept["session"], {}).pop(response_id, 0)
             self._bytes[kept["session"]] = self._bytes.get(kept["session"], 0) - freed
 
     def get(self, session: Session, response_id: str) -> dict[str, Any]:
-        kept = self._kept.get(response_id)
-        if kept is None or kept["session"] != session.id:
+        kept = self._kept.get((session.id, response_id))
+        if kept is None:
             raise RequestError(f"Response with id '{response_id}' not found.", status=404,
                                param="previous_response_id")
         return kept
@@ -273,7 +273,7 @@ class StoredResponses:
     def drop(self, session: Session) -> None:
         self._bytes.pop(session.id, None)
         for response_id in self._by_session.pop(session.id, {}):
-            self._kept.pop(response_id, None)
+            self._kept.pop((session.id, response_id), None)
 
 
 def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRequest,
@@ -296,7 +296,7 @@ def build_response(call: CompletedCall, req: CanonicalRequest, body: ResponsesRe
              "input_tokens_details": {"cached_tokens": call.cached_tokens, "cache_write_tokens": 0,  # no cache writes
                                       "cache_write_tokens_details": {"ttl_30m_tokens": 0, "ttl_12h_tokens": 0}},
              "output_tokens_details": {"reasoning_tokens": call.thought_tokens}}
-    response = {**_envelope(call.request_id, req, body, call.model),
+    response = {**_envelope(call.request_id, call.created, req, body, call.model),
                 "status": "incomplete" if truncated else "completed",
                 "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
                 "output": output, "usage": usage}
@@ -318,9 +318,10 @@ def _reasoning_item(request_id: str, text: str, body: ResponsesRequest, signer: 
     return item
 
 
-def _envelope(request_id: str, req: CanonicalRequest, body: ResponsesRequest, model: str) -> dict[str, Any]:
+def _envelope(request_id: str, created: float, req: CanonicalRequest, body: ResponsesRequest, model: str
+              ) -> dict[str, Any]:
     """A response object as it starts: in progress, no output yet."""
-    return {"id": "resp_" + request_id, "object": "response", "created_at": time.time(), "status": "in_progress",
+    return {"id": "resp_" + request_id, "object": "response", "created_at": created, "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": req.model or model, "output": [],
             "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": req.sampling.temperature,
@@ -337,7 +338,7 @@ class ResponseStream:
     closed with its `.done` events, then `response.completed` (or `.incomplete`) with the full response."""
 
     def __init__(self, p: Prepared, body: ResponsesRequest, model: str, signer: ThoughtSigner | None = None):
-        self.envelope = _envelope(p.request_id, p.req, body, model)
+        self.envelope = _envelope(p.request_id, p.created, p.req, body, model)
         self.body, self.signer = body, signer
         self.rid = p.request_id
         self.seq = 0
