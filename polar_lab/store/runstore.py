@@ -202,7 +202,7 @@ def calls_frame(calls: list[ModelCall]) -> pd.DataFrame:
             "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.output_ids),
             "finish_reason": c.finish_reason, "max_tokens": c.sampling.get("max_tokens"),
             "max_tokens_source": c.sampling.get("max_tokens_source"), "policy_version": c.policy_version,
-            "replica": c.replica,
+            "replica": c.replica, "cached_tokens": c.cached_tokens, "replayed": c.replayed,
             "tool_calls": c.parse.get("num_tool_calls", 0), "tool_parse_errors": len(c.parse.get("errors", [])),
             "render_mode": c.render.get("mode"), "total_s": t.get("total_s"), "engine_s": t.get("engine_s"),
             "proxy_s": t.get("proxy_s"), "first_delta_s": t.get("first_delta_s"), "received": t.get("received"),

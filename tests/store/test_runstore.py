@@ -203,10 +203,12 @@ def test_the_calls_frame_has_one_row_of_scalar_facts_and_token_lists_per_call():
     call.render = {"mode": "continued"}
     call.sampling = {"max_tokens": 3, "max_tokens_source": "default"}
     call.timings = {"total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "first_delta_s": 0.2, "received": 10.0}
+    call.cached_tokens, call.replayed = 1, True
     (row,) = calls_frame([call]).to_dict("records")
     assert row == {"call_id": "a-2", "session_id": "a", "call_index": 2, "choice_index": 1, "api": "x.api",
                    "model": "mm", "prompt_tokens": 2, "completion_tokens": 3, "finish_reason": "length",
-                   "max_tokens": 3, "max_tokens_source": "default", "policy_version": 4, "replica": 0, "tool_calls": 2, "tool_parse_errors": 1, "render_mode": "continued",
+                   "max_tokens": 3, "max_tokens_source": "default", "policy_version": 4, "replica": 0,
+                   "cached_tokens": 1, "replayed": True, "tool_calls": 2, "tool_parse_errors": 1, "render_mode": "continued",
                    "total_s": 1.5, "engine_s": 1.0, "proxy_s": 0.5, "first_delta_s": 0.2, "received": 10.0,
                    "prompt_ids": [1, 2],
                    "output_ids": [0, 1, 2], "output_logprobs": [-1.0, -1.0, -1.0]}
