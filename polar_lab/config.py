@@ -95,10 +95,15 @@ class EngineConfig:
                                             "engine/standby.py); None = on for a local CPU engine that can have one")
     keep_weights: bool = _f(True, "keep the last loaded weights as a file in /dev/shm (one copy, outside the "
                                   "kernel's memory) so a restarted engine serves them again")
+    weights_transport: str = _f("memory", "how a sync's weights reach the engine: 'memory' — two files in shared "
+                                          "memory the Lab reuses, written in place through a mapping and cast to "
+                                          "the engine's dtype (engine/weights.py) — or 'file', a fresh file each sync")
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.weights_transport not in ("memory", "file"):
+            raise ConfigError(f"weights_transport must be 'memory' or 'file', got {self.weights_transport!r}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_lora_rank is not None and self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):

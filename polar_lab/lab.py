@@ -260,11 +260,11 @@ class Lab(LabViews):
         self._check_open()
         return sync_weights(self.supervisor, weights, self.weights, drain_timeout)
 
-    def weights_path(self) -> Path:
-        """A fresh path in shared memory for a weights file (or a LoRA adapter's folder) that `sync_weights`
-        will load (and keep, with keep_weights) and otherwise delete; one not synced is deleted when the Lab
-        closes."""
-        return self.weights.new_path()
+    def weights_path(self, *, adapter: bool = False) -> Path:
+        """Where to write weights for `sync_weights`: of two files in shared memory the Lab reuses, the one not served
+        (written in place: `WeightsFolder.slot`); with `adapter`, a fresh path for a LoRA adapter's folder (deleted
+        once superseded or unsynced at close). Write floating tensors as `engine.weights_dtype`."""
+        return self.weights.new_path() if adapter else self.weights.slot(self.supervisor.engine.weights_file)
 
     def restart_engine(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None,
                        drain_timeout: float = 30.0, startup_timeout: float = 900.0) -> Restart:

@@ -90,7 +90,8 @@ class LabParts:
         cfg = self.config.engine
         if engine is None:
             check_engine_layout(cfg)  # before any process starts
-        self.weights = self._stack.enter_context(WeightsFolder(keep=engine is None and cfg.keep_weights))
+        self.weights = self._stack.enter_context(WeightsFolder(keep=engine is None and cfg.keep_weights,
+                                                               reuse=cfg.weights_transport == "memory"))
         self.launcher = EngineLauncher(cfg, log_dir=self.run_dir, weights_dir=self.weights.path)
         if engine is None:
             engine = self.launcher()

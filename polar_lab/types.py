@@ -527,7 +527,8 @@ class SyncResult:
     write_s: float = 0.0  # writing them where the engine reads them, before the pause (rollouts go on meanwhile)
     preload_s: float = 0.0  # loading them into the engine's standby copy, before the pause (the engine serves on)
     swapped: bool = False  # the load was a swap of the preloaded standby (engine/standby.py), not a load in place
-    path: str = ""  # how they travelled: "shm-file" (a safetensors file in shared memory the engine maps),
+    path: str = ""  # how they travelled: "shared-memory" (written in place into a slot both processes map:
+    # engine/weights.py), "shm-file" (a fresh safetensors file in shared memory the engine maps),
     # "shm-adapter" (a LoRA adapter's folder), "ray-object-store[-adapter]" (put once, each Ray replica fetches it)
 
 

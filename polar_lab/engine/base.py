@@ -9,7 +9,7 @@ Cancelling either aborts the request in the engine.
 A new engine (a replica set, a remote engine) provides every member of `Engine` — the proxy, the Lab's
 supervisor and the trainer call nothing else, and probe for nothing:
     identity      model_name, model_path, max_model_len, pid (None when not a local process)
-    state         policy_version, alive, failure, busy_seconds, running, weights_file
+    state         policy_version, alive, failure, busy_seconds, running, weights_file, weights_dtype
     requests      submit, generate
     weights       load_weights(state_dict, version=), preload_weights_file(path), load_weights_file(path, version=)
     lifecycle     wait_ready(timeout), close(); on_exit(engine, reason) is called if it dies unasked
@@ -41,6 +41,7 @@ class Engine(Protocol):
     busy_seconds: float  # wall time spent stepping requests (busy fraction = Δbusy / Δwall)
     running: int  # requests the engine is working on (as it last reported)
     weights_file: Path | None  # the file of the weights being served, when they came from a load
+    weights_dtype: torch.dtype | None  # what it stores floating weights as: a sync writes them so (None: as given)
     on_exit: Callable[[Engine, str], None] | None  # set by the owner; called once if the engine dies unasked
 
     @property

@@ -36,6 +36,7 @@ class ScriptedEngine(OneProcess):
         self.running = 0
         self.pid: int | None = None
         self.weights_file: Path | None = None
+        self.weights_dtype = None  # floating weights are written as given
         self.on_exit: Callable | None = None
         self.prompts: list[list[int]] = []  # every prompt it was sent, for tests (keep_prompts=False: none)
         self.specs: list[SamplingSpec] = []  # and the sampling of each (a grammar is not applied: the script is)

@@ -2,8 +2,9 @@
 folder in shared memory where the served weights are kept for restarts.
 
 `EngineLauncher(config, log_dir, weights)` is the factory the Lab starts its first engine with and its supervisor
-restarts with; `WeightsFolder` is a context manager that owns the kept-weights folder and every weights path
-handed out (`new_path`) that nobody synced: closing it removes them.
+restarts with; `WeightsFolder` is a context manager that owns the kept-weights folder, the two slots a sync's
+weights are written into (`slot`), and every weights path handed out (`new_path`) that nobody synced: closing it
+removes them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from polar_lab.config import EngineConfig
 from polar_lab.engine.base import Engine
 from polar_lab.engine.layout import check_heads, engine_gpus, replica_gpus, visible_gpus
-from polar_lab.engine.weights import remove_weights
+from polar_lab.engine.weights import SLOT_PREFIX, remove_weights, unmap
 
 
 def shared_memory() -> str:
@@ -36,12 +37,28 @@ class WeightsFolder:
     removed when a new folder is made, so they do not hold RAM for good. (A lock, not a pid: kernels in other PID
     namespaces may share /dev/shm.)"""
 
-    def __init__(self, *, keep: bool):
+    def __init__(self, *, keep: bool, reuse: bool = True):
+        """keep: the engine keeps the served weights' file here. reuse: `slot` hands out two files in turn."""
         self.path: str | None = None
         self._lock: int | None = None
         self._handed_out: set[Path] = set()
+        self.reuse = reuse
+        self._slots: list[Path] = []
         if keep:
             self.path, self._lock = _locked_folder()
+
+    def slot(self, serving: Path | None) -> Path:
+        """Where the next full weights go: of two files kept for reuse, the one the engine is not `serving` (a write
+        then lands in pages mapped before, and the served file stays whole for a restart); without `reuse`, a fresh
+        path. The slots live in the locked folder (made now if the engine keeps nothing), so a kernel that dies
+        leaves nothing behind for good."""
+        if not self.reuse:
+            return self.new_path()
+        if not self._slots:
+            if self.path is None:
+                self.path, self._lock = _locked_folder()
+            self._slots = [Path(self.path) / f"{SLOT_PREFIX}{i}.safetensors" for i in (0, 1)]
+        return self._slots[1] if serving == self._slots[0] else self._slots[0]
 
     def new_path(self) -> Path:
         """A fresh path for a weights file (or a LoRA adapter's folder); removed at close unless `taken`."""
@@ -60,10 +77,13 @@ class WeightsFolder:
         for path in self._handed_out:
             remove_weights(path)
         self._handed_out.clear()
+        for slot in self._slots:
+            unmap(slot)  # this process's standing mapping of it (engine/weights.py)
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._lock)
             self.path = self._lock = None
+        self._slots = []
 
     def __enter__(self) -> WeightsFolder:
         return self

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from polar_lab.engine.base import Engine
-from polar_lab.engine.weights import load_through_file, remove_weights_soon
+from polar_lab.engine.weights import is_slot, load_through_file, remove_weights_soon
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -337,6 +337,11 @@ class ReplicaSet:
                 "replicas": len(self.engines), "replica_moves": self.router.moved}
 
     @property
+    def weights_dtype(self):
+        """The replicas' model dtype (one model, one dtype)."""
+        return self.engines[0].weights_dtype if self.engines else None
+
+    @property
     def weights_transport(self) -> str | None:
         """How the last weights were shipped to the replicas (Ray: "shm" on this node, else "object-store")."""
         if self.ship is None or self.shipped is None:
@@ -450,7 +455,7 @@ class ReplicaSet:
             self.shipped, self.served = shipped, path
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
-            if previous is not None and previous != self.weights_file:
+            if previous is not None and previous != self.weights_file and not is_slot(previous):
                 remove_weights_soon(previous)
             if self.weights_file is None and shipped is not None and self.factory is not None and self.max_restarts:
                 try:

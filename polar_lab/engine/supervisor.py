@@ -36,7 +36,7 @@ import torch
 
 from polar_lab.engine.base import Engine
 from polar_lab.engine.launch import WeightsFolder
-from polar_lab.engine.weights import remove_weights, weights_size, write_weights
+from polar_lab.engine.weights import is_slot, remove_weights, weights_size, write_weights
 from polar_lab.errors import EngineError, LabError
 from polar_lab.types import SyncResult
 
@@ -239,7 +239,8 @@ class EngineSupervisor:
     def _swap(self, old: Engine, new: Engine, *, superseded: bool) -> None:
         self.busy_before += old.busy_seconds
         self.engine = new
-        if superseded and old.weights_file is not None and old.weights_file != new.weights_file:
+        if superseded and old.weights_file is not None and old.weights_file != new.weights_file \
+                and not is_slot(old.weights_file):
             remove_weights(old.weights_file)  # replaced by the weights passed in
         if self.on_swap is not None:
             self.on_swap(new)
@@ -333,17 +334,19 @@ def _recoverable(engine: Engine) -> bool:
 
 def sync_weights(supervisor: EngineSupervisor, weights: Weights, folder: WeightsFolder,
                  drain_timeout: float) -> SyncResult:
-    """`supervisor.sync` of a state dict written first — before the pause — to a fresh path of `folder`, or of a file
-    (or a LoRA adapter's folder) already written. A path of the folder becomes the engine's kept copy, or is removed.
-    The result also says how many bytes moved, how long the write took and how they travelled."""
+    """`supervisor.sync` of a state dict written first — before the pause — into a slot of `folder` (in the engine's
+    dtype), or of a file (or a LoRA adapter's folder) already written. A path of the folder becomes the engine's kept
+    copy, or is removed (a slot stays, for the next write). The result also says how many bytes moved, how long the
+    write took and how they travelled."""
     if isinstance(weights, (str, Path)):
         path, write_s = Path(weights), 0.0
     else:
         t0 = time.perf_counter()
-        path = folder.new_path()
-        write_weights(path, weights)
+        path = folder.slot(supervisor.engine.weights_file)
+        write_weights(path, weights, dtype=supervisor.engine.weights_dtype)
         write_s = time.perf_counter() - t0
-    size, kind = weights_size(path), "shm-adapter" if path.is_dir() else "shm-file"
+    size = weights_size(path)
+    kind = "shm-adapter" if path.is_dir() else "shared-memory" if is_slot(path) else "shm-file"
     try:
         result = supervisor.sync(path, drain_timeout)
     finally:

@@ -31,7 +31,7 @@ from polar_lab.config import EngineConfig
 from polar_lab.engine.base import OneProcess, Rejection
 from polar_lab.engine.pending import Pending, settle
 from polar_lab.engine.process import EngineProcess, LocalProcess
-from polar_lab.engine.weights import load_through_file, remove_weights_soon
+from polar_lab.engine.weights import is_slot, load_through_file, remove_weights_soon
 from polar_lab.errors import EngineError, RequestError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -67,6 +67,7 @@ class VLLMEngine(OneProcess):
         self._closing = False
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.weights_file: Path | None = None  # the served weights, if they came from a load (not the model folder)
+        self.weights_dtype: torch.dtype | None = None  # its model's dtype, once it is ready
         self.on_exit = on_exit
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class VLLMEngine(OneProcess):
             raise
         self.max_model_len = info["max_model_len"]
         self.standby = bool(info.get("standby"))
+        self.weights_dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
         self.forked = bool(info.get("forked"))  # forked from the forkserver, not started fresh (engine/forkserver.py)
         self.start_info = info  # the worker's own figures: llm_s, standby_s, imported_at_s (benchmarks/lab_startup.py)
         self.startup_seconds = time.perf_counter() - self._t_launch
@@ -234,7 +236,7 @@ class VLLMEngine(OneProcess):
             self._version = result
             previous = self.weights_file
             self.weights_file = path if self.weights_dir is not None and path.parent == self.weights_dir else None
-            if previous is not None and previous != self.weights_file:
+            if previous is not None and previous != self.weights_file and not is_slot(previous):
                 remove_weights_soon(previous)  # superseded (by a kept file, or by weights we do not keep)
         return result
 

@@ -131,6 +131,7 @@ class Worker:
         return {"max_model_len": self.llm.llm_engine.model_config.max_model_len,
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
                 "standby": self.standby is not None, "standby_s": standby_s, "llm_s": llm_s,
+                "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
                 "imported_at_s": imported_at}
 
     def build_standby(self, cuda: bool) -> float:

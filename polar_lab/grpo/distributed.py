@@ -117,9 +117,9 @@ class DistributedPolicy:
     def gradients(self) -> dict[str, torch.Tensor]:
         return self._ask(("gradients", None), collective=self.sharded)
 
-    def write_weights(self, path: str) -> int:
+    def write_weights(self, path: str, dtype: torch.dtype | None = None) -> int:
         """The weights as a safetensors file, written by rank 0 tensor by tensor (see Policy.write_weights)."""
-        return self._ask(("write_weights", str(path)), collective=self.sharded)
+        return self._ask(("write_weights", (str(path), dtype)), collective=self.sharded)
 
     def write_adapter(self, folder: str) -> int:
         """LoRA: the adapter alone as a PEFT folder (Policy.write_adapter), written by rank 0."""
@@ -309,8 +309,8 @@ def _worker(rank: int, world_size: int, master: tuple[str, int], backend: str, d
     except BaseException:  # noqa: BLE001 - reported to the kernel, then this rank exits
         reply("error", traceback.format_exc())
         return
-    handlers = {"update": policy.update, "logprobs": policy.logprobs, "write_weights": policy.write_weights,
-                "write_adapter": policy.write_adapter,
+    handlers = {"update": policy.update, "logprobs": policy.logprobs,
+                "write_weights": lambda args: policy.write_weights(*args), "write_adapter": policy.write_adapter,
                 "save_training_state": policy.save_training_state, "load_training_state": policy.load_training_state,
                 "memory": lambda reset: policy.memory(reset_peak=reset),
                 "state_dict": lambda _: policy.state_dict(), "gradients": lambda _: policy.gradients()}

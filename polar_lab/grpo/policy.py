@@ -161,14 +161,15 @@ class Policy:
         size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.adapter_layout(self.model), tensors, True)
         return size + (Path(folder) / lora.ADAPTER_CONFIG).stat().st_size
 
-    def write_weights(self, path: str) -> int:
+    def write_weights(self, path: str, dtype: torch.dtype | None = None) -> int:
         """Write the weights as a safetensors file the engine maps (engine/weights.py), one tensor at a time:
         sharded, each is gathered, written by rank 0, freed — no rank ever holds a full copy of the model.
-        With LoRA, the merged weights (W + scale·B·A). Every rank must call it; returns the file's size (0 on
-        other ranks)."""
+        With LoRA, the merged weights (W + scale·B·A). Floating tensors are stored as `dtype` (the engine's; None:
+        as trained). A file that has the layout already (the Lab's slot, `lab.weights_path()`) is written in place.
+        Every rank must call it; returns the file's size (0 on other ranks)."""
         layout = lora.merged_layout(self.model) if self.lora else \
             [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]  # global shapes
-        return _write_gathered(path, layout, self._full_tensors(), self._rank == 0)
+        return _write_gathered(path, layout, self._full_tensors(), self._rank == 0, dtype)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -335,7 +336,7 @@ class UpdateStats:
         }
 
 
-def _write_gathered(path, layout, tensors, writes: bool) -> int:
+def _write_gathered(path, layout, tensors, writes: bool, dtype: torch.dtype | None = None) -> int:
     """Write `tensors` (gathered as they are iterated) into a weights file on the rank that `writes`; the
     others only iterate, taking part in each gather. An error on the writing rank (no room in /dev/shm, a
     layout mismatch) is raised only after the iteration ends, so no other rank is left waiting in a gather;
@@ -343,7 +344,7 @@ def _write_gathered(path, layout, tensors, writes: bool) -> int:
     writer, error = None, None
     if writes:
         try:
-            writer = WeightsWriter(path, layout)
+            writer = WeightsWriter(path, layout, dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - raised below, after the gathers
             error = exc
     for name, tensor in tensors:

@@ -162,11 +162,12 @@ class GRPOTrainer:
         sends the merged model instead (how a trainer puts the base weights back into an engine that served
         others)."""
         t0 = time.perf_counter()
-        path = self.lab.weights_path()
-        if self.config.peft_config is not None and self.config.lora_sync == "adapter" and not full:
+        adapter = self.config.peft_config is not None and self.config.lora_sync == "adapter" and not full
+        path = self.lab.weights_path(adapter=adapter)
+        if adapter:
             self.policy.write_adapter(str(path))  # the adapter alone: the engine keeps the base weights
-        else:
-            self.policy.write_weights(str(path))
+        else:  # into the slot the engine is not serving, in its dtype: in place, through a mapping (engine/weights.py)
+            self.policy.write_weights(str(path), self.lab.engine.weights_dtype)
         write_s = time.perf_counter() - t0
         result = self.lab.sync_weights(path, drain_timeout=self.config.drain_timeout_s)
         return dataclasses.replace(result, write_s=write_s)

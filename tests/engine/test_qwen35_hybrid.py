@@ -164,3 +164,24 @@ def test_concurrent_seeded_long_prompts_do_not_take_the_engine_down(lab):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(ask, sessions))
     assert all(r.choices for r in replies) and lab.engine is engine and engine.alive
+
+
+def test_an_in_memory_sync_crosses_in_the_engines_bf16_and_serves_what_a_file_of_fp32_serves(lab, shipped, tmp_path):
+    """The trainer's fp32 weights cast to bf16 as they are written (half the bytes) round as the engine's own loader
+    rounds an fp32 file: the engine samples the same tokens with the same logprobs either way."""
+    from polar_lab.engine.weights import write_weights
+    from polar_lab.types import SamplingSpec
+
+    moved = _perturbed(shipped.state_dict(), 0.05)
+    prompt = lab.tokenizer.apply_chat_template([{"role": "user", "content": "What is 6*7?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    spec = SamplingSpec(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
+    fresh = lab.weights_path(adapter=True)
+    write_weights(fresh, moved)  # fp32
+    by_file = lab.sync_weights(fresh)
+    from_file = lab.engine.submit(prompt, spec).result(timeout=300)
+    by_memory = lab.sync_weights(moved)
+    from_memory = lab.engine.submit(prompt, spec).result(timeout=300)
+    assert lab.engine.weights_dtype == torch.bfloat16 and by_memory.path == "shared-memory"
+    assert by_memory.bytes < 0.55 * by_file.bytes
+    assert (from_memory.output_ids, from_memory.output_logprobs) == (from_file.output_ids, from_file.output_logprobs)

@@ -126,7 +126,7 @@ def test_after_a_sync_from_fsdp_the_engine_samples_the_trainers_model(lab, model
         sync = lab.sync_weights(path)
         tensors = sum(t.numel() * 4 for t in ranks.state_dict().values())  # fp32, lm_head counted too
         assert tensors < sync.bytes < tensors + 64 * 1024  # plus the safetensors header
-        assert sync.path == "shm-file" and sync.load_s > 0
+        assert sync.path == "shared-memory" and sync.load_s > 0
         prompt = batch.samples[0].input_ids[:40].tolist()
         gen = lab.engine.submit(prompt, SamplingSpec(max_tokens=24, temperature=0.7, seed=5, ignore_eos=True)).result()
         sample = batch.samples[0].__class__(

@@ -68,7 +68,7 @@ def test_the_engine_serves_the_adapter_live_after_a_sync_that_moves_only_the_ada
     base = Policy(model_path, GRPOConfig())
     gap_before, _ = engine_vs_trainer(lora_lab, policy, prompt)
 
-    path = lora_lab.weights_path()
+    path = lora_lab.weights_path(adapter=True)
     policy.write_adapter(str(path))
     version = lora_lab.policy_version
     sync = lora_lab.sync_weights(path)
@@ -82,7 +82,7 @@ def test_the_engine_serves_the_adapter_live_after_a_sync_that_moves_only_the_ada
     assert gap_before.max() > 1e-2  # before the sync the engine sampled the base model: the test can tell
 
     again = trained(model_path, batch, num_iterations=2)  # a second adapter replaces the first
-    path = lora_lab.weights_path()
+    path = lora_lab.weights_path(adapter=True)
     again.write_adapter(str(path))
     lora_lab.sync_weights(path)
     gap, versions = engine_vs_trainer(lora_lab, again, prompt)
@@ -99,11 +99,11 @@ def test_an_engine_without_lora_gets_the_merged_weights(lab, model_path, batch, 
     path = lab.weights_path()
     policy.write_weights(str(path))  # W + scale·B·A, named as the base checkpoint
     sync = lab.sync_weights(path)
-    assert sync.path == "shm-file"
+    assert sync.path == "shared-memory"
     gap, _ = engine_vs_trainer(lab, policy, prompt)
     assert gap.mean() <= 1e-3 and gap.max() < 1e-2
 
-    adapter = lab.weights_path()
+    adapter = lab.weights_path(adapter=True)
     policy.write_adapter(str(adapter))
     version = lab.policy_version
     with pytest.raises(EngineError, match="started without LoRA"):
@@ -156,7 +156,7 @@ def test_a_call_running_with_an_adapter_survives_a_full_weights_load(lora_lab, m
     """vLLM drops its adapters on a weight reload and reads a running call's adapter again from its folder;
     the Lab has deleted that folder by then (superseded), so the engine must serve from its own copy."""
     policy = trained(model_path, batch)
-    path = lora_lab.weights_path()
+    path = lora_lab.weights_path(adapter=True)
     policy.write_adapter(str(path))
     lora_lab.sync_weights(path)
     prompt = batch.samples[0].input_ids[:40].tolist()
@@ -164,7 +164,7 @@ def test_a_call_running_with_an_adapter_survives_a_full_weights_load(lora_lab, m
     sync = lora_lab.sync_weights(Policy(model_path, GRPOConfig()).state_dict())  # the engine's calls are not drained
     gen = running.result(timeout=120)
     assert len(gen.output_ids) == 200 and lora_lab.engine.alive and not path.exists()
-    assert sync.path == "shm-file" and lora_lab.engine_restarts == []
+    assert sync.path == "shared-memory" and lora_lab.engine_restarts == []
 
 
 def test_a_lora_trainer_puts_the_base_weights_back_into_an_engine_that_served_others(lora_lab, model_path, batch):
@@ -182,7 +182,7 @@ def test_fsdp_ranks_sync_their_adapter_to_the_engine(lora_lab, model_path, batch
                                                      peft_config=LoraConfig(**LORA)), step_timeout=300)
     try:
         ranks.update(batch.samples)
-        path = lora_lab.weights_path()
+        path = lora_lab.weights_path(adapter=True)
         size = ranks.write_adapter(str(path))  # gathered from the shards, written by rank 0
         sync = lora_lab.sync_weights(path)
         assert sync.path == "shm-adapter" and sync.bytes == size

@@ -91,7 +91,7 @@ def test_after_a_sync_both_replicas_sample_the_new_weights(ray_lab, model_path, 
     # a flatter output head: a policy the replicas cannot have from disk, with logprobs far from the shipped ones
     flatter = {**shipped_weights, "lm_head.weight": shipped_weights["lm_head.weight"] * 0.5}
     # both replicas map the file on this node; then, as replicas on other nodes would, through the object store
-    assert ray_lab.sync_weights(shipped_weights).path == "shm-file"
+    assert ray_lab.sync_weights(shipped_weights).path == "shared-memory"
     monkeypatch.setattr(ray_replicas, "SHARE_LOCAL_FILES", False)
     result = ray_lab.sync_weights(flatter)
     version = ray_lab.policy_version
@@ -195,7 +195,7 @@ def test_local_replicas_route_sticky_and_sync_together(model_path, shipped_weigh
     with Lab(model_path, replicas=2, port=0, runs_dir=str(tmp_path)) as lab:
         sessions = [lab.session() for _ in range(4)]
         _ask(lab, sessions, rounds=2)
-        assert lab.sync_weights(shipped_weights).path == "shm-file"
+        assert lab.sync_weights(shipped_weights).path == "shared-memory"
         _ask(lab, sessions)
         calls = lab.calls()
         assert calls.groupby("session_id")["replica"].nunique().max() == 1 and set(calls["replica"]) == {0, 1}

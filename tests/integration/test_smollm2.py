@@ -66,7 +66,8 @@ def test_after_a_sync_from_fsdp_ranks_the_engine_samples_the_trainers_smollm2(sm
     finally:
         ranks.close()
     gap = (trainer - torch.tensor(gen.output_logprobs)).abs()
-    assert sync.policy_version == version + 1 and gen.output_versions == [version + 1] * 32 and sync.path == "shm-file"
+    assert sync.policy_version == version + 1 and gen.output_versions == [version + 1] * 32
+    assert sync.path == "shared-memory"
     assert gap.mean() <= 1e-3, f"engine vs trainer after the sync: mean |Δ| {gap.mean():.2e}, max {gap.max():.2e}"
 
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,89 @@
+"""Weights that cross in memory (issue 45) on the shared real engine: a sync into the Lab's slot — written in place
+through a standing mapping, read by the engine as views of its own — serves bit for bit what a fresh file serves; a
+slot written again after its sync changes nothing the engine serves; a transfer that fails mid-way leaves the old
+weights serving at the old version."""
+
+import pytest
+import torch
+
+from polar_lab.engine.weights import is_slot, write_weights
+from polar_lab.types import SamplingSpec
+
+SPEC = SamplingSpec(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer.apply_chat_template([{"role": "user", "content": "What is 7*(8+9)?"}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def _moved(weights, seed: int) -> dict[str, torch.Tensor]:
+    """Every floating tensor moved by noise (embeddings kept tied)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1
+           else v.clone() for k, v in weights.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    return out
+
+
+def _sample(lab, prompt_ids):
+    gen = lab.engine.submit(prompt_ids, SPEC).result(timeout=300)
+    return gen.output_ids, gen.output_logprobs
+
+
+def test_an_in_memory_sync_serves_bit_for_bit_what_a_file_sync_serves(lab, prompt_ids, shipped_weights,
+                                                                       restore_weights, tmp_path):
+    moved = _moved(shipped_weights, 3)
+    shipped = _sample(lab, prompt_ids)
+    fresh = lab.weights_path(adapter=True)  # a fresh path, not a slot: the file transport
+    write_weights(fresh, moved)
+    by_file = lab.sync_weights(fresh)
+    from_file = _sample(lab, prompt_ids)
+    lab.sync_weights(shipped_weights)
+    by_memory = lab.sync_weights(moved)
+    from_memory = _sample(lab, prompt_ids)
+    assert (by_file.path, by_memory.path) == ("shm-file", "shared-memory")
+    assert from_memory == from_file  # ids and every logprob, float for float
+    assert from_file != shipped  # negative control: the moved weights sample otherwise
+
+
+def test_a_slot_written_again_after_its_sync_changes_nothing_the_engine_serves(lab, prompt_ids, shipped_weights,
+                                                                               restore_weights):
+    """The engine copies what it reads from a slot (into its standby, or its layers): the mapping it read is not
+    part of the served model, so the trainer's next write into that slot is invisible until it is synced."""
+    lab.sync_weights(_moved(shipped_weights, 4))
+    served = _sample(lab, prompt_ids)
+    slot = lab.weights_path()
+    assert is_slot(slot)
+    write_weights(slot, {k: torch.zeros_like(v) for k, v in shipped_weights.items()})  # written, not synced
+    assert _sample(lab, prompt_ids) == served
+
+
+class _FailsHalfway(dict):
+    """A state dict whose transfer breaks after half its tensors are written (a rank lost mid-gather, memory run
+    out): its first pass (the layout) goes through, its second (the tensors) stops halfway."""
+
+    passes = 0
+    written = 0
+
+    def items(self):
+        self.passes += 1
+        for i, item in enumerate(super().items()):
+            if self.passes > 1 and i == len(self) // 2:
+                raise RuntimeError("rank 1 was lost mid-gather")
+            self.written += self.passes > 1
+            yield item
+
+
+def test_a_transfer_that_fails_midway_leaves_the_old_weights_serving_at_the_old_version(
+        lab, prompt_ids, shipped_weights, restore_weights):
+    lab.sync_weights(_moved(shipped_weights, 5))
+    version, served = lab.policy_version, _sample(lab, prompt_ids)
+    broken = _FailsHalfway(_moved(shipped_weights, 6))
+    with pytest.raises(RuntimeError, match="lost mid-gather"):
+        lab.sync_weights(broken)
+    assert broken.written == len(broken) // 2  # half of it had crossed
+    assert lab.policy_version == version and _sample(lab, prompt_ids) == served
+    assert lab.sync_weights(_moved(shipped_weights, 6)).policy_version == version + 1  # and the next one goes through
+    assert _sample(lab, prompt_ids) != served
