@@ -243,22 +243,20 @@ class Lab(LabViews):
         self._check_open()
         return self.supervisor.load(state_dict)
 
-    def sync_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, *,
-                     drain_timeout: float = 30.0) -> SyncResult:
-        """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`),
-        load the weights into the live engine, bump `policy_version`, resume. If the engine dies during the
-        load, a new one is started with these weights, at the next version.
-
-        `weights`: HF-named tensors (`lm_head.weight` included), written first — before the pause — as a
-        safetensors file in shared memory that the engine maps; or the path of such a file already written
-        (a trainer writes it straight from its ranks: `weights_path()`, engine/weights.py). A file from
-        `weights_path()` becomes the kept copy of the served weights (no second copy); another path is left
-        where it is. A CPU engine keeps a standby copy of its model (`EngineConfig.standby_weights`): the file
-        loads into it before the pause, while the engine serves, and the pause only swaps it in (`swapped`).
-        The result says how many bytes moved, and how long the write, the preload and the pause took.
-        """
+    def sync_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, *, drain_timeout: float = 30.0,
+                     pause: str = "drain") -> SyncResult:
+        """Weight sync: pause the proxy (new calls wait), drain in-flight calls (up to `drain_timeout`), load the
+        weights into the live engine, bump `policy_version`, resume; `pause="keep"`: no drain — calls in flight are
+        held between two engine steps for the load and go on with the new weights (their tokens say which sampled
+        them). If the engine dies during the load, a new one is started with these weights, at the next version.
+        `weights`: HF-named tensors (`lm_head.weight` included), written first — before the pause — into the Lab's
+        shared-memory slot in the engine's dtype; or the path of a safetensors file already written (a trainer
+        writes straight from its ranks to `weights_path()`: engine/weights.py), which the engine keeps as the served
+        weights' copy if it is the Lab's. A CPU engine keeps a standby copy (`EngineConfig.standby_weights`): the
+        weights load into it before the pause, while the engine serves, and the pause only swaps it in (`swapped`).
+        The result says how many bytes moved, how they travelled, and the write, preload and pause times."""
         self._check_open()
-        return sync_weights(self.supervisor, weights, self.weights, drain_timeout)
+        return sync_weights(self.supervisor, weights, self.weights, drain_timeout, pause)
 
     def weights_path(self, *, adapter: bool = False) -> Path:
         """Where to write weights for `sync_weights`: of two files in shared memory the Lab reuses, the one not served

@@ -12,6 +12,7 @@ from polar_lab.config import make_config
     (lambda: EngineConfig(gpu_memory_utilization=1.5), "1.5"),         # more than the GPU
     (lambda: ProxyConfig(port=70000), "70000"),                        # not a TCP port
     (lambda: ProxyConfig(default_max_tokens=0), "default_max_tokens"),  # nothing to generate
+    (lambda: EngineConfig(weights_transport="nccl"), "'nccl'"),       # memory or file on one machine
 ])
 def test_bad_values_are_rejected_with_the_value(make, needle):
     with pytest.raises(ConfigError, match=needle):

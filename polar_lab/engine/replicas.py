@@ -337,8 +337,7 @@ class ReplicaSet:
                 "replicas": len(self.engines), "replica_moves": self.router.moved}
 
     @property
-    def weights_dtype(self):
-        """The replicas' model dtype (one model, one dtype)."""
+    def weights_dtype(self):  # one model: one dtype
         return self.engines[0].weights_dtype if self.engines else None
 
     @property

@@ -100,14 +100,15 @@ class EngineSupervisor:
         with self.lock:
             return self._load_or_heal(state_dict)
 
-    def sync(self, weights: Weights, drain_timeout: float) -> SyncResult:
-        """Preload a file into the engine's standby while it serves, then pause the proxy, drain, load
-        `weights` (a state dict, or the path of a safetensors file: then a swap when preloaded), resume."""
+    def sync(self, weights: Weights, drain_timeout: float, pause: str = "drain") -> SyncResult:
+        """Preload a file into the standby while the engine serves; pause the proxy and drain ("keep": the engine
+        holds its requests between two steps instead), load `weights` (a swap, when preloaded), resume."""
         with self.lock:
             t0 = time.perf_counter()
             why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) else "a state dict"
             t1 = time.perf_counter()
-            with self._paused(drain_timeout) as undrained:
+            held = contextlib.nullcontext(self.engine.running) if pause == "keep" else self._paused(drain_timeout)
+            with held as undrained:
                 t2 = time.perf_counter()
                 version = self._load_or_heal(weights)
             t3 = time.perf_counter()
@@ -239,8 +240,7 @@ class EngineSupervisor:
     def _swap(self, old: Engine, new: Engine, *, superseded: bool) -> None:
         self.busy_before += old.busy_seconds
         self.engine = new
-        if superseded and old.weights_file is not None and old.weights_file != new.weights_file \
-                and not is_slot(old.weights_file):
+        if superseded and old.weights_file not in (None, new.weights_file) and not is_slot(old.weights_file):
             remove_weights(old.weights_file)  # replaced by the weights passed in
         if self.on_swap is not None:
             self.on_swap(new)
@@ -333,11 +333,13 @@ def _recoverable(engine: Engine) -> bool:
 
 
 def sync_weights(supervisor: EngineSupervisor, weights: Weights, folder: WeightsFolder,
-                 drain_timeout: float) -> SyncResult:
+                 drain_timeout: float, pause: str = "drain") -> SyncResult:
     """`supervisor.sync` of a state dict written first — before the pause — into a slot of `folder` (in the engine's
     dtype), or of a file (or a LoRA adapter's folder) already written. A path of the folder becomes the engine's kept
     copy, or is removed (a slot stays, for the next write). The result also says how many bytes moved, how long the
     write took and how they travelled."""
+    if pause not in ("drain", "keep"):
+        raise LabError(f"pause must be 'drain' or 'keep', got {pause!r}")
     if isinstance(weights, (str, Path)):
         path, write_s = Path(weights), 0.0
     else:
@@ -348,7 +350,7 @@ def sync_weights(supervisor: EngineSupervisor, weights: Weights, folder: Weights
     size = weights_size(path)
     kind = "shm-adapter" if path.is_dir() else "shared-memory" if is_slot(path) else "shm-file"
     try:
-        result = supervisor.sync(path, drain_timeout)
+        result = supervisor.sync(path, drain_timeout, pause)
     finally:
         folder.taken(path, kept=supervisor.engine.weights_file == path)  # else removed (not kept, or load failed)
     return dataclasses.replace(result, bytes=size, write_s=write_s, path=supervisor.engine.weights_transport or kind)

@@ -137,12 +137,13 @@ class GRPOConfig:
     async_mode: bool = _f(False, "keep rollouts running while the trainer steps (else: rollout, train, sync)")
     async_window_steps: int = _f(1, "groups admitted ahead of the trainer, in steps: at most tasks_per_step x "
                                     "this are running or waiting")
-    max_staleness: int = _f(4, "a group whose oldest trained token is more than this many policy versions "
-                               "behind the trainer never reaches the loss (TRL's async default); below it, TIS "
-                               "corrects, so long rollouts are kept rather than dropped")
+    max_staleness: int = _f(4, "a group whose oldest trained token is more than this many policy versions behind "
+                               "the trainer never reaches the loss (TRL's async default); below it, TIS corrects")
     stale_groups: str = _f("drop", "what happens to a too-stale group: drop, or rerun its task")
     max_reruns: int = _f(2, "stale_groups='rerun': times in a row a task is re-queued before it is dropped")
     drain_timeout_s: float = _f(30.0, "weight sync waits this long for in-flight calls before loading anyway")
+    sync_pause: str = _f("drain", "weight sync: drain (calls in flight finish on the old weights) or keep (they are "
+                                  "held for the load and go on with the new ones: Lab.sync_weights)")
 
     # ---- trainer placement -----------------------------------------------------------------------
     world_size: int = _f(1, "trainer ranks; 1 trains in this process (strategy ddp), >1 in worker processes")
@@ -224,6 +225,7 @@ class GRPOConfig:
         self.peft_config = lora_config(self.peft_config)
         resolve_report_to(self.report_to)  # a name no tracker has is refused now, not at the first step
         _check(self.lora_sync in ("adapter", "merged"), f"lora_sync must be adapter or merged, got {self.lora_sync!r}")
+        _check(self.sync_pause in ("drain", "keep"), f"sync_pause must be drain or keep, got {self.sync_pause!r}")
         _check(self.strategy in STRATEGIES, f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         _check(not self.cpu_offload or self.strategy == "fsdp",
                f"cpu_offload=True needs strategy='fsdp' (got {self.strategy!r}): DDP keeps a full copy per GPU")

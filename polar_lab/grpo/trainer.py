@@ -169,7 +169,7 @@ class GRPOTrainer:
         else:  # into the slot the engine is not serving, in its dtype: in place, through a mapping (engine/weights.py)
             self.policy.write_weights(str(path), self.lab.engine.weights_dtype)
         write_s = time.perf_counter() - t0
-        result = self.lab.sync_weights(path, drain_timeout=self.config.drain_timeout_s)
+        result = self.lab.sync_weights(path, drain_timeout=self.config.drain_timeout_s, pause=self.config.sync_pause)
         return dataclasses.replace(result, write_s=write_s)
 
     def _check_finite(self, update) -> None:

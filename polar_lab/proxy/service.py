@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 from polar_lab.config import ProxyConfig
 from polar_lab.engine.base import Engine
 from polar_lab.errors import ContextLengthError, RequestError
-from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ThoughtSigner, ToolArgs
+from polar_lab.proxy.canonical import CanonicalRequest, Choice, CompletedCall, ParsedOutput, ThoughtSigner, ToolArgs
 from polar_lab.proxy.stream_deltas import Splitter
 from polar_lab.proxy.forcing import Forcing
 from polar_lab.proxy.parse import OutputParser
@@ -76,6 +76,12 @@ class Prepared:
     @property
     def replayed(self) -> bool:
         return self.recorded is not None
+
+    def named(self, choice: int, parsed: ParsedOutput) -> ParsedOutput:
+        """`parsed` with the ids of its tool calls this call issues for them (`tool_call_id`)."""
+        for k, tool_call in enumerate(parsed.tool_calls):
+            tool_call["id"] = self.tool_call_id(choice, k)
+        return parsed
 
     def tool_call_id(self, choice: int, k: int) -> str:
         """The id of choice `choice`'s k-th tool call: derived from the request's id (unique per call), so that a
@@ -133,11 +139,7 @@ class CallService:
                                    spec.max_tokens)
         specs = [_nth_seed(spec, i, hashed=session.sampling.get("seed") is not None) for i in range(req.n)]
         in_thought = not self.parser.own and self.parser.opens_thought(rendered.text, len(rendered.text) - len(prefill))
-        # a replaying session's call still on its record is answered from it (proxy/replay.py), under the recorded
-        # request id and time: the answer's ids (response, tool calls) and timestamp are the recorded ones
-        recorded = session.replay.answer(call_index, rendered.prompt_ids, len(specs)) if session.replay else None
-        request_id, created = ((recorded[0].request_id, recorded[0].timings["received"]) if recorded
-                               else (uuid.uuid4().hex[:16], received))
+        recorded, request_id, created = _identity(session, call_index, rendered.prompt_ids, len(specs), received)
         return Prepared(session=session, req=req, api=api, request_id=request_id, call_index=call_index,
                         rendered=rendered, prefill=prefill, constraint=constraint, requested=requested, specs=specs,
                         splicing=splicing, histories=histories, in_thought=in_thought, timings={"received": received},
@@ -196,10 +198,8 @@ class CallService:
                         "Lab(..., default_max_tokens=N); lab.calls().max_tokens_source says which calls took it "
                         "(said once per Lab)", p.specs[0].max_tokens)
         for i, gen in enumerate(generations):
-            parsed = self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
-                                       in_thought=p.in_thought)
-            for k, tool_call in enumerate(parsed.tool_calls):
-                tool_call["id"] = p.tool_call_id(i, k)
+            parsed = p.named(i, self.parser.parse(p.prefill + gen.text, tools=req.tools, parse_tools=parse_tools,
+                                                  in_thought=p.in_thought))
             finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
             choices.append(Choice(index=i, generation=gen, parsed=parsed, finish_reason=finish, seed=p.specs[i].seed,
                                   thought_tokens=self.parser.thought_tokens(gen.output_ids, parsed, p.prefill)))
@@ -341,6 +341,17 @@ class CallService:
 
 
 MAX_TOKENS_HEADER = "polar-lab-max-tokens"  # on every answer: `1024; source=default` (docs/api-conformance.md)
+
+
+def _identity(session: Session, call_index: int, prompt_ids: list[int], choices: int, received: float
+              ) -> tuple[list[ModelCall] | None, str, float]:
+    """(the recorded choices that answer this call, or None; its request id; its answer's time). A replaying
+    session's call still on its record is answered from it (proxy/replay.py) under the recorded request id and time,
+    so the answer's ids (response, tool calls) and timestamp are the recorded ones; any other gets fresh ones."""
+    recorded = session.replay.answer(call_index, prompt_ids, choices) if session.replay is not None else None
+    if recorded:
+        return recorded, recorded[0].request_id, recorded[0].timings["received"]
+    return None, uuid.uuid4().hex[:16], received
 
 
 def from_record(recorded: list[ModelCall], on_delta: list[Callable[[TokenDelta], None]] | None, tokenizer

@@ -23,6 +23,7 @@ BAD = [  # (fields, words the error must contain)
     ({"max_reruns": -1}, ["max_reruns", "-1"]),
     ({"async_window_steps": 0}, ["async_window_steps", "0"]),
     ({"teacher_scorer": "server"}, ["teacher_scorer", "server"]),
+    ({"sync_pause": "abort"}, ["sync_pause", "abort"]),  # drain or keep: an abort would lose what was sampled
     ({"teacher_scorer": "engine", "temperature": 0.7}, ["T=1", "0.7", "teacher_scorer='trainer'"]),  # vLLM's raw scores
 ]
 

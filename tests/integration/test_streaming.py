@@ -300,6 +300,33 @@ def test_a_weight_sync_waits_for_a_streaming_call_to_finish(lab, shipped_weights
     assert set(call.output_versions) == {version} and len(call.output_ids) == 400
 
 
+def test_a_keep_mode_sync_holds_a_streaming_call_for_the_load_and_it_goes_on_with_new_weights(lab, shipped_weights):
+    """pause="keep" (vLLM's pause_generation(mode="keep")): no drain — the sync loads while the stream is under way,
+    the engine holds the call between two steps, and its later tokens are the new version's (the drain test above
+    is the control: there every token is the old version's)."""
+    import threading
+
+    s = lab.session(sampling={"ignore_eos": True, "seed": 11})
+    version = lab.engine.policy_version
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", s.openai_base_url + "/chat/completions", json={
+                "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 1500},
+                headers={"Authorization": f"Bearer {s.key}"}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the stream is under way
+            synced = {}
+            sync = threading.Thread(target=lambda: synced.update(
+                result=lab.sync_weights(shipped_weights, pause="keep")))
+            sync.start()
+            for _ in lines:
+                pass
+    sync.join(120)
+    (call,) = session_calls(lab, s)
+    versions = call.output_versions
+    assert synced["result"].policy_version == version + 1 and len(versions) == 1500
+    assert versions[0] == version and versions[-1] == version + 1 and versions == sorted(versions)
+
+
 @pytest.fixture(scope="module")
 def qwen35(engines, tmp_path_factory):
     if not (QWEN35 / "model.safetensors").exists():
