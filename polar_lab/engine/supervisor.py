@@ -36,11 +36,13 @@ import torch
 
 from polar_lab.engine.base import Engine
 from polar_lab.engine.launch import WeightsFolder
+from polar_lab.engine.weight_transfer import WeightTransfer
 from polar_lab.engine.weights import is_slot, remove_weights, weights_size, write_weights
 from polar_lab.errors import EngineError, LabError
 from polar_lab.types import SyncResult
 
-Weights = Mapping[str, torch.Tensor] | str | Path  # a state dict, or a safetensors file (engine/weights.py)
+# a state dict, a safetensors file (engine/weights.py), or a policy's weights through vLLM's transfer API
+Weights = Mapping[str, torch.Tensor] | str | Path | WeightTransfer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class EngineSupervisor:
         holds its requests between two steps instead), load `weights` (a swap, when preloaded), resume."""
         with self.lock:
             t0 = time.perf_counter()
-            why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) else "a state dict"
+            why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) else "not a file"
             t1 = time.perf_counter()
             held = contextlib.nullcontext(self.engine.running) if pause == "keep" else self._paused(drain_timeout)
             with held as undrained:
@@ -321,9 +323,15 @@ class EngineSupervisor:
 
 
 def load_into(engine: Engine, weights: Weights, *, version: int | None = None) -> int:
-    """`engine.load_weights` for a state dict, `engine.load_weights_file` for a file's path."""
+    """`engine.load_weights` for a state dict, `engine.load_weights_file` for a file's path, a transfer's `send`
+    (bound to the engine it was opened with: a replacement engine cannot take it, and is not healed with it)."""
     if isinstance(weights, (str, Path)):
         return engine.load_weights_file(weights, version=version)
+    if isinstance(weights, WeightTransfer):
+        if weights.engine is not engine:
+            raise EngineError("weights sent through vLLM's transfer API reach only the engine the transfer was "
+                              "opened with; sync a state dict or a file to a replacement engine")
+        return weights.send(version)
     return engine.load_weights(weights, version=version)
 
 
@@ -340,6 +348,8 @@ def sync_weights(supervisor: EngineSupervisor, weights: Weights, folder: Weights
     write took and how they travelled."""
     if pause not in ("drain", "keep"):
         raise LabError(f"pause must be 'drain' or 'keep', got {pause!r}")
+    if isinstance(weights, WeightTransfer):
+        return dataclasses.replace(supervisor.sync(weights, drain_timeout, pause), path=weights.backend)
     if isinstance(weights, (str, Path)):
         path, write_s = Path(weights), 0.0
     else:

@@ -43,15 +43,14 @@ import functools
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from polar_lab.config import EngineConfig
+from polar_lab.engine.adapters import AdapterServing
 from polar_lab.engine.base import Rejection, versions_from_spans
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
@@ -81,7 +80,7 @@ def _torchvision_stand_in() -> None:
 _torchvision_stand_in()
 
 
-class Worker:
+class Worker(AdapterServing):
     """One vLLM engine and the bookkeeping between it and the socket."""
 
     def __init__(self, conn: Connection, config: EngineConfig):
@@ -117,7 +116,7 @@ class Worker:
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
             **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c), **_lora_args(c),
-            **_executor_args(c), **_kv_args(c, torch.cuda.is_available()),
+            **_executor_args(c), **_kv_args(c, torch.cuda.is_available()), **_transfer_args(c),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
         llm_s = time.perf_counter() - t0
@@ -204,6 +203,8 @@ class Worker:
             self.stage(msg[1])
         elif kind == "weights":
             self.send(("weights", self.load_weights(msg[1], msg[2])))
+        elif kind == "transfer":
+            self.send(("weights", self.transfer(msg[1], msg[2], msg[3])))
         elif kind == "stop":
             return "stop"
         return None
@@ -252,12 +253,24 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the old weights keep serving
             log.exception("weight load failed")
             return f"weight load failed: {exc!r}"
+        return self.loaded(version)
+
+    def loaded(self, version: int | None) -> int:
+        """New full weights serve from now on, as `version` (default: the current one + 1)."""
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.adapter = None  # these weights are the policy now: no adapter on top of them
         self.retire_adapters()
         return self.version
+
+    def transfer(self, method: str, payload: dict | None, version: int | None) -> int | str:
+        """One call of vLLM's weight-transfer API (engine/weight_transfer.py `call`); after `finish_weight_update`
+        the new weights serve as `version`. The version served, or why the call failed."""
+        from polar_lab.engine.weight_transfer import call
+
+        failed = call(self.llm, method, payload)
+        return failed or (self.loaded(version) if method == "finish_weight_update" else self.version)
 
     def stage(self, path: str) -> None:
         """Load a weights file into the standby while this loop keeps stepping; answered with "staged" when done
@@ -267,48 +280,6 @@ class Worker:
             self.send(("staged", path, why))
             return
         self.standby.start(path, lambda done, error: self.send(("staged", done, error)))
-
-    def load_adapter(self, path: str, version: int | None) -> int | str:
-        """Serve a LoRA adapter (over the unchanged base weights) to every request added from now on, as
-        `version`. Requests already running finish with the adapter they started with, and their tokens
-        keep its version; an adapter no request uses any more is unloaded. (Not handled: a full-weights load
-        while a request runs with an adapter — its later tokens come from neither version. A sync drains
-        calls first, so only a call that outlived `drain_timeout` could see it.)"""
-        from vllm.lora.request import LoRARequest
-
-        if self.llm.llm_engine.vllm_config.lora_config is None:
-            return "weight load failed: this engine was started without LoRA (EngineConfig.max_lora_rank)"
-        target = self.version + 1 if version is None else version
-        self.adapters_loaded += 1
-        # vLLM reads an adapter again from its folder whenever it dropped it (a weight reload resets its LoRA
-        # state; its cache evicts): a folder missing then fails inside a shared step and ends this process. The
-        # parent deletes a superseded adapter's folder, so the engine serves its own copy, kept while in use.
-        copy = os.path.join(tempfile.mkdtemp(prefix="adapter-"), "adapter")
-        request = LoRARequest(f"polar-lab-v{target}", self.adapters_loaded, copy)
-        try:
-            shutil.copytree(path, copy)
-            self.llm.llm_engine.add_lora(request)
-        except Exception as exc:  # noqa: BLE001 - the caller learns why; the old adapter keeps serving
-            log.exception("adapter load failed")
-            shutil.rmtree(os.path.dirname(copy), ignore_errors=True)
-            return f"adapter load failed: {exc!r}"
-        self.adapter_dirs[request.lora_int_id] = os.path.dirname(copy)
-        self.adapter, self.version = request, target
-        self.retire_adapters()
-        return self.version
-
-    def retire_adapters(self) -> None:
-        """Unload adapters that are neither served to new requests nor used by a running one."""
-        if self.llm.llm_engine.vllm_config.lora_config is None:
-            return
-        in_use = {lora_id for lora_id, _ in self.adapter_of.values()}
-        if self.adapter is not None:
-            in_use.add(self.adapter.lora_int_id)
-        loaded = self.llm.llm_engine.list_loras()
-        for lora_id in set(self.adapter_dirs) - in_use:
-            if lora_id in loaded:
-                self.llm.llm_engine.remove_lora(lora_id)
-            shutil.rmtree(self.adapter_dirs.pop(lora_id), ignore_errors=True)
 
     def generation(self, output) -> Generation:
         c = output.outputs[0]
@@ -425,6 +396,17 @@ def _reasoning_args(c: EngineConfig) -> dict[str, Any]:
 
             return {"reasoning_config": ReasoningConfig(reasoning_start_str=start, reasoning_end_str=end)}
     return {}
+
+
+def _transfer_args(c: EngineConfig) -> dict[str, Any]:
+    """vLLM's weight-transfer engine, where weights come through its API (engine/weight_transfer.py)."""
+    from polar_lab.engine.weight_transfer import TRANSFER_BACKENDS, register_engine_backend
+
+    if c.weights_transport not in TRANSFER_BACKENDS:
+        return {}
+    if c.weights_transport == "gloo":
+        register_engine_backend()
+    return {"weight_transfer_config": {"backend": c.weights_transport}}
 
 
 def _executor_args(c: EngineConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -167,9 +168,12 @@ class Policy:
         With LoRA, the merged weights (W + scale·B·A). Floating tensors are stored as `dtype` (the engine's; None:
         as trained). A file that has the layout already (the Lab's slot, `lab.weights_path()`) is written in place.
         Every rank must call it; returns the file's size (0 on other ranks)."""
-        layout = lora.merged_layout(self.model) if self.lora else \
-            [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]  # global shapes
-        return _write_gathered(path, layout, self._full_tensors(), self._rank == 0, dtype)
+        return _write_gathered(path, self._layout(), self._full_tensors(), self._rank == 0, dtype)
+
+    def _layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(HF name, dtype, global shape) of what `_full_tensors` yields."""
+        return lora.merged_layout(self.model) if self.lora else \
+            [(name, t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()]
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
@@ -334,6 +338,42 @@ class UpdateStats:
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped,
         }
+
+
+def outgoing_weights(lab, policy, config: GRPOConfig, *, full: bool = False):
+    """What a trainer's sync sends (`lab.sync_weights(...)`): a LoRA adapter's folder (lora_sync="adapter", unless
+    `full`), the policy's weights written into the Lab's slot in the engine's dtype, or — where the engine takes
+    weights through vLLM's transfer API (weights_transport nccl, ipc, gloo) — the policy's transfer into it."""
+    from polar_lab.engine.weight_transfer import TRANSFER_BACKENDS
+
+    adapter = config.peft_config is not None and config.lora_sync == "adapter" and not full
+    transport = lab.config.engine.weights_transport
+    if not adapter and transport in TRANSFER_BACKENDS:
+        return _transfer(policy, lab.engine, transport, config)
+    path = lab.weights_path(adapter=adapter)
+    if adapter:
+        policy.write_adapter(str(path))  # the adapter alone: the engine keeps the base weights
+    else:  # into the slot the engine is not serving, in its dtype: in place, through a mapping (engine/weights.py)
+        policy.write_weights(str(path), lab.engine.weights_dtype)
+    return path
+
+
+_TRANSFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy → its open WeightTransfer
+
+
+def _transfer(policy, engine, backend: str, config: GRPOConfig):
+    """The policy's weights as a transfer through vLLM's weight-transfer API into `engine` (engine/weight_transfer.py):
+    made once per engine and kept (its group stays open), floating matrices in the engine's dtype."""
+    from polar_lab.engine.weight_transfer import PolicySource, WeightTransfer
+
+    if not isinstance(policy, Policy):
+        raise TrainerError(f"weights_transport={backend!r} sends from a trainer in the Lab's process (world_size=1, "
+                           f"strategy ddp); with {config.world_size} ranks ({config.strategy}) use 'memory'")
+    kept = _TRANSFERS.get(policy)
+    if kept is None or kept.engine is not engine or kept.backend != backend:
+        source = PolicySource(policy._layout(), policy._full_tensors, engine.weights_dtype)
+        _TRANSFERS[policy] = kept = WeightTransfer(backend, source, engine)
+    return kept
 
 
 def _write_gathered(path, layout, tensors, writes: bool, dtype: torch.dtype | None = None) -> int:

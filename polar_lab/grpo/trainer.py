@@ -39,7 +39,7 @@ from polar_lab.errors import ConfigError, TrainerError
 from polar_lab.grpo.batch import Batch, build_batch
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.lora import check_targets
-from polar_lab.grpo.policy import Policy, resolve_device
+from polar_lab.grpo.policy import Policy, outgoing_weights, resolve_device
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, rollout_sampling, trajectory_builder
 from polar_lab.grpo.teacher import EngineTeacher
 from polar_lab.grpo.trackers import Trackers, resolve_report_to
@@ -162,14 +162,9 @@ class GRPOTrainer:
         sends the merged model instead (how a trainer puts the base weights back into an engine that served
         others)."""
         t0 = time.perf_counter()
-        adapter = self.config.peft_config is not None and self.config.lora_sync == "adapter" and not full
-        path = self.lab.weights_path(adapter=adapter)
-        if adapter:
-            self.policy.write_adapter(str(path))  # the adapter alone: the engine keeps the base weights
-        else:  # into the slot the engine is not serving, in its dtype: in place, through a mapping (engine/weights.py)
-            self.policy.write_weights(str(path), self.lab.engine.weights_dtype)
+        weights = outgoing_weights(self.lab, self.policy, self.config, full=full)
         write_s = time.perf_counter() - t0
-        result = self.lab.sync_weights(path, drain_timeout=self.config.drain_timeout_s, pause=self.config.sync_pause)
+        result = self.lab.sync_weights(weights, drain_timeout=self.config.drain_timeout_s, pause=self.config.sync_pause)
         return dataclasses.replace(result, write_s=write_s)
 
     def _check_finite(self, update) -> None:

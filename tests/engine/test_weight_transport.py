@@ -87,3 +87,43 @@ def test_a_transfer_that_fails_midway_leaves_the_old_weights_serving_at_the_old_
     assert lab.policy_version == version and _sample(lab, prompt_ids) == served
     assert lab.sync_weights(_moved(shipped_weights, 6)).policy_version == version + 1  # and the next one goes through
     assert _sample(lab, prompt_ids) != served
+
+
+@pytest.fixture(scope="module")
+def gloo_lab(model_path, tmp_path_factory):
+    """A private engine: vLLM builds its weight-transfer engine with the LLM, so the backend is fixed at start."""
+    from polar_lab import Lab
+
+    with Lab(str(model_path), port=0, runs_dir=str(tmp_path_factory.mktemp("runs")), weights_transport="gloo") as lab:
+        yield lab
+
+
+def test_weights_through_vllms_transfer_api_serve_bit_for_bit_what_a_file_serves(gloo_lab, model_path, prompt_ids,
+                                                                                  shipped_weights):
+    """vLLM's protocol (init, start, update while the trainer broadcasts, finish) over the gloo stand-in of its NCCL
+    backend, in buckets smaller than the model: the engine then samples what a file of the same weights gives it, at
+    the next version each time, through one group opened at the first sync."""
+    from polar_lab.engine.weight_transfer import PolicySource, WeightTransfer
+    from polar_lab.grpo import GRPOConfig
+    from polar_lab.grpo.policy import Policy
+
+    lab = gloo_lab
+    policy = Policy(str(model_path), GRPOConfig())
+    policy.load_state_dict(_moved(shipped_weights, 7))
+    fresh = lab.weights_path(adapter=True)
+    write_weights(fresh, policy.state_dict())
+    lab.sync_weights(fresh)
+    from_file = _sample(lab, prompt_ids)
+    lab.sync_weights(shipped_weights)
+    assert _sample(lab, prompt_ids) != from_file  # the control: the shipped weights sample otherwise
+    source = PolicySource(policy._layout(), policy._full_tensors, lab.engine.weights_dtype)
+    transfer = WeightTransfer("gloo", source, lab.engine, bucket_bytes=256 * 1024)  # tiny-calc's 5 MB: ~20 buckets
+    version = lab.policy_version
+    first = lab.sync_weights(transfer)
+    assert (first.path, first.policy_version, lab.engine.weights_file) == ("gloo", version + 1, None)
+    assert _sample(lab, prompt_ids) == from_file
+    assert lab.sync_weights(transfer).policy_version == version + 2  # the same group, a second update
+    assert _sample(lab, prompt_ids) == from_file
+    from polar_lab.grpo.policy import outgoing_weights
+
+    assert isinstance(outgoing_weights(lab, policy, GRPOConfig()), WeightTransfer)  # what a trainer's sync sends here
