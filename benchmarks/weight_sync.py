@@ -138,6 +138,7 @@ def stall_through_proxy(lab: Lab, policy, pause: str, calls: int = 16, max_token
     s = lab.session(sampling={"ignore_eos": True, "temperature": 1.0})
     url, headers = s.openai_base_url + "/chat/completions", {"Authorization": f"Bearer {s.key}"}
     firsts: list[tuple[float, float]] = []  # (wait for the first delta, when the call started)
+    stamps: list[float] = []  # one per delta received
     gaps: list[tuple[float, float]] = []  # (gap, when it ended)
     stop = threading.Event()
 
@@ -149,6 +150,7 @@ def stall_through_proxy(lab: Lab, policy, pause: str, calls: int = 16, max_token
                 with client.stream("POST", url, json=body, headers=headers) as r:
                     for i, line in enumerate(line for line in r.iter_lines() if line.startswith("data: {")):
                         now = time.perf_counter()
+                        stamps.append(now)
                         if i == 0:
                             firsts.append((now - start, start))
                         else:
@@ -173,16 +175,21 @@ def stall_through_proxy(lab: Lab, policy, pause: str, calls: int = 16, max_token
     typical = statistics.median(w for w, _ in firsts)
     waits = [w - typical for w, started in firsts if t1 - 1.0 <= started <= t2]
     over = [g for g, at in gaps if t1 <= at <= t2 + 2.0]
-    return {"pause": pause, "calls": calls, "longest_gap_s": max(over, default=0.0),
+    before = sum(t1 - 2.0 <= t < t1 for t in stamps) / 2.0
+    return {"pause": pause, "calls": calls, "deltas_per_s_before": before,
+            "deltas_per_s_over_sync": sum(t1 <= t < t2 for t in stamps) / (t2 - t1),
+            "longest_gap_s": max(over, default=0.0),
             "longest_extra_first_delta_wait_s": max(waits, default=0.0), "median_first_delta_s": typical,
             "longest_stall_s": max(max(over, default=0.0), max(waits, default=0.0)), "undrained": sync.undrained,
             "write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s, "drain_s": sync.drain_s}
 
 
-def engine_rss_mib(lab: Lab) -> float:
-    """The engine process's resident memory."""
+def engine_memory_mib(lab: Lab) -> dict:
+    """The engine process's resident memory: in all, its own (anonymous), and shared memory it maps (the slots)."""
     with open(f"/proc/{lab.engine.pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+        fields = dict(line.split(":", 1) for line in fh)
+    return {key: int(fields[name].split()[0]) / 1024 for key, name in
+            (("rss", "VmRSS"), ("anon", "RssAnon"), ("shmem", "RssShmem"))}
 
 
 def nudge(policy, lab_tokenizer) -> None:
@@ -200,7 +207,7 @@ def model_bytes(policy) -> int:
 
 def smollm2(args, results: dict) -> None:
     with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}") as lab:
-        results["engine_rss_mib_at_start"] = engine_rss_mib(lab)
+        results["engine_mib_at_start"] = engine_memory_mib(lab)
         single = Policy(args.model, GRPOConfig(learning_rate=1e-4))
         nudge(single, lab.tokenizer)
         results["one_rank"] = {**side_by_side(lab, single, args.repeats), **agreement(lab, single)}
@@ -218,9 +225,9 @@ def smollm2(args, results: dict) -> None:
         for pause in ("drain", "keep"):
             results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)
             print(f"stall_{pause}", json.dumps(results[f"stall_{pause}"]), flush=True)
-        results["engine_rss_mib_after_syncs"] = engine_rss_mib(lab)
+        results["engine_mib_after_syncs"] = engine_memory_mib(lab)
         results["model_mib"] = model_bytes(single) / 2**20
-        print("engine rss", results["engine_rss_mib_at_start"], "→", results["engine_rss_mib_after_syncs"],
+        print("engine memory", results["engine_mib_at_start"], "→", results["engine_mib_after_syncs"],
               "MiB; model", round(results["model_mib"]), "MiB", flush=True)
 
 
