@@ -108,6 +108,9 @@ class EngineConfig:
         if self.weights_transport not in ("memory", "file", "nccl", "ipc", "gloo"):
             raise ConfigError(f"weights_transport must be memory, file, nccl, ipc or gloo, got "
                               f"{self.weights_transport!r}")
+        if self.weights_transport not in ("memory", "file") and self.replicas > 1:
+            raise ConfigError(f"weights_transport={self.weights_transport!r} sends to one engine; with "
+                              f"replicas={self.replicas} use 'memory'")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_lora_rank is not None and self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):

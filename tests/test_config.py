@@ -12,7 +12,8 @@ from polar_lab.config import make_config
     (lambda: EngineConfig(gpu_memory_utilization=1.5), "1.5"),         # more than the GPU
     (lambda: ProxyConfig(port=70000), "70000"),                        # not a TCP port
     (lambda: ProxyConfig(default_max_tokens=0), "default_max_tokens"),  # nothing to generate
-    (lambda: EngineConfig(weights_transport="nccl"), "'nccl'"),       # memory or file on one machine
+    (lambda: EngineConfig(weights_transport="rdma"), "'rdma'"),       # memory, file, or one of vLLM's
+    (lambda: EngineConfig(weights_transport="nccl", replicas=2), "replicas=2"),  # one engine takes a transfer
 ])
 def test_bad_values_are_rejected_with_the_value(make, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -48,6 +48,7 @@ from polar_lab.engine.process import EngineProcess
 from polar_lab.engine.replicas import ReplicaSet
 from polar_lab.engine.process_env import ENV_DEFAULTS
 from polar_lab.engine.vllm_engine import VLLMEngine
+from polar_lab.engine.weights import is_slot
 from polar_lab.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -404,7 +405,7 @@ class RayEngine(VLLMEngine):
         shipped = Shipment(path) if shipped is None else shipped
         kind = "-adapter" if shipped.path.is_dir() else "-file"
         if SHARE_LOCAL_FILES and shipped.file_valid and self.node == ray.get_runtime_context().get_node_id():
-            shipped.transports.add("shm" + kind)
+            shipped.transports.add("shared-memory" if is_slot(shipped.path) else "shm" + kind)  # a slot: in place
             return super().load_weights_file(shipped.path, version=version, timeout=timeout)
         shipped.transports.add("ray-object-store" + kind)
         try:
