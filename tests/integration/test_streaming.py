@@ -276,55 +276,36 @@ def test_a_reader_that_reads_nothing_holds_up_no_one_and_gets_every_event_later(
     assert streamed == (call.response["choices"][0]["message"]["content"] or "")
 
 
-def test_a_weight_sync_waits_for_a_streaming_call_to_finish(lab, shipped_weights):
-    """Streams drain like any call: the sync starts loading only after the streamed generation ended, so every
-    one of its tokens is the old version's."""
+@pytest.mark.parametrize("pause", ["drain", "keep"])
+def test_a_sync_during_a_stream_drains_it_or_holds_it_and_it_goes_on_with_new_weights(lab, shipped_weights, pause):
+    """drain: streams drain like any call — the sync loads only after the streamed generation ended, so every one of
+    its tokens is the old version's. keep (vLLM's pause_generation(mode="keep")): no drain — the sync loads while the
+    stream is under way, the engine holds the call between two steps, and its later tokens are the new version's.
+    Each mode is the other's control."""
     import threading
 
     s = lab.session(sampling={"ignore_eos": True, "seed": 11})
-    version = lab.engine.policy_version
+    version, tokens = lab.engine.policy_version, {"drain": 400, "keep": 1500}[pause]
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", s.openai_base_url + "/chat/completions", json={
-                "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 400},
-                headers={"Authorization": f"Bearer {s.key}"}) as r:
-            lines = r.iter_lines()
-            next(lines)  # the stream is under way
-            synced = {}
-            sync = threading.Thread(target=lambda: synced.update(result=lab.sync_weights(shipped_weights)))
-            sync.start()
-            for _ in lines:
-                pass
-    sync.join(120)
-    (call,) = session_calls(lab, s)
-    assert synced["result"].undrained == 0 and synced["result"].policy_version == version + 1
-    assert set(call.output_versions) == {version} and len(call.output_ids) == 400
-
-
-def test_a_keep_mode_sync_holds_a_streaming_call_for_the_load_and_it_goes_on_with_new_weights(lab, shipped_weights):
-    """pause="keep" (vLLM's pause_generation(mode="keep")): no drain — the sync loads while the stream is under way,
-    the engine holds the call between two steps, and its later tokens are the new version's (the drain test above
-    is the control: there every token is the old version's)."""
-    import threading
-
-    s = lab.session(sampling={"ignore_eos": True, "seed": 11})
-    version = lab.engine.policy_version
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", s.openai_base_url + "/chat/completions", json={
-                "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": 1500},
+                "messages": [{"role": "user", "content": "Count."}], "stream": True, "max_tokens": tokens},
                 headers={"Authorization": f"Bearer {s.key}"}) as r:
             lines = r.iter_lines()
             next(lines)  # the stream is under way
             synced = {}
             sync = threading.Thread(target=lambda: synced.update(
-                result=lab.sync_weights(shipped_weights, pause="keep")))
+                result=lab.sync_weights(shipped_weights, pause=pause)))
             sync.start()
             for _ in lines:
                 pass
     sync.join(120)
     (call,) = session_calls(lab, s)
     versions = call.output_versions
-    assert synced["result"].policy_version == version + 1 and len(versions) == 1500
-    assert versions[0] == version and versions[-1] == version + 1 and versions == sorted(versions)
+    assert synced["result"].policy_version == version + 1 and len(versions) == tokens
+    if pause == "drain":
+        assert synced["result"].undrained == 0 and set(versions) == {version}
+    else:
+        assert versions[0] == version and versions[-1] == version + 1 and versions == sorted(versions)
 
 
 @pytest.fixture(scope="module")
