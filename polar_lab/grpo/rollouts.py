@@ -138,17 +138,21 @@ class AsyncRollouts:
         fresh: list[Group] = []
         dropped: list[Group] = []
         reruns = filtered = 0
+        max_filtered = c.tasks_per_step * c.max_refill_rounds
         while len(fresh) < c.tasks_per_step:
             group = self._take(timeout)
-            if group_staleness(group, trainer_version) > c.max_staleness:
-                dropped.append(group)
-                reruns += c.stale_groups == "rerun" and self.tasks.requeue(group.task, c.max_reruns)
-                continue
-            self.tasks.settled(group.task)
-            if c.dynamic_sampling and not informative(group) and filtered < c.tasks_per_step * c.max_refill_rounds:
-                filtered += 1  # the producer keeps going: the next group ready takes its place
-                continue
-            fresh.append(group)
+            try:
+                if group_staleness(group, trainer_version) > c.max_staleness:
+                    dropped.append(group)
+                    reruns += c.stale_groups == "rerun" and self.tasks.requeue(group.task, c.max_reruns)
+                    continue
+                self.tasks.settled(group.task)
+                if c.dynamic_sampling and not informative(group) and filtered < max_filtered:
+                    filtered += 1  # the producer keeps going: the next group ready takes its place
+                    continue
+                fresh.append(group)
+            finally:  # only now one more group may start: a task re-queued above is the one it runs
+                self._free_slot()
         extra = {"groups_filtered_zero_std": filtered} if c.dynamic_sampling else {}
         return fresh, {**dropped_stats(dropped, reruns=reruns), **extra}
 
@@ -206,10 +210,13 @@ class AsyncRollouts:
 
     def _take(self, timeout: float | None) -> Group:
         item = self.ready.get(timeout=timeout)
-        self.lab.submit(self._release())  # one more group may start
         if isinstance(item, BaseException):
+            self._free_slot()
             raise RuntimeError(f"async rollout failed: {item!r}") from item
         return item
+
+    def _free_slot(self) -> None:
+        self.lab.submit(self._release())
 
 
 def trajectory_builder(config: GRPOConfig) -> str | Callable[[list[ModelCall]], list[Trajectory]]:

@@ -13,8 +13,9 @@ import pytest
 from polar_lab import Lab
 from polar_lab.engine import ScriptedEngine
 from polar_lab.grpo import GRPOConfig, GRPOTrainer
-from polar_lab.grpo.rollouts import SyncRollouts, TaskStream, dropped_stats
-from polar_lab.types import Group, Session, Trajectory, call_seed, mix_seed
+from polar_lab.grpo.batch import group_staleness
+from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, dropped_stats
+from polar_lab.types import Group, Session, Trajectory, call_seed, derived_seed, mix_seed
 
 REPLIES = [f"reply {c}" for c in "ABCDEFG"]  # a seeded call gets REPLIES[seed % 7]
 TASKS = [{"id": f"t{i}", "q": f"question {i}"} for i in range(4)]
@@ -269,6 +270,7 @@ def test_the_task_stream_reshuffles_each_epoch_and_puts_requeued_tasks_first():
     assert stream.requeue(task, max_reruns=2)  # ... and its count starts again
     stream.settled(task)
     assert stream.requeue(task, max_reruns=1) and not stream.requeue(task, max_reruns=1)
+    assert not stream.requeue(first[1], max_reruns=0)  # no rerun allowed: a task never re-queued is not either
 
 
 def test_training_sessions_force_off_every_knob_the_trainer_cannot_replay():
@@ -309,8 +311,6 @@ def test_dynamic_sampling_drops_groups_without_spread_and_refills_the_step(repli
 
 
 def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(replies_lab):
-    from polar_lab.grpo.rollouts import AsyncRollouts
-
     config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, async_mode=True)
     stream = TaskStream(FLAT + SPREAD, seed=0)
     order = itertools.cycle(FLAT[:2] + SPREAD)
@@ -322,3 +322,87 @@ def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(repli
         rollouts.close()
     assert len(groups) == 2 and all(len({s.reward for s in g.sessions}) > 1 for g in groups)
     assert all(g.task["id"].startswith("spread") for g in groups) and stats["groups_filtered_zero_std"] >= 1
+
+
+def _wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+async def _producer_state(rollouts: AsyncRollouts) -> tuple[int, bool]:
+    """The producer's groups under way and whether it waits for a slot, after the loop had turns enough to start
+    any group it could."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+    return len(rollouts._running), rollouts._slots.locked()
+
+
+def test_async_rollouts_run_a_window_of_groups_at_most_each_seeded_from_the_config(replies_lab):
+    """tasks_per_step × async_window_steps groups run at once (2 × 3: 6, not 5 or 7); the k-th group's runs are seeded
+    derived_seed(mix_seed(seed, "group", k), i) from k = 0; a group three versions behind is within max_staleness=3;
+    close() cuts off the groups still running."""
+    gates, started, cancelled = [threading.Event()], [], []  # each run waits for the gate current at its start
+
+    async def held(session, task):
+        gate = gates[-1]
+        reply = await _client(session).chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        started.append(session.id)
+        try:
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            cancelled.append(session.id)
+            raise
+        return [reply.choices[0].message.content]
+
+    config = GRPOConfig(seed=5, tasks_per_step=2, async_window_steps=3, num_generations=2, async_mode=True,
+                        max_staleness=3)
+    rollouts = AsyncRollouts(replies_lab, config, held, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        _wait_until(lambda: len(started) == 12)
+        assert replies_lab.run(_producer_state(rollouts)) == (6, True) and len(started) == 12
+        seeds = {c.sampling["seed"] for c in replies_lab.reader.call_records()}
+        assert seeds == {call_seed(derived_seed(mix_seed(5, "group", k), i), 0) for k in range(6) for i in range(2)}
+        gates.append(threading.Event())  # the groups that start from now on are held
+        gates[0].set()
+        groups, stats = rollouts.next_groups(3, timeout=60)  # sampled at version 0, at the bound: kept
+        assert len(groups) == 2 and stats["groups_dropped_stale"] == 0
+        _wait_until(lambda: len(started) >= 14)  # a slot freed by each group taken: new groups run
+    finally:
+        rollouts.close()
+        for gate in gates:
+            gate.set()
+    assert cancelled and replies_lab.owned(AsyncRollouts) == []
+
+
+@pytest.mark.parametrize("stale_groups", ["rerun", "drop"])
+def test_an_async_group_staler_than_the_bound_is_dropped_and_its_task_runs_next_when_rerun(replies_lab, stale_groups):
+    config = GRPOConfig(seed=1, tasks_per_step=1, async_window_steps=1, num_generations=2, async_mode=True,
+                        max_staleness=1, stale_groups=stale_groups, max_reruns=1)
+    first, second = TaskStream(TASKS, seed=0).take(2)
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        _wait_until(lambda: rollouts.ready.qsize() == 1)  # the first group, sampled at version 0; a window of one
+        replies_lab.engine.load_weights({}, version=2)  # the trainer moved on two versions: that group is stale
+        groups, stats = rollouts.next_groups(2, timeout=60)
+    finally:
+        rollouts.close()
+    assert [g.task["id"] for g in groups] == [first["id"] if stale_groups == "rerun" else second["id"]]
+    assert group_staleness(groups[0], 2) == 0
+    assert (stats["groups_dropped_stale"], stats["groups_rerun"]) == (1, int(stale_groups == "rerun"))
+    assert stats["dropped_tokens_mean"] > 0
+
+
+def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
+    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
+    first = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    with pytest.warns(UserWarning, match="stopping the async rollouts of an earlier trainer"):
+        second = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        assert first._producer.done() and replies_lab.owned(AsyncRollouts) == [second]
+        assert len(second.next_groups(0, timeout=60)[0]) == 1
+    finally:
+        second.close()
+    assert second._producer.done() and replies_lab.owned(AsyncRollouts) == []
