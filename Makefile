@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[cpu,dev,ray,trackers]" "torch==2.13.0"
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# an editable install leaves out pyproject's data-files: put the file that enables the Jupyter server extension
+	# (polar_lab/jupyter.py) where a wheel install puts it
+	install -D -m 644 polar_lab/jupyter-config/polar_lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/polar_lab.json
 	touch $(STAMP)
 
 # Real CLI agents for the preset tests, pinned to the versions probed in shared/reference/cli-agents.md.

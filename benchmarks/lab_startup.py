@@ -11,6 +11,9 @@ own phases (`Lab.startup`: store, engine launch, tokenizer, proxy, the wait for 
     restarted    a fresh kernel whose POLAR_LAB_FORKSERVER names a warm server (`polar-lab forkserver`, or a test
                  session's): the engine is forked, imports done — a kernel restarted beside a running server
     second       a second Lab in the same kernel (a restart, a second model, a test module)
+    jupyter      a Jupyter server started fresh (its polar_lab extension starts a forkserver, polar_lab/jupyter.py), a
+                 kernel started the moment the server answers, and the Lab in that kernel: a researcher who opens a
+                 notebook and runs its first cell right after starting JupyterLab
     vllm-serve   `python -m vllm.entrypoints.openai.api_server` with the Lab's engine arguments, until /v1/models answers
 
     python benchmarks/lab_startup.py [--model data/models/tiny-calc] [--trials 5] [--modes ...] [--out F]
@@ -31,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("cold", "first", "restarted", "second", "vllm-serve")
+MODES = ("cold", "first", "restarted", "second", "jupyter", "vllm-serve")
 
 CHILD = """
 import json, sys, time
@@ -42,11 +45,11 @@ imported = time.perf_counter() - t0
 def one(model, runs):
     t = time.perf_counter()
     lab = Lab(model, port=0, runs_dir=runs)
-    up = time.perf_counter() - t
+    up, up_at = time.perf_counter() - t, time.time()
     t = time.perf_counter()
     lab.engine.submit(lab.tokenizer("What is 2+3?")["input_ids"], SamplingSpec(max_tokens=8)).result()
     first = time.perf_counter() - t
-    row = {"up_s": up, "first_generation_s": first, **{f"lab.{k}_s": v for k, v in lab.startup.items()},
+    row = {"up_s": up, "up_at": up_at, "first_generation_s": first, **{f"lab.{k}_s": v for k, v in lab.startup.items()},
            "forked": lab.engine.forked, **{f"engine.{k}": v for k, v in lab.engine.start_info.items()
                                            if k in ("llm_s", "standby_s", "imported_at_s", "startup_seconds")}}
     lab.close()
@@ -73,6 +76,49 @@ def lab_trial(model: str, mode: str, server_path: str | None) -> dict:
         raise RuntimeError(f"{mode} trial failed:\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     return {"mode": mode, "process_wall_s": wall, **row}
+
+
+def jupyter_trial(model: str) -> dict:
+    """CHILD in a kernel of a Jupyter server started for this trial (with the environment of a shell that names no
+    forkserver), the kernel started as soon as the server answers. `since_server_start_s`: from the server's exec to
+    the Lab up."""
+    import httpx
+    from jupyter_client import BlockingKernelClient
+
+    env = {k: v for k, v in os.environ.items() if k != "POLAR_LAB_FORKSERVER"} | {"HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as runs:
+        env |= {"JUPYTER_CONFIG_DIR": f"{tmp}/config", "JUPYTER_RUNTIME_DIR": f"{tmp}/runtime"}
+        port, auth = _free_port(), {"Authorization": "token bench"}
+        argv = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={port}", "--IdentityProvider.token=bench", f"--ServerApp.root_dir={ROOT}",
+                *(["--allow-root"] if os.geteuid() == 0 else [])]
+        t0, t0_epoch = time.perf_counter(), time.time()
+        server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        try:
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/api/status", headers=auth, timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            answered = time.perf_counter() - t0
+            kernel = httpx.post(f"http://127.0.0.1:{port}/api/kernels", headers=auth, json={"name": "python3"},
+                                timeout=60).json()
+            client = BlockingKernelClient(connection_file=f"{tmp}/runtime/kernel-{kernel['id']}.json")
+            client.load_connection_file()
+            client.start_channels()
+            client.wait_for_ready(timeout=120)
+            out: list[str] = []
+            code = f"import sys\nsys.argv = ['kernel', {model!r}, {runs!r}, '1']\n" + CHILD
+            client.execute_interactive(code, timeout=600, output_hook=lambda msg: out.append(
+                msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""))
+            client.stop_channels()
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    row = json.loads("".join(out).strip().splitlines()[-1])
+    return {"mode": "jupyter", "server_answered_s": answered, "since_server_start_s": row["up_at"] - t0_epoch, **row}
 
 
 def vllm_serve_trial(model: str) -> dict:
@@ -132,7 +178,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["mode"] == mode]
         if not mine:
             continue
-        keys = [k for k in mine[0] if isinstance(mine[0][k], (int, float)) and not isinstance(mine[0][k], bool)]
+        keys = [k for k in mine[0] if isinstance(mine[0][k], (int, float)) and not isinstance(mine[0][k], bool)
+                and k != "up_at"]  # a clock reading, not a duration
         table.append({"mode": mode, "trials": len(mine), **{
             k: (round(statistics.median(r[k] for r in mine), 3), round(min(r[k] for r in mine), 3),
                 round(max(r[k] for r in mine), 3)) for k in keys}})
@@ -157,8 +204,8 @@ def main() -> None:
             lab_trial(args.model, "restarted", server.path)  # not timed: the server's imports, once
         for trial in range(args.trials):
             for mode in args.modes:
-                row = (vllm_serve_trial(args.model) if mode == "vllm-serve"
-                       else lab_trial(args.model, mode, server.path if warm else None))
+                row = (vllm_serve_trial(args.model) if mode == "vllm-serve" else jupyter_trial(args.model)
+                       if mode == "jupyter" else lab_trial(args.model, mode, server.path if warm else None))
                 rows.append({"trial": trial, **row})
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = summarise(rows)

@@ -1,7 +1,10 @@
-"""Engines behind one protocol: `VLLMEngine` (the real one) and `ScriptedEngine` (unit tests only)."""
+"""Engines behind one protocol: `VLLMEngine` (the real one) and `ScriptedEngine` (unit tests only).
 
-from polar_lab.engine.base import Engine
-from polar_lab.engine.fake import ScriptedEngine
-from polar_lab.engine.vllm_engine import VLLMEngine
+The names are imported on first use: a process that needs only a light submodule (the forkserver's client in a
+Jupyter server, polar_lab/jupyter.py) does not import torch with the package."""
 
-__all__ = ["Engine", "ScriptedEngine", "VLLMEngine"]
+from polar_lab._lazy import lazy_exports
+
+__all__, __getattr__ = lazy_exports(__name__, {"Engine": "polar_lab.engine.base",
+                                               "ScriptedEngine": "polar_lab.engine.fake",
+                                               "VLLMEngine": "polar_lab.engine.vllm_engine"})
