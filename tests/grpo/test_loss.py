@@ -281,3 +281,138 @@ def test_a_teacher_shifts_each_tokens_advantage_by_its_reverse_kl():
     assert stats["distill_kl_sum"].item() == pytest.approx(0.5 - 0.2 + 0.0 - 1.0, rel=1e-5)
     # d/dlogp = -A_t·r·c where unclipped: row 0 t0: -0.75·1·0.5; t1 clipped (r > 1.28, A_t > 0): 0
     assert logp.grad[0, 0].item() == pytest.approx(-0.375, rel=1e-5) and logp.grad[0, 1].item() == 0.0
+
+
+def _tiny_lm(head_bias: bool = False, head_dtype: torch.dtype = torch.float32):
+    """A random one-layer Qwen3 LM, built in memory (a model type with a plain lm_head: TokenLogprobs' chunked path);
+    optionally an lm_head with a bias, in another dtype (FSDP's bf16-gathered head on GPU)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=23, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    if head_bias or head_dtype != torch.float32:
+        model.lm_head = torch.nn.Linear(16, 23, bias=head_bias).to(head_dtype)
+        if head_bias:
+            torch.nn.init.normal_(model.lm_head.bias, std=3.0)
+    return model
+
+
+def _by_hand_logprobs(model, ids, mask, temps, top_k):
+    """log π of each next token from the whole logits, tempered, with all but each row's top_k logits at -inf
+    (top_k ≤ 0: the whole vocabulary); the head's product in fp32 from the decoder's hidden states."""
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+    head = model.lm_head
+    logits = hidden @ head.weight.float().T + (head.bias.float() if head.bias is not None else 0.0)
+    logits = logits[:, :-1] / temps[:, None, None]
+    for row, k in enumerate(top_k):
+        if k > 0:
+            kth = logits[row].topk(k, -1).values[..., -1:]
+            logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_chunked_and_reference_logprobs_apply_each_rows_support_and_attention_mask():
+    """Row 0 samples within its top 3 (most of its targets fall outside: -inf), row 1 over the whole vocabulary; row
+    1's first position is masked out (left padding), which changes every later position's logits."""
+    from polar_lab.grpo.loss import TokenLogprobs, token_logprobs
+
+    model = _tiny_lm()
+    ids = torch.tensor([[1, 5, 2, 7, 9, 4, 4, 11], [3, 3, 9, 0, 17, 2, 8, 6]])
+    mask = torch.tensor([[1] * 8, [0] + [1] * 7])
+    temps = torch.tensor([0.7, 1.3])
+    support = torch.tensor([[3.0, 1.0, 0.0], [-1.0, 1.0, 0.0]])[:, None, :].expand(2, 7, 3)  # (B, T-1, 3)
+    want = _by_hand_logprobs(model, ids, mask, temps, top_k=[3, -1])
+    assert want[0].isinf().any() and want[1].isfinite().all()
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(model, ids, mask, temps, support), want, atol=1e-5)
+        assert torch.allclose(TokenLogprobs(model, chunk=5)(ids, mask, temps, support), want, atol=1e-5)
+        unmasked = TokenLogprobs(model, chunk=5)(ids, torch.ones_like(mask), temps)
+    assert not torch.allclose(unmasked[1], _by_hand_logprobs(model, ids, mask, temps, top_k=[-1, -1])[1], atol=1e-3)
+
+
+def test_a_head_in_another_dtype_with_a_bias_is_applied_in_fp32_bias_included():
+    from polar_lab.grpo.loss import TokenLogprobs
+
+    model = _tiny_lm(head_bias=True, head_dtype=torch.bfloat16)
+    ids, temps = torch.tensor([[1, 5, 2, 7, 9, 4]]), torch.tensor([1.0])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        got = TokenLogprobs(model, chunk=4)(ids, mask, temps)
+        want = _by_hand_logprobs(model, ids, mask, temps, top_k=[-1])
+        without_bias = want - _by_hand_logprobs(_tiny_lm(head_dtype=torch.bfloat16), ids, mask, temps, top_k=[-1])
+    assert torch.allclose(got, want, atol=1e-5) and without_bias.abs().max() > 1e-2  # the bias matters here
+
+
+@pytest.mark.parametrize("mode, low, high, ratios, weights, truncated, masked", [
+    # no bound at all: the ratio as it is
+    ("token_truncate", None, None, [0.25, 1.0, 4.0], [0.25, 1.0, 4.0], [0, 0, 0], [0, 0, 0]),
+    # a lower bound only: clamped up there, nothing above
+    ("token_truncate", 0.5, None, [0.25, 1.0, 4.0], [0.5, 1.0, 4.0], [1, 0, 0], [0, 0, 0]),
+    # a ratio exactly at both bounds is inside them
+    ("token_truncate", 1.0, 1.0, [1.0, 2.0, 0.5], [1.0, 1.0, 1.0], [0, 1, 1], [0, 0, 0]),
+    ("token_mask", 1.0, 1.0, [1.0, 2.0, 0.5], [1.0, 0.0, 0.0], [0, 0, 0], [0, 1, 1]),
+    ("token_mask", None, 2.0, [0.25, 2.0, 4.0], [0.25, 2.0, 0.0], [0, 0, 0], [0, 0, 1]),
+])
+def test_the_correction_at_its_bounds_and_without_them(mode, low, high, ratios, weights, truncated, masked):
+    from polar_lab.grpo.loss import correction
+
+    config = GRPOConfig(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=low,
+                        vllm_importance_sampling_clip_max=high)
+    log_is = torch.tensor([ratios]).log()
+    w, t, m = correction(log_is, torch.ones_like(log_is, dtype=torch.bool), config)
+    assert w.tolist() == [weights] and t.int().tolist() == [truncated] and m.int().tolist() == [masked]
+
+
+def test_a_sequences_geometric_mean_over_one_trained_token_is_that_tokens_ratio():
+    from polar_lab.grpo.loss import correction
+
+    config = GRPOConfig(vllm_importance_sampling_mode="geometric_mask", vllm_importance_sampling_clip_min=0.5,
+                        vllm_importance_sampling_clip_max=2.0)
+    log_is = torch.tensor([[math.log(3.0), 0.0, 0.0], [math.log(1.5), math.log(1.5), 0.0]])
+    trained = torch.tensor([[True, False, False], [True, True, False]])
+    w, _, masked = correction(log_is, trained, config)
+    assert masked[:, 0].tolist() == [True, False]  # 3 is outside [0.5, 2]; 1.5 (both tokens' mean) inside
+    assert w[1, 0].item() == pytest.approx(1.5)
+
+
+def test_the_xray_holds_every_per_token_tensor_the_loss_used_and_only_when_asked():
+    logp, old, behavior, adv, weights = _by_hand_batch()
+    config = GRPOConfig()
+    _, stats = policy_loss(logp, old, behavior, None, adv, weights, config)
+    assert "xray" not in stats
+    _, stats = policy_loss(logp, old, behavior, None, adv, weights, config, xray=True)
+    xray = stats["xray"]
+    assert sorted(xray) == ["advantage", "behavior", "clipped", "is_masked", "is_truncated", "is_weight", "logp",
+                            "old", "weight"]
+    assert all(v.shape == logp.shape for v in xray.values())
+    assert torch.equal(xray["logp"], logp) and torch.equal(xray["old"], old)
+    assert torch.equal(xray["behavior"], behavior) and torch.equal(xray["weight"], weights)
+    assert torch.equal(xray["advantage"], adv[:, None].expand_as(logp))
+    assert xray["clipped"][weights > 0].sum() == stats["clipped"]
+    assert xray["is_truncated"][weights > 0].sum() == stats["is_capped"]
+    assert torch.allclose(xray["is_weight"], torch.where(weights > 0, (old - behavior).exp().clamp(max=2.0), 1.0))
+
+
+def test_cispo_scales_by_the_advantage_and_counts_a_ratio_at_its_cap_as_not_clipped():
+    """Advantages other than ±1 (2 and -0.5) tell A·x from x/A; r = 2 exactly at the cap 2 is not clipped, nor is
+    any ratio with A = 0."""
+    logp = torch.tensor([[math.log(2.0), math.log(4.0)], [math.log(4.0), 0.0]], requires_grad=True)
+    old = torch.zeros(2, 2)
+    config = GRPOConfig(loss_type="cispo", epsilon_high=2.0, vllm_importance_sampling_correction=False)
+    loss, stats = policy_loss(logp, old, old, None, torch.tensor([2.0, -0.5]), torch.ones(2, 2), config)
+    lp = logp.detach()
+    assert loss.item() == pytest.approx(-(2 * 2 * lp[0, 0] + 2 * 2 * lp[0, 1] - 0.5 * 2 * lp[1, 0] - 0.5 * lp[1, 1]))
+    assert stats["clipped"].item() == 1  # r = 4 with A = 2 only
+    _, stats = policy_loss(logp, old, old, None, torch.tensor([0.0, 0.0]), torch.ones(2, 2), config)
+    assert stats["clipped"].item() == 0
+
+
+def test_a_ratio_exactly_at_the_clip_range_is_not_counted_clipped():
+    logp = torch.tensor([[math.log(0.5), math.log(2.0)]])  # 1 - ε and 1 + ε_high exactly (both exact floats)
+    config = GRPOConfig(epsilon=0.5, epsilon_high=1.0, vllm_importance_sampling_correction=False)
+    for adv in (-1.0, 1.0):
+        _, stats = policy_loss(logp, torch.zeros(1, 2), torch.zeros(1, 2), None, torch.tensor([adv]),
+                               torch.ones(1, 2), config)
+        assert stats["clipped"].item() == 0

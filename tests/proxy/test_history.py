@@ -131,3 +131,23 @@ def test_a_request_that_does_not_continue_the_last_is_rendered_whole_and_the_his
     calls.clear()
     history.render("s", edited + [{"role": "assistant", "content": "f"}, {"role": "user", "content": "g"}], [], None, None)
     assert calls == [7]  # "s" was the oldest of three sessions with room for two: rendered whole
+
+
+def test_a_retried_request_renders_as_before_and_a_dropped_session_gives_back_its_characters():
+    def template(messages, tools, chat_template, *, generation_prompt=True, thinking=None):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<gen>" if generation_prompt else "")
+
+    history = TemplateHistory(template)
+    ends_on_a_result = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "tool", "content": "c"}]
+    history.render("t", ends_on_a_result[:1], [], None, None)
+    base = history.chars
+    first = history.render("s", ends_on_a_result, [], None, None)
+    assert history.chars > base
+    assert history.render("s", ends_on_a_result, [], None, None) == first  # the same request again (a retry)
+    history.drop("s")
+    assert history.chars == base
+    history.drop("s")  # twice: nothing more to give back
+    assert history.chars == base
+    history.drop("t")
+    assert history.chars == 0

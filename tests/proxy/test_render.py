@@ -294,3 +294,24 @@ def test_xml_templates_get_each_calls_json_arguments_as_an_object_and_anything_e
         {"name": "k", "arguments": "[1, 2]"}]
     assert nested["function"]["arguments"] == '{"a": 1}' and flat["arguments"] == '{"b": [2]}'  # not mutated
     assert out["role"] == "assistant" and out["content"] == ""
+
+
+def test_template_text_renders_the_whole_template_with_each_switch_the_request_gave():
+    """What `/tokenize` shows: tools, the generation prompt, the thinking switch and a session's own template each
+    reach the template."""
+    from transformers import AutoTokenizer
+
+    from polar_lab.proxy.formats import FORMATS
+
+    qwen35 = Path("data/models/tiny-calc-qwen35")
+    if not (qwen35 / "tokenizer.json").exists():
+        pytest.skip("run `python scripts/build_tiny_model.py --family qwen35`")
+    r = Renderer(AutoTokenizer.from_pretrained(qwen35), FORMATS["qwen3_coder"])
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluates arithmetic.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    bare = r.template_text([SYSTEM, USER], [], generation_prompt=False)
+    prompt = r.template_text([SYSTEM, USER], [])
+    assert prompt.startswith(bare) and prompt != bare and prompt.endswith("<think>\n")
+    assert r.template_text([SYSTEM, USER], [], thinking=False).endswith("</think>\n\n")
+    assert "calculator" in r.template_text([SYSTEM, USER], tools) and "calculator" not in prompt
+    assert r.template_text([SYSTEM, USER], [], "{{ messages[-1].content }}!") == "What is 2+3?!"

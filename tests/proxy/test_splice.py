@@ -154,6 +154,9 @@ def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_history_else_b
     anthropic_echo = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "toolu_abc", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}]}
     assert ledger.find("s", anthropic_echo, "?") == [call]
+    edited = {**anthropic_echo, "tool_calls": [{**anthropic_echo["tool_calls"][0], "function": {
+        "name": "calculator", "arguments": '{"expression": "2"}'}}]}
+    assert ledger.find("s", edited, "?") == [call]  # by its id alone: neither content nor history fits
     assert ledger.find("s", _echo(call, with_ids=False), "?") == [call]  # Google without ids: content, calls
     assert ledger.find("s", {"role": "assistant", "content": "It is 1."}, "?") == [text]
     # an edited text turn has nothing of its own left: it is known by the history it answered
@@ -282,3 +285,33 @@ def test_an_echoed_thought_differs_only_by_its_surrounding_newlines(tokenizer):
     turn = _turn(r, _sampled(r, "It is 2."), content="It is 2.", reasoning="Add them.")
     assert edits(turn, _echo(turn, reasoning_content="\nAdd them.\n")) is None  # templates add the newlines
     assert edits(turn, _echo(turn, reasoning_content=" Add them.")) == "reasoning"  # a space is the harness's
+
+
+def test_a_spliced_prompt_keeps_the_thinking_switch_and_a_sessions_incremental_render(qwen35):
+    """enable_thinking=False reaches the glue and the render (the generation prompt closes an empty thought); in a
+    session the spliced request renders only its new messages (info["template"]), the same text as from scratch."""
+    ids = _sampled(qwen35, "Use the tool.\n</think>\n\n" + XML_CALL)
+    turn = _turn(qwen35, ids, reasoning="Use the tool.", calls=[("call_1", "calculator", '{"expression": "12*7+5"}')])
+    history = FIRST + [_echo(turn), {"role": "tool", "tool_call_id": "call_1", "content": "89"}]
+    closed = qwen35.render(history, [CALC_TOOL], splices={2: turn}, thinking=False)
+    assert closed.info["spliced"] == ["s-0000-0"]
+    assert closed.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen35.decode(closed.prompt_ids) == closed.text
+    qwen35.render(FIRST, [CALC_TOOL], session="s")
+    again = qwen35.render(history, [CALC_TOOL], splices={2: turn}, session="s")
+    assert again.info["template"] == "2 new messages" and again.info["spliced"] == ["s-0000-0"]
+    assert again.text == qwen35.render(history, [CALC_TOOL], splices={2: turn}).text
+
+
+def test_a_session_template_without_a_plain_assistant_turn_is_not_spliced(tokenizer):
+    """A template that writes an assistant turn's content twice has no one place to splice into: the request is
+    rendered by the template, and the render info says why."""
+    r = Renderer(tokenizer)
+    twice = r.tokenizer.chat_template.replace("{{- message.content }}", "{{- message.content + message.content }}")
+    assert twice != r.tokenizer.chat_template and r.glue(twice) is None and r.glue() is not None
+    ids = _sampled(r, "It is 89.")
+    turn = _turn(r, ids, content="It is 89.")
+    history = FIRST + [_echo(turn), {"role": "user", "content": "And 2*3?"}]
+    rendered = r.render(history, [], chat_template=twice, splices={2: turn})
+    assert rendered.info["splice_failed"] == "the chat template has no plain assistant turn to splice into"
+    assert rendered.text == r.render(history, [], chat_template=twice).text and "spliced" not in rendered.info

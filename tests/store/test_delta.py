@@ -96,3 +96,42 @@ def test_a_record_whose_reference_cannot_be_resolved_is_skipped_and_counted_like
     assert load_calls(tmp_path / "r") == []
     with pytest.warns(UserWarning, match="1 torn line"):
         assert Run(tmp_path / "r").call_records() == []
+
+
+def _messages(*texts):
+    return {"messages": [{"role": "user", "content": t} for t in texts]}
+
+
+def test_the_compactor_points_only_at_requests_written_whole_in_sessions_it_still_holds():
+    from polar_lab.store.delta import Compactor
+
+    def compacted(compactor, call):
+        return compactor.compact(call, {"prompt_ids": call.prompt_ids, "request": call.request})
+
+    c = Compactor(sessions=2)
+    c.written(_call(0, [1, 2], [3], request=_messages("a")))  # written whole: the default
+    assert compacted(c, _call(1, [1, 2, 3], [4], request=_messages("a", "b")))["request_ref"] == {"call": "s-0",
+                                                                                                   "items": 1}
+    c.written(_call(1, [1, 2, 3], [4], request=_messages("a", "b")), whole_request=False)  # its request by reference
+    assert "request_ref" not in compacted(c, _call(2, [1], [5], request=_messages("a", "b", "c")))
+    for session in ("t", "u"):  # room for two sessions: "s" is still held after "t", gone after "u"
+        c.written(_call(0, [9], [9], session=session, request=_messages("x")))
+        held = compacted(c, _call(2, [1, 2, 3, 4], [5], ref=("s-1", 4), request=_messages("a", "b", "c")))
+        assert ("prompt_ref" in held) == (session == "t")
+    c.forget("t")  # a closed session: nothing of it is pointed at
+    assert compacted(c, _call(1, [9, 9, 1], [2], session="t", ref=("t-0", 2), request=_messages("x", "y"))) == {
+        "prompt_ids": [9, 9, 1], "request": _messages("x", "y")}
+
+
+def test_the_expander_skips_a_record_whose_one_reference_it_cannot_resolve_and_names_it():
+    from polar_lab.store.delta import Expander
+
+    e = Expander()
+    assert e.expand({"call_id": "c1", "prompt_ref": {"call": "c0", "tokens": 1}, "prompt_tail": [2]}) is None
+    assert e.expand({"call_id": "c2", "request_ref": {"call": "c0", "items": 1},
+                     "request_tail": {"messages": []}}) is None
+    assert e.unresolved == ["c1", "c2"]
+    # a record without prompt or output ids (as old or failed ones are) can still be pointed at: as empty
+    assert e.expand({"call_id": "c3", "request": _messages("a")})["request"] == _messages("a")
+    pointing = {"call_id": "c4", "prompt_ref": {"call": "c3", "tokens": 0}, "prompt_tail": [7]}
+    assert e.expand(pointing)["prompt_ids"] == [7]
