@@ -315,3 +315,18 @@ def test_template_text_renders_the_whole_template_with_each_switch_the_request_g
     assert r.template_text([SYSTEM, USER], [], thinking=False).endswith("</think>\n\n")
     assert "calculator" in r.template_text([SYSTEM, USER], tools) and "calculator" not in prompt
     assert r.template_text([SYSTEM, USER], [], "{{ messages[-1].content }}!") == "What is 2+3?!"
+
+
+def test_the_tip_cache_keeps_the_newest_tips_and_sessions_within_its_bounds():
+    def tip(n, k):  # 37·k bytes as the cache counts them: 36 an id, 1 a character
+        return Tip(f"c{n}", "x" * k, [0] * k)
+
+    cache = TipCache(per_session=2, sessions=2, max_bytes=37 * 6)
+    for n in range(3):  # room for two tips a session: the oldest goes
+        cache.add("s", tip(n, 1))
+    assert [t.call_id for t in cache.get("s")] == ["c1", "c2"] and cache.nbytes == 37 * 2
+    cache.add("t", tip(3, 4))  # exactly at max_bytes: kept
+    assert len(cache.get("s")) == 2 and cache.nbytes == 37 * 6
+    cache.add("t", tip(4, 1))  # over it: the oldest session goes
+    assert cache.get("s") == [] and cache.nbytes == 37 * 5
+    assert cache.drop("t") == 37 * 5 and cache.nbytes == 0

@@ -315,3 +315,78 @@ def test_a_session_template_without_a_plain_assistant_turn_is_not_spliced(tokeni
     rendered = r.render(history, [], chat_template=twice, splices={2: turn})
     assert rendered.info["splice_failed"] == "the chat template has no plain assistant turn to splice into"
     assert rendered.text == r.render(history, [], chat_template=twice).text and "spliced" not in rendered.info
+
+
+def test_the_turn_ledger_keeps_the_newest_keys_and_sessions_within_its_bounds(tokenizer):
+    r = Renderer(tokenizer)
+    a, b, c = (_turn(r, ids, content=text, call_id=f"t{n}")
+               for n, (ids, text) in enumerate((([6, 6], "A."), ([3, 4, 5], "B."), ([7], "C."))))
+    size = {t.call_id: 8 * len(t.ids) + len(t.text) for t in (a, b, c)}
+    said = {t.call_id: {"role": "assistant", "content": t.content} for t in (a, b, c)}
+    edited = {"role": "assistant", "content": "edited"}
+    ledger = TurnLedger(per_session=3, sessions=2, max_bytes=size["t0"] + size["t1"])
+    ledger.add("s", a, history="h0")  # two keys: its content and its history
+    ledger.add("s", b, history="h1")  # four keys for room for three: a's oldest, its content, goes
+    assert ledger.nbytes == size["t0"] + size["t1"]
+    assert ledger.find("s", said["t0"], "?") == [] and ledger.find("s", edited, "h0") == [a]
+    assert ledger.find("s", said["t1"], "?") == [b] and ledger.find("s", edited, "h1") == [b]
+    ledger.drop("never")  # a session it never held: nothing to give back
+    assert ledger.nbytes == size["t0"] + size["t1"]
+    ledger.add("t", c, history="h2")  # two sessions, but over max_bytes: the oldest session goes
+    assert ledger.find("s", edited, "h1") == [] and ledger.find("t", said["t2"], "?") == [c]
+    assert ledger.nbytes == size["t2"]
+    ledger.add("u", a, history="h0")  # within max_bytes and at two sessions: both kept
+    assert ledger.find("t", said["t2"], "?") == [c] and ledger.find("u", said["t0"], "?") == [a]
+    ledger.add("v", a, history="h0")  # a third session: the oldest, "t", goes
+    assert ledger.find("t", said["t2"], "?") == [] and ledger.find("u", said["t0"], "?") == [a]
+
+
+def test_history_digests_keep_the_newest_sessions(monkeypatch):
+    from polar_lab.proxy import splice
+    from polar_lab.proxy.splice import HistoryDigests
+
+    hashed = []
+    dumps = splice.orjson.dumps
+    monkeypatch.setattr(splice.orjson, "dumps", lambda m, **kw: hashed.append(m) or dumps(m, **kw))
+    one, two = [{"role": "user", "content": "a"}], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    digests = HistoryDigests(sessions=2)
+    digests.keys("s", one)
+    digests.keys("t", one)
+    hashed.clear()
+    digests.keys("s", two)  # two sessions held: "s" continues, only its new message is hashed
+    assert len(hashed) == 1
+    digests.keys("u", one)  # a third: the oldest, "t", goes; "s" was used since
+    hashed.clear()
+    digests.keys("s", two + [{"role": "user", "content": "c"}])
+    digests.keys("t", two)
+    assert len(hashed) == 1 + 2
+    digests.drop("t")
+    hashed.clear()
+    digests.keys("t", two)
+    assert len(hashed) == 2
+
+
+def test_pick_names_the_edit_of_the_turn_it_could_not_use_and_nothing_without_one(tokenizer):
+    r = Renderer(tokenizer)
+    turn = _turn(r, [1, 2], content="It is 1.", reasoning="Add.")
+    assert pick([turn], _echo(turn)) == (turn, None)
+    assert pick([turn], _echo(turn, content="It is 2.")) == (None, "content")
+    assert pick([], _echo(turn)) == (None, None)
+    # a thought echoed with other surrounding newlines is the same thought; with other words it is an edit
+    assert edits(turn, _echo(turn, reasoning_content="\nAdd.\n\n")) is None
+    assert edits(turn, _echo(turn, reasoning_content="\nAdd more.\n")) == "reasoning"
+    assert edits(_turn(r, [1, 2], content="It is 1."), _echo(turn, reasoning_content="X")) == "reasoning"
+
+
+def test_two_turns_of_one_request_are_each_spliced_in_their_place(tokenizer):
+    r = Renderer(tokenizer)
+    one, two = _sampled(r, "It is 1."), _sampled(r, "It is 2.")
+    first, second = _turn(r, one, content="It is 1.", call_id="c1"), _turn(r, two, content="It is 2.", call_id="c2")
+    history = FIRST + [_echo(first), {"role": "user", "content": "And again?"}, _echo(second),
+                       {"role": "user", "content": "Thanks."}]
+    rendered = r.render(history, [], splices={2: first, 4: second})
+    assert rendered.info["spliced"] == ["c1", "c2"]
+    ids = rendered.prompt_ids
+    at = next(i for i in range(len(ids)) if ids[i:i + len(one)] == one)  # each as sampled, in its own place
+    assert any(ids[i:i + len(two)] == two for i in range(at + len(one), len(ids)))
+    assert r.decode(ids) == rendered.text == r.render(history, []).text
