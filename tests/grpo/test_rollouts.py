@@ -391,6 +391,8 @@ def test_an_async_group_staler_than_the_bound_is_dropped_and_its_task_runs_next_
         rollouts.close()
     assert [g.task["id"] for g in groups] == [first["id"] if stale_groups == "rerun" else second["id"]]
     assert group_staleness(groups[0], 2) == 0
+    runs = groups[0].sessions  # one group id for the group's runs, each named after its harness
+    assert runs[0].group_id and [(s.group_id, s.info["harness"]) for s in runs] == [(runs[0].group_id, "two_turns")] * 2
     assert (stats["groups_dropped_stale"], stats["groups_rerun"]) == (1, int(stale_groups == "rerun"))
     assert stats["dropped_tokens_mean"] > 0
 
@@ -406,3 +408,20 @@ def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     finally:
         second.close()
     assert second._producer.done() and replies_lab.owned(AsyncRollouts) == []
+
+
+def test_a_group_that_fails_to_build_is_raised_to_the_trainer(replies_lab, monkeypatch):
+    from polar_lab.grpo import rollouts as rollouts_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("no trajectories")
+
+    monkeypatch.setattr(rollouts_module, "make_groups", broken)
+    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        with pytest.raises(RuntimeError, match="^async rollout failed: ValueError") as failed:
+            rollouts.next_groups(0, timeout=60)
+        assert isinstance(failed.value.__cause__, ValueError)
+    finally:
+        rollouts.close()

@@ -390,3 +390,20 @@ def test_two_turns_of_one_request_are_each_spliced_in_their_place(tokenizer):
     at = next(i for i in range(len(ids)) if ids[i:i + len(one)] == one)  # each as sampled, in its own place
     assert any(ids[i:i + len(two)] == two for i in range(at + len(one), len(ids)))
     assert r.decode(ids) == rendered.text == r.render(history, []).text
+
+
+@pytest.mark.parametrize("ending", ["eos sampled", "stop string", "length"])
+def test_a_spliced_prompt_reads_as_the_templates_text_whatever_ended_the_turn(tokenizer, ending):
+    """The end-of-turn token the model sampled is the trailer's start, in the ids already; a stop string (not in the
+    ids, not the trailer's start) or a cut at max_tokens leave the whole trailer to the template text."""
+    import dataclasses
+
+    r = Renderer(tokenizer)
+    ids = _sampled(r, "It is 89.")
+    turn = _turn(r, ids if ending == "eos sampled" else ids[:-1], content="It is 89.", stop=ending == "eos sampled")
+    if ending == "stop string":
+        turn = dataclasses.replace(turn, stop="\nObservation:")
+    history = FIRST + [_echo(turn), {"role": "user", "content": "Thanks"}]
+    spliced = r.render(history, [], splices={2: turn})
+    assert spliced.info["spliced"] == ["s-0000-0"] and spliced.text == r.render(history, []).text
+    assert r.decode(spliced.prompt_ids) == spliced.text
