@@ -407,3 +407,21 @@ def test_a_spliced_prompt_reads_as_the_templates_text_whatever_ended_the_turn(to
     spliced = r.render(history, [], splices={2: turn})
     assert spliced.info["spliced"] == ["s-0000-0"] and spliced.text == r.render(history, []).text
     assert r.decode(spliced.prompt_ids) == spliced.text
+
+
+def test_splice_needs_the_templates_header_before_and_its_trailer_after_each_turn(tokenizer):
+    from polar_lab.proxy.splice import sentinel, splice
+
+    r = Renderer(tokenizer)
+    glue, turn = r.glue(), _turn(r, [6, 6], content="A.", stop=False)
+    whole = "x" + glue.header + sentinel(0) + glue.trailer + "y"
+    assert splice(whole, {0: turn}, glue) == ["x" + glue.header + turn.opening, turn, glue.trailer + "y"]
+    assert splice("x" + sentinel(0) + glue.trailer + "y", {0: turn}, glue) is None  # no header before it
+    assert splice("x" + glue.header + sentinel(0) + "y", {0: turn}, glue) is None  # no trailer after it
+
+
+def test_a_thought_is_compared_without_its_surrounding_newlines_only(tokenizer):
+    r = Renderer(tokenizer)
+    turn = _turn(r, [1, 2], content="It is 1.", reasoning="X marks it. ")
+    assert edits(turn, _echo(turn, reasoning_content="\nX marks it. \n")) is None
+    assert edits(turn, _echo(turn, reasoning_content="X marks it.")) == "reasoning"  # a space is not a newline
