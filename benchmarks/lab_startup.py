@@ -13,7 +13,8 @@ own phases (`Lab.startup`: store, engine launch, tokenizer, proxy, the wait for 
     second       a second Lab in the same kernel (a restart, a second model, a test module)
     jupyter      a Jupyter server started fresh (its polar_lab extension starts a forkserver, polar_lab/jupyter.py), a
                  kernel started the moment the server answers, and the Lab in that kernel: a researcher who opens a
-                 notebook and runs its first cell right after starting JupyterLab
+                 notebook and runs its first cell right after starting JupyterLab (the worst case)
+    jupyter-later  the same, the kernel started 15 s after the server answers (a notebook opened a little later)
     vllm-serve   `python -m vllm.entrypoints.openai.api_server` with the Lab's engine arguments, until /v1/models answers
 
     python benchmarks/lab_startup.py [--model data/models/tiny-calc] [--trials 5] [--modes ...] [--out F]
@@ -34,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("cold", "first", "restarted", "second", "jupyter", "vllm-serve")
+MODES = ("cold", "first", "restarted", "second", "jupyter", "jupyter-later", "vllm-serve")
 
 CHILD = """
 import json, sys, time
@@ -78,7 +79,7 @@ def lab_trial(model: str, mode: str, server_path: str | None) -> dict:
     return {"mode": mode, "process_wall_s": wall, **row}
 
 
-def jupyter_trial(model: str) -> dict:
+def jupyter_trial(model: str, delay: float = 0.0) -> dict:
     """CHILD in a kernel of a Jupyter server started for this trial (with the environment of a shell that names no
     forkserver), the kernel started as soon as the server answers. `since_server_start_s`: from the server's exec to
     the Lab up."""
@@ -103,6 +104,7 @@ def jupyter_trial(model: str) -> dict:
                 except httpx.TransportError:
                     time.sleep(0.1)
             answered = time.perf_counter() - t0
+            time.sleep(delay)
             kernel = httpx.post(f"http://127.0.0.1:{port}/api/kernels", headers=auth, json={"name": "python3"},
                                 timeout=60).json()
             client = BlockingKernelClient(connection_file=f"{tmp}/runtime/kernel-{kernel['id']}.json")
@@ -118,7 +120,8 @@ def jupyter_trial(model: str) -> dict:
             server.terminate()
             server.wait(timeout=60)
     row = json.loads("".join(out).strip().splitlines()[-1])
-    return {"mode": "jupyter", "server_answered_s": answered, "since_server_start_s": row["up_at"] - t0_epoch, **row}
+    return {"mode": "jupyter-later" if delay else "jupyter", "server_answered_s": answered,
+            "since_server_start_s": row["up_at"] - t0_epoch, **row}
 
 
 def vllm_serve_trial(model: str) -> dict:
@@ -204,13 +207,15 @@ def main() -> None:
             lab_trial(args.model, "restarted", server.path)  # not timed: the server's imports, once
         for trial in range(args.trials):
             for mode in args.modes:
-                row = (vllm_serve_trial(args.model) if mode == "vllm-serve" else jupyter_trial(args.model)
-                       if mode == "jupyter" else lab_trial(args.model, mode, server.path if warm else None))
+                row = (vllm_serve_trial(args.model) if mode == "vllm-serve"
+                       else jupyter_trial(args.model, 15.0 if mode == "jupyter-later" else 0.0)
+                       if mode.startswith("jupyter") else lab_trial(args.model, mode, server.path if warm else None))
                 rows.append({"trial": trial, **row})
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     table = summarise(rows)
     for line in table:
-        print(f"{line['mode']:11s} Lab up {line['up_s'][0]:6.2f} s (min {line['up_s'][1]:.2f}, max {line['up_s'][2]:.2f})"
+        up = line["up_s"]
+        print(f"{line['mode']:13s} Lab up {up[0]:6.2f} s (min {up[1]:.2f}, max {up[2]:.2f})"
               f"  n={line['trials']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows, "summary": table}, indent=1))

@@ -328,6 +328,7 @@ def test_chunked_and_reference_logprobs_apply_each_rows_support_and_attention_ma
     with torch.no_grad():
         assert torch.allclose(token_logprobs(model, ids, mask, temps, support), want, atol=1e-5)
         assert torch.allclose(TokenLogprobs(model, chunk=5)(ids, mask, temps, support), want, atol=1e-5)
+        assert torch.allclose(TokenLogprobs(model, chunk=None)(ids, mask, temps, support), want, atol=1e-5)
         unmasked = TokenLogprobs(model, chunk=5)(ids, torch.ones_like(mask), temps)
     assert not torch.allclose(unmasked[1], _by_hand_logprobs(model, ids, mask, temps, top_k=[-1, -1])[1], atol=1e-3)
 
@@ -343,6 +344,10 @@ def test_a_head_in_another_dtype_with_a_bias_is_applied_in_fp32_bias_included():
         want = _by_hand_logprobs(model, ids, mask, temps, top_k=[-1])
         without_bias = want - _by_hand_logprobs(_tiny_lm(head_dtype=torch.bfloat16), ids, mask, temps, top_k=[-1])
     assert torch.allclose(got, want, atol=1e-5) and without_bias.abs().max() > 1e-2  # the bias matters here
+    plain = _tiny_lm(head_dtype=torch.bfloat16)  # and a bf16 head without one
+    with torch.no_grad():
+        assert torch.allclose(TokenLogprobs(plain, chunk=4)(ids, mask, temps),
+                              _by_hand_logprobs(plain, ids, mask, temps, top_k=[-1]), atol=1e-5)
 
 
 @pytest.mark.parametrize("mode, low, high, ratios, weights, truncated, masked", [

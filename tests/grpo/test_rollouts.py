@@ -241,6 +241,7 @@ def test_each_rollout_gets_the_configs_settings_and_the_kth_is_seeded_from_the_c
         groups, stats = rollouts.next_groups(0)
         assert len(groups) == 1 and len(groups[0].sessions) == 2
     assert [kw["seed"] for kw in seen] == [mix_seed(5, "rollout", k) for k in range(3)]
+    assert (stats["groups_dropped_stale"], stats["groups_rerun"]) == (0, 0)  # nothing is dropped in sync rollouts
     assert all((kw["concurrency"], kw["spec"], kw["progress"]) == (3, RolloutSpec(77.0, None, -1.0, 0.0), False)
                for kw in seen)
     builder = seen[0]["builder"]
@@ -310,6 +311,20 @@ def test_dynamic_sampling_drops_groups_without_spread_and_refills_the_step(repli
         assert groups == [] and stats["refill_rounds"] == 0 and stats["groups_filtered_zero_std"] == 2
 
 
+@pytest.mark.parametrize("order, rounds, filtered", [
+    (["flat0", "spread0", "spread1", "flat1"], 1, 1),  # one kept, one refilled (the fourth task is never taken)
+    (["flat0", "flat1", "flat2", "spread0", "spread1"], 2, 3),  # nothing kept, then one, then one: two rounds
+])
+def test_dynamic_sampling_refills_only_what_the_filter_took_round_by_round(replies_lab, order, rounds, filtered):
+    tasks = {t["id"]: t for t in FLAT + SPREAD}
+    config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, max_refill_rounds=3)
+    stream = TaskStream(FLAT + SPREAD, seed=0)
+    stream.take = lambda n, _order=iter(order): [tasks[next(_order)] for _ in range(n)]
+    groups, stats = SyncRollouts(replies_lab, config, two_turns, by_task, stream).next_groups(0)
+    assert [g.task["id"] for g in groups] == ["spread0", "spread1"]
+    assert (stats["refill_rounds"], stats["groups_filtered_zero_std"]) == (rounds, filtered)
+
+
 def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(replies_lab):
     config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, async_mode=True)
     stream = TaskStream(FLAT + SPREAD, seed=0)
@@ -324,7 +339,7 @@ def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(repli
     assert all(g.task["id"].startswith("spread") for g in groups) and stats["groups_filtered_zero_std"] >= 1
 
 
-def _wait_until(condition, timeout: float = 60.0) -> None:
+def _wait_until(condition, timeout: float = 20.0) -> None:  # what takes 1-2 s here
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
@@ -400,7 +415,8 @@ def test_an_async_group_staler_than_the_bound_is_dropped_and_its_task_runs_next_
 def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
     first = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
-    with pytest.warns(UserWarning, match="stopping the async rollouts of an earlier trainer"):
+    why = r"^stopping the async rollouts of an earlier trainer on this Lab \(one producer per Lab\)$"
+    with pytest.warns(UserWarning, match=why):
         second = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
     try:
         assert first._producer.done() and replies_lab.owned(AsyncRollouts) == [second]
