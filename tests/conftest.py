@@ -100,6 +100,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_jupyter(url: str, auth: dict[str, str], server, seconds: float = 60.0) -> None:
+    """Wait until the Jupyter server `server` (a Popen) answers `url`/api/status; the test fails if it exits first or
+    does not answer within `seconds`."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/api/status", headers=auth, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None:
+            pytest.fail(f"the Jupyter server exited with code {server.returncode}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Jupyter server did not answer in {seconds:.0f} s")
+        time.sleep(0.25)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     if not (Path(MODEL) / "config.json").exists():

@@ -14,7 +14,7 @@ import pytest
 
 from polar_lab.engine.forkserver import ENV_VAR
 from polar_lab.jupyter import start_for_kernels
-from tests.conftest import ROOT, free_port, running
+from tests.conftest import ROOT, free_port, running, wait_for_jupyter
 
 # Run in the kernel: fork an engine process from the forkserver its environment names, report who is whose parent
 IN_KERNEL = """
@@ -65,18 +65,11 @@ def test_a_jupyter_servers_kernels_fork_their_engines_from_its_forkserver_which_
     argv = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ServerApp.ip=127.0.0.1",
             f"--ServerApp.port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
             *(["--allow-root"] if os.geteuid() == 0 else [])]
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"token {token}"}
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{url}/api/status", headers=auth, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None, server.stderr.read().decode()[-3000:]
-            time.sleep(0.25)
+        wait_for_jupyter(url, auth, server)
         kernel = httpx.post(f"{url}/api/kernels", headers=auth, json={"name": "python3"}, timeout=60).json()
         report = json.loads(_run_in_kernel(tmp_path / "runtime", kernel["id"], IN_KERNEL).splitlines()[-1])
 

@@ -13,13 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for_jupyter
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,15 +61,7 @@ def jupyterlab(tmp_path_factory):
                                    "JUPYTER_RUNTIME_DIR": str(tmp_path / ".runtime")})
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"token {token}"}
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"{url}/api/status", headers=auth, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("JupyterLab did not start in 60 s")
+        wait_for_jupyter(url, auth, server)
         yield url, token
     finally:
         try:  # the kernels first (each one's Lab: the notebook closes it, this makes sure), then the server
