@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from polar_lab.engine.weights import wire_dtype
+
 log = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")  # weights_transport values that go through vLLM's API
@@ -174,8 +176,6 @@ class PolicySource:
 
     def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]], dtype: torch.dtype | None):
-        from polar_lab.engine.weights import wire_dtype
-
         self.layout = [(name, wire_dtype(kind, shape, dtype), tuple(shape)) for name, kind, shape in layout]
         self.tensors = tensors
 
