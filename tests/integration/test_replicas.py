@@ -213,7 +213,8 @@ def actor_processes(name: str) -> set[int]:
 def test_train_on_a_running_ray_cluster_learns_and_leaves_no_actor_behind(tmp_path):
     """`polar-lab train --ray-address HOST:PORT` on a cluster someone else started (`ray start --head`): engine
     replicas and the trainer rank run as its actors, held-out accuracy goes up, and when the run ends its actors
-    are gone while the cluster keeps running."""
+    are gone while the cluster keeps running. The one proof that `polar-lab train` learns (tests/grpo/test_train_cli.py
+    checks the local run's mechanics)."""
     port = free_port()
     head = subprocess.Popen(
         [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(port),
