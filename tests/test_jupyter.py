@@ -18,7 +18,9 @@ from tests.conftest import ROOT, free_port, running, wait_for_jupyter
 
 # Run in the kernel: fork an engine process from the forkserver its environment names, report who is whose parent
 IN_KERNEL = """
-import json, os, socket
+import json, logging, os, socket, sys
+logging.getLogger("polar_lab.engine.forkserver").addHandler(logging.StreamHandler(sys.stdout))  # a refusal says why
+logging.getLogger("polar_lab.engine.forkserver").setLevel(logging.INFO)
 from polar_lab.config import EngineConfig
 from polar_lab.engine import forkserver
 from polar_lab.engine.process_env import engine_env
@@ -41,14 +43,35 @@ print(json.dumps(report))
 """
 
 
-def _run_in_kernel(runtime_dir, kernel_id: str, code: str) -> str:
+def _wait_for_kernel_info(client, state, timeout: float = 120) -> None:
+    """Until the kernel answers kernel_info on its shell channel and its IOPub channel carries messages to us (what
+    jupyter_client's `wait_for_ready` waits for). Not `wait_for_ready` itself: for a client that does not own the
+    kernel it takes a heartbeat missed for 1 s as death ("Kernel died before replying to kernel_info"), which a
+    kernel importing torch on a loaded machine gave once in `make test`. Death is the server's word here: `state()`,
+    the kernel's execution_state as the Jupyter server that owns it reports it."""
+    from queue import Empty
+
+    deadline = time.monotonic() + timeout
+    while True:
+        client.kernel_info()
+        try:
+            if client.get_shell_msg(timeout=1)["msg_type"] == "kernel_info_reply":
+                client.get_iopub_msg(timeout=1)
+                return
+        except Empty:
+            pass
+        assert state() != "dead", "the kernel died before it answered"
+        assert time.monotonic() < deadline, f"the kernel did not answer in {timeout} s"
+
+
+def _run_in_kernel(runtime_dir, kernel_id: str, code: str, state) -> str:
     from jupyter_client import BlockingKernelClient
 
     client = BlockingKernelClient(connection_file=str(runtime_dir / f"kernel-{kernel_id}.json"))
     client.load_connection_file()
     client.start_channels()
     try:
-        client.wait_for_ready(timeout=120)
+        _wait_for_kernel_info(client, state)
         out: list[str] = []
         reply = client.execute_interactive(code, timeout=180, output_hook=lambda msg: out.append(
             msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""))
@@ -71,11 +94,16 @@ def test_a_jupyter_servers_kernels_fork_their_engines_from_its_forkserver_which_
     try:
         wait_for_jupyter(url, auth, server)
         kernel = httpx.post(f"{url}/api/kernels", headers=auth, json={"name": "python3"}, timeout=60).json()
-        report = json.loads(_run_in_kernel(tmp_path / "runtime", kernel["id"], IN_KERNEL).splitlines()[-1])
+
+        def state() -> str:
+            return httpx.get(f"{url}/api/kernels/{kernel['id']}", headers=auth, timeout=30).json()["execution_state"]
+
+        printed = _run_in_kernel(tmp_path / "runtime", kernel["id"], IN_KERNEL, state)
+        report = json.loads(printed.splitlines()[-1])
 
         assert report["named"], "the kernel was given no forkserver: is the extension enabled? (make setup)"
         assert not report["own"]  # the kernel started no server of its own
-        assert report["child"] is not None, "the Jupyter server's forkserver refused the kernel's engine"
+        assert report["child"] is not None, f"the Jupyter server's forkserver refused the kernel's engine: {printed}"
         assert report["server_parent"] == server.pid  # the engine's parent is the Jupyter server's forkserver
         assert report["child_exit"] == 0
 
