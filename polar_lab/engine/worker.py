@@ -350,9 +350,9 @@ def _dtype(c: EngineConfig, cuda: bool) -> str:
 
 def _head_args(dtype: str) -> dict[str, Any]:
     """An engine in bf16 or fp16 computes its logits in fp32 (vLLM's `head_dtype`, "required for RL
-    training-inference consistency"): the trainer's logits are fp32, and logits rounded to bf16 are off by up to
-    |logit| * 2**-9 — ~0.05 for a logit of 20, as much again in the logprob. The lm_head's weight is cast per step
-    (on CUDA the product accumulates into fp32 directly); everything before it stays in the engine's dtype."""
+    training-inference consistency"): the trainer's logits are fp32, and a logit rounded to bf16 is off by up to
+    |logit| * 2**-9 (~0.04 for a logit of 20), a logprob by as much. The lm_head's weight is cast per step (on CUDA
+    the product accumulates into fp32 directly); everything before the head stays in the engine's dtype."""
     return {} if dtype in ("float32", "float") else {"hf_overrides": {"head_dtype": "float32"}}
 
 

@@ -33,7 +33,8 @@ def test_polar_lab_train_evaluates_trains_syncs_and_writes_its_records(tmp_path,
 
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["policy_version"] == 1 and summary["steps"] == 1
-    for when in ("before", "after"):  # the same held-out tasks, evaluated
+    for when in ("before", "after"):  # the 8 held-out tasks, each run and scored, before the step and after it
+        assert summary[when]["eval_runs"] == 8 and summary[when]["eval_failed"] == 0, summary[when]
         assert 0.0 <= summary[when]["eval_reward"] <= 1.0, summary[when]
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1]
