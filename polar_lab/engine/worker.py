@@ -108,16 +108,19 @@ class Worker(AdapterServing):
         t0 = time.perf_counter()
         imported_at = _process_age()  # a fresh process's imports, or ~0 when forked from the forkserver
         c = self.config
-        dtype = _dtype(c, torch.cuda.is_available())
         self.llm = vllm.LLM(
-            model=c.model, runner="generate", dtype=dtype, max_model_len=c.max_model_len,
+            model=c.model, runner="generate", dtype=_dtype(c, torch.cuda.is_available()), max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
             **_prefill_args(c, torch.cuda.is_available()), **_reasoning_args(c), **_lora_args(c),
-            **_executor_args(c), **_kv_args(c, torch.cuda.is_available()), **_transfer_args(c), **_head_args(dtype),
+            **_executor_args(c), **_kv_args(c, torch.cuda.is_available()), **_transfer_args(c),
+            # logits in fp32 (vLLM: "required for RL training-inference consistency"): the trainer's are fp32, and a
+            # logit a bf16 engine rounds is off by up to |logit| * 2**-9, a logprob by as much. Only the head: vLLM
+            # casts its weight per step (on CUDA it accumulates into fp32). In an fp32 engine this changes nothing.
+            hf_overrides={"head_dtype": "float32"},
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
         llm_s = time.perf_counter() - t0
@@ -346,14 +349,6 @@ def _dtype(c: EngineConfig, cuda: bool) -> str:
         log.info("%s has linear-attention layers: the CPU engine runs it in bfloat16, not %s", c.model, c.dtype)
         return "bfloat16"
     return c.dtype
-
-
-def _head_args(dtype: str) -> dict[str, Any]:
-    """An engine in bf16 or fp16 computes its logits in fp32 (vLLM's `head_dtype`, "required for RL
-    training-inference consistency"): the trainer's logits are fp32, and a logit rounded to bf16 is off by up to
-    |logit| * 2**-9 (~0.04 for a logit of 20), a logprob by as much. The lm_head's weight is cast per step (on CUDA
-    the product accumulates into fp32 directly); everything before the head stays in the engine's dtype."""
-    return {} if dtype in ("float32", "float") else {"hf_overrides": {"head_dtype": "float32"}}
 
 
 def hybrid(model: str) -> bool:

@@ -87,7 +87,7 @@ def test_the_hybrid_architecture_serves_multi_turn_as_one_chain_within_bf16s_rea
 
 
 def test_the_engine_computes_its_logits_in_fp32_as_the_trainer_does(lab, shipped):
-    """vLLM's `head_dtype` override (engine/worker.py `_head_args`): the bf16 engine's lm_head runs in fp32, as the
+    """vLLM's `head_dtype` override (engine/worker.py, `Worker.build`): the bf16 engine's lm_head runs in fp32, as the
     trainer's does. Three seeded answers at T=1 (the same 54 tokens with either head), each sampled token's logprob
     against the trainer's fp32 recomputation: mean |Δ| 6.0e-3 with logits rounded to bf16, 7.0e-4 with the fp32 head
     (the rest is the bf16 layers below it)."""
