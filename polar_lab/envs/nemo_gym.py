@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 
 from polar_lab.errors import ConfigError, HarnessError, LabError, MaskedRunError
+from polar_lab.harness.clients import openai_client, tls_context
 from polar_lab.types import Session
 
 # $POLAR_LAB_GYM_VENV, else this checkout's .cache/nemo_gym (made by `make nemo-gym`)
@@ -161,7 +161,7 @@ class GymServers:
                 raise LabError(f"the NeMo Gym server {instance!r} exited with {self.processes[instance].returncode}"
                                f" while starting" + (f"; see {self.log_dir}/{instance}.log" if self.log_dir else ""))
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url(instance) + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url(instance) + "/health", timeout=2, verify=tls_context()).status_code == 200:
                     return
             time.sleep(0.3)
         raise LabError(f"the NeMo Gym server {instance!r} did not answer /health in {self.start_timeout_s:.0f} s")
@@ -248,9 +248,8 @@ class GymEnvironment(_OnGym):
         tools = [_chat_tool(t) for t in params.get("tools") or [] if t.get("type") == "function"]
         messages = [_chat_message(item) for item in _items(params.get("input"))]
         output: list[dict[str, Any]] = []
-        client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0,
-                                    timeout=self.timeout_s * 10)
-        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s) as gym, client:
+        client = openai_client(session, max_retries=0, timeout=self.timeout_s * 10)
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, verify=tls_context()) as gym, client:
             await _gym(gym, "/seed_session", task, self.name)  # the server keeps its session in a cookie
             for turn in range(self.max_turns):
                 choice = self.first_tool_choice if turn == 0 else "auto"
@@ -396,7 +395,7 @@ class GymAgent(_OnGym):
         metadata = dict(params.get("metadata") or {})
         metadata["extra_body"] = json.dumps(_nested(self.field, session.id))
         row = {**task, "responses_create_params": {**params, "metadata": metadata}}
-        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s) as agent:
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, verify=tls_context()) as agent:
             verdict = await _gym(agent, "/run", row, "agent")
         self.results[session.id] = verdict
         return checked_verdict(verdict, self.name)

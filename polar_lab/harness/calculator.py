@@ -76,10 +76,9 @@ async def calculator_agent(session: Session, task: dict[str, Any], *, max_turns:
 
     max_retries: the SDK's own retries of 5xx answers (2 is the SDK's default); they carry a run across an
     engine restart. http_client: an httpx.AsyncClient of the caller's (tests count the answers with it)."""
-    import openai  # here, so the tool definitions above import without the SDK (scripts/check_cuda_trainer.py)
+    from polar_lab.harness.clients import openai_client  # here: the tools above import without the SDK
 
-    client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key,
-                                max_retries=max_retries, timeout=timeout, http_client=http_client)
+    client = openai_client(session, max_retries=max_retries, timeout=timeout, http_client=http_client)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                       {"role": "user", "content": task["question"]}]
     try:

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
+from polar_lab.harness.clients import anthropic_client
 from polar_lab.types import Session
 
 TOOL = CALC_TOOL["function"]
@@ -20,10 +21,7 @@ async def anthropic_calculator_agent(session: Session, task: dict[str, Any], *, 
                                      temperature: float = 1.0, max_tokens: int = 128, timeout: float = 120.0,
                                      max_retries: int = 2) -> dict[str, Any]:
     """Solve `task["question"]` through the session's Anthropic endpoint; returns the final text and the turns."""
-    import anthropic
-
-    client = anthropic.AsyncAnthropic(base_url=session.anthropic_base_url, api_key=session.api_key,
-                                      max_retries=max_retries, timeout=timeout)
+    client = anthropic_client(session, max_retries=max_retries, timeout=timeout)
     tool = {"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
     try:

@@ -20,13 +20,14 @@ from typing import Any
 import openai
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, run_calculator
+from polar_lab.harness.clients import openai_client
 from polar_lab.types import Session
 
 FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
 
 
 def _client(session: Session) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0, timeout=120)
+    return openai_client(session, max_retries=0, timeout=120)
 
 
 async def _turn(client, messages: list[dict[str, Any]], *, force_tool: bool, rewrite_args=None,

@@ -7,8 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import openai
-
+from polar_lab.harness.clients import openai_client
 from polar_lab.rewards.code import run_tests
 from polar_lab.types import Session
 
@@ -30,7 +29,7 @@ async def code_agent(session: Session, task: dict[str, Any], *, max_turns: int =
                      max_tokens: int = 256) -> dict[str, Any]:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
     code, passed = "", False
-    async with openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0) as client:
+    async with openai_client(session, max_retries=0) as client:
         for _ in range(max_turns):
             reply = await client.chat.completions.create(model="tiny-calc", messages=messages, max_tokens=max_tokens)
             content = reply.choices[0].message.content or ""

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
-
 from polar_lab.harness.calculator import calculator_agent
+from polar_lab.harness.clients import openai_client
 from polar_lab.types import Session
 
 PLANNER = "You are a planner. Restate the arithmetic problem as one expression for a calculator."
 
 
 async def planner_solver(session: Session, task: dict[str, Any]) -> dict[str, Any]:
-    async with openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0) as client:
+    async with openai_client(session, max_retries=0) as client:
         plan = await client.chat.completions.create(
             model="tiny-calc", max_tokens=64,
             messages=[{"role": "system", "content": PLANNER}, {"role": "user", "content": task["question"]}])

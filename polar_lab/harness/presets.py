@@ -12,9 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import openai
-
 from polar_lab.harness.calculator import SYSTEM_PROMPT, run_calculator
+from polar_lab.harness.clients import openai_client
 from polar_lab.harness.command import Command
 from polar_lab.types import Session
 
@@ -225,7 +224,7 @@ async def openai_agents_calculator(session: Session, task: dict[str, Any], *, ma
         """Evaluate an arithmetic expression."""
         return run_calculator(json.dumps({"expression": expression}))
 
-    client = openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0)
+    client = openai_client(session, max_retries=0)
     agent = Agent(name="calculator", instructions=SYSTEM_PROMPT, tools=[calculator],
                   model=OpenAIResponsesModel("tiny-calc", client), model_settings=ModelSettings(max_tokens=128))
     result = await Runner.run(agent, task["question"], max_turns=max_turns)

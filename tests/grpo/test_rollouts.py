@@ -15,6 +15,7 @@ from polar_lab.engine import ScriptedEngine
 from polar_lab.grpo import GRPOConfig, GRPOTrainer
 from polar_lab.grpo.batch import group_staleness
 from polar_lab.grpo.rollouts import AsyncRollouts, SyncRollouts, TaskStream, dropped_stats
+from polar_lab.harness.clients import openai_client
 from polar_lab.types import Group, Session, Trajectory, call_seed, derived_seed, mix_seed
 
 REPLIES = [f"reply {c}" for c in "ABCDEFG"]  # a seeded call gets REPLIES[seed % 7]
@@ -29,7 +30,7 @@ def replies_lab(model_path, tokenizer, tmp_path):
 
 
 def _client(session):
-    return openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
+    return openai_client(session, max_retries=0)  # one TLS context for all: building one per client costs ~30 ms
 
 
 async def two_turns(session, task):
