@@ -12,6 +12,8 @@ system's CAs, or SSL_CERT_FILE / SSL_CERT_DIR as OpenSSL reads them (the Lab's o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import ssl
 from typing import TYPE_CHECKING
@@ -29,12 +31,27 @@ def tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+@functools.cache
+def _self_closing(client_class: type) -> type:
+    """An SDK's `DefaultAsyncHttpxClient` that closes itself when collected, as the client each SDK makes for itself
+    does: a harness that never closes its SDK client must not leave an open connection behind (the Lab waits for
+    its connections when it closes)."""
+
+    class SelfClosing(client_class):
+        def __del__(self) -> None:
+            if not self.is_closed:
+                with contextlib.suppress(RuntimeError):  # no running loop to close it on: the process's end will
+                    asyncio.get_running_loop().create_task(self.aclose())
+
+    return SelfClosing
+
+
 def openai_client(session: Session, **options) -> openai.AsyncOpenAI:
     """An `openai.AsyncOpenAI` on the session's endpoint and key; `options` as the SDK takes them (max_retries, …)."""
     import openai
 
     if options.get("http_client") is None:
-        options["http_client"] = openai.DefaultAsyncHttpxClient(verify=tls_context())
+        options["http_client"] = _self_closing(openai.DefaultAsyncHttpxClient)(verify=tls_context())
     return openai.AsyncOpenAI(base_url=session.openai_base_url, api_key=session.api_key, **options)
 
 
@@ -43,5 +60,5 @@ def anthropic_client(session: Session, **options) -> anthropic.AsyncAnthropic:
     import anthropic
 
     if options.get("http_client") is None:
-        options["http_client"] = anthropic.DefaultAsyncHttpxClient(verify=tls_context())
+        options["http_client"] = _self_closing(anthropic.DefaultAsyncHttpxClient)(verify=tls_context())
     return anthropic.AsyncAnthropic(base_url=session.anthropic_base_url, api_key=session.api_key, **options)
