@@ -2,7 +2,8 @@
 
 Each trial is a fresh interpreter that imports polar_lab, starts a Lab, makes one call and reports (JSON) the Lab's
 own phases (`Lab.startup`: store, engine launch, tokenizer, proxy, the wait for the engine) and the engine process's
-(`VLLMEngine.start_info`: imports done at, vllm.LLM built in, the standby copy). Modes, alternated trial by trial:
+(`VLLMEngine.start_info`: imports done at, vllm.LLM built in, the standby copy), then how long `lab.close()` takes.
+Modes, alternated trial by trial:
 
     cold         POLAR_LAB_FORKSERVER=off: the engine process imports torch and vLLM itself (how every Lab started
                  before the forkserver)
@@ -53,7 +54,9 @@ def one(model, runs):
     row = {"up_s": up, "up_at": up_at, "first_generation_s": first, **{f"lab.{k}_s": v for k, v in lab.startup.items()},
            "forked": lab.engine.forked, **{f"engine.{k}": v for k, v in lab.engine.start_info.items()
                                            if k in ("llm_s", "standby_s", "imported_at_s", "startup_seconds")}}
-    lab.close()
+    t = time.perf_counter()
+    lab.close()  # until the engine process has ended
+    row["close_s"] = time.perf_counter() - t
     return row
 
 rows = [one(sys.argv[1], sys.argv[2]) for _ in range(int(sys.argv[3]))]
@@ -215,8 +218,9 @@ def main() -> None:
     table = summarise(rows)
     for line in table:
         up = line["up_s"]
+        close = line.get("close_s")
         print(f"{line['mode']:13s} Lab up {up[0]:6.2f} s (min {up[1]:.2f}, max {up[2]:.2f})"
-              f"  n={line['trials']}")
+              + (f", lab.close() {close[0]:.2f} s" if close else "") + f"  n={line['trials']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows, "summary": table}, indent=1))
 

@@ -440,7 +440,7 @@ def _child(request: dict, fds: list[int], server_fds: list[int]) -> None:
 
         from polar_lab.engine.worker import serve_connection
 
-        code = serve_connection(Connection(fds[0]), forked=True)
+        code = serve_connection(Connection(fds[0]), forked=True, exit_after=True)
     except BaseException:  # noqa: BLE001 - reported in the engine's log, then the process ends
         import traceback
 
