@@ -3,8 +3,9 @@
 httpx builds a new `ssl.SSLContext` for every client, which loads the system's CA bundle again: 32–34 ms of CPU per
 client on this project's 2-core machine (2026-12-05), paid once per harness run, since each run makes its own
 client. A GRPO step of 16 tasks × 8 runs spent ~4 s of the kernel's CPU on it, on the cores the proxy and the
-engine need. Here the context is built once per process and every client reuses it. Verification is unchanged: the
-system's CAs, or SSL_CERT_FILE / SSL_CERT_DIR as OpenSSL reads them (the Lab's own URLs are plain http on loopback).
+engine need. Here the context is built once per process and every client reuses it: `ssl.create_default_context()`,
+which trusts the system's CAs, or SSL_CERT_FILE / SSL_CERT_DIR (on macOS and Windows the SDKs' own default asks the OS
+trust store instead). The Lab's own URLs are plain http on loopback, where no context is used.
 
     >>> tls_context() is tls_context()
     True
