@@ -154,7 +154,8 @@ def test_an_engine_bound_as_vllm_binds_it_runs_every_thread_on_all_cores_but_the
     allowed = _allowed_cpus("/proc/self/status")
     if len(allowed) < 2 or torch.cuda.is_available():
         pytest.skip("binding needs a CPU engine and a core to spare")
-    if any(name.startswith(("OMP_", "GOMP_", "KMP_")) for name in os.environ):
+    placing = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")  # not OMP_WAIT_POLICY (conftest)
+    if any(name in os.environ for name in placing):
         pytest.skip("this environment places OpenMP's threads itself")
     assert _thread_cpus(lab.engine.pid) == {tuple(allowed)}
     with VLLMEngine(EngineConfig(model=model_path, cpu_bind="auto")) as engine:
@@ -201,8 +202,10 @@ def test_small_steps_run_on_one_thread_and_large_batches_and_long_prefills_on_ev
     short = helpers_share(prompts(40, 16), first, one_by_one=True)
     long = helpers_share(prompts(4, long_prompt), first, one_by_one=True)
     alone, batch = helpers_share([prompt_ids], spec), helpers_share([prompt_ids] * 16, spec)
-    assert long > 0.4, f"long prefills: helpers {long:.2f} of the step loop's CPU; the control sees no second thread"
-    assert batch > 0.4, f"16 requests: helpers {batch:.2f} of the step loop's CPU; the control sees no second thread"
+    # The controls: with OpenMP's waits passive (the suite's, tests/conftest.py) a helper's CPU is its work alone —
+    # ~1.0 of the step loop's on an idle machine, 0.22 measured beside the other test worker; spinning waits count more.
+    assert long > 0.05, f"long prefills: helpers {long:.2f} of the step loop's CPU; the control sees no second thread"
+    assert batch > 0.05, f"16 requests: helpers {batch:.2f} of the step loop's CPU; the control sees no second thread"
     assert short < 0.25 * long, f"short prefills, one at a time: helpers {short:.2f} (long prefills: {long:.2f})"
     assert alone < 0.25 * batch, f"one request's decode: helpers {alone:.2f} (16 requests: {batch:.2f})"
 
