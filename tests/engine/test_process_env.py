@@ -11,6 +11,18 @@ from polar_lab.engine import process_env
 from polar_lab.errors import ConfigError
 
 
+@pytest.mark.parametrize("kernels, engines", [
+    (None, "PASSIVE"),      # unset in the kernel: the engine's OpenMP threads sleep when they wait
+    ("ACTIVE", "ACTIVE"),   # the user's own policy wins
+])
+def test_the_engine_waits_passively_in_openmp_unless_the_user_chose(monkeypatch, kernels, engines):
+    if kernels is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the suite sets it for every process (tests/conftest.py)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", kernels)
+    assert process_env.engine_env(EngineConfig(), [])["OMP_WAIT_POLICY"] == engines
+
+
 def test_tcmalloc_is_looked_up_bundled_first_then_this_environment_then_the_system(tmp_path, monkeypatch):
     folders = {name: tmp_path / name for name in ("vllm", "env", "system")}
     for folder in folders.values():
