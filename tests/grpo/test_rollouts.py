@@ -413,6 +413,56 @@ def test_an_async_group_staler_than_the_bound_is_dropped_and_its_task_runs_next_
     assert stats["dropped_tokens_mean"] > 0
 
 
+def test_every_stale_group_of_a_step_is_counted_and_each_task_reruns_in_turn(replies_lab):
+    """Two groups go stale before one step takes them: both are dropped, both tasks re-queued (the count adds up, it
+    is not the last one's), and the step trains one of their tasks, re-run at the new version."""
+    config = GRPOConfig(seed=1, tasks_per_step=1, async_window_steps=2, num_generations=2, async_mode=True,
+                        max_staleness=2, stale_groups="rerun", max_reruns=1)
+    first, second = TaskStream(TASKS, seed=0).take(2)
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        _wait_until(lambda: rollouts.ready.qsize() == 2)  # a window of two groups, both sampled at version 0
+        replies_lab.engine.load_weights({}, version=3)  # three versions on: both past the bound of two
+        groups, stats = rollouts.next_groups(3, timeout=60)
+    finally:
+        rollouts.close()
+    assert (stats["groups_dropped_stale"], stats["groups_rerun"]) == (2, 2)
+    # re-queued tasks run before new ones: the step trains one of the two, whichever went stale first
+    assert len(groups) == 1 and groups[0].task["id"] in {first["id"], second["id"]} and first["id"] != second["id"]
+    assert group_staleness(groups[0], 3) == 0
+
+
+def test_a_step_waiting_on_groups_gives_up_at_its_timeout(replies_lab):
+    """`next_groups(timeout=...)` raises queue.Empty when no group is ready in time, instead of blocking the trainer."""
+    import queue
+
+    gate = threading.Event()
+
+    async def held(session, task):
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return ["reply A"]
+
+    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
+    rollouts = AsyncRollouts(replies_lab, config, held, ends_early, TaskStream(TASKS, seed=0))
+    raised = []
+
+    def step():
+        try:
+            rollouts.next_groups(0, timeout=0.3)
+        except queue.Empty as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=step, daemon=True)  # daemon: a build that blocks here must not hang pytest
+    try:
+        waiter.start()
+        waiter.join(15)
+        assert not waiter.is_alive() and len(raised) == 1, "the step blocked past its timeout"
+    finally:
+        rollouts.close()
+        gate.set()
+
+
 def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
     first = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
