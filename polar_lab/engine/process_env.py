@@ -22,7 +22,8 @@ ENV_DEFAULTS = {
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
     "TOKENIZERS_PARALLELISM": "false",
     # OpenMP's idle threads sleep instead of spinning (libgomp spins by default): the engine shares the cores with the
-    # kernel's proxy, harnesses and trainer, which a spinning pool starves (benchmarks/grpo_step.py; docs/benchmarks.md)
+    # kernel's proxy, harnesses and trainer, which a spinning pool starves (a GRPO step 8-13% faster). The cost: one
+    # stream alone gets its tokens 10-25% slower (docs/benchmarks.md, "OpenMP's wait policy")
     "OMP_WAIT_POLICY": "PASSIVE",
 }
 
