@@ -15,7 +15,7 @@ import pytest
 # Before torch loads libgomp, which reads it once: the suite runs two workers on two cores, and each starts processes
 # with OpenMP pools of their own (engines, trainer ranks, kernels). With libgomp's default policy a thread that waits
 # spins, and two pools that spin on the same cores starve each other: two 2-thread training processes side by side
-# took 75 s each instead of 10 s (alone: 5.3 s spinning, 6.5 s passive). `python benchmarks/omp_contention.py`.
+# took 26-75 s each instead of ~10 s (alone: 5.3-5.6 s spinning, 5.5-6.5 s passive). `benchmarks/omp_contention.py`.
 # Every process the run starts inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
