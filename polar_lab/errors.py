@@ -1,4 +1,5 @@
-"""The polar_lab exception hierarchy; the proxy maps each to a provider-shaped HTTP error.
+"""The polar_lab exception hierarchy; the proxy maps each to a provider-shaped HTTP error. Warnings go through
+`warn_at_caller`, which names the user's line.
 
     PolarLabError
     ├── ConfigError            a config value, or two that disagree (message quotes both)
@@ -17,6 +18,13 @@
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # this package's own files
 
 
 class PolarLabError(Exception):
@@ -94,3 +102,13 @@ class SamplingError(RequestError, ValueError):
     is what a session's forced sampling, or a client of the engine that skips the proxy, meets."""
 
     code = "invalid_sampling_parameter"
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn` pointed at the first frame outside polar_lab: the user's line that led here, however deep in the
+    library the cause was found and by whichever path (a fixed `stacklevel` points into polar_lab when the same code
+    is reached from a trainer's `step` and from a direct call)."""
+    frame, level = sys._getframe(1), 1  # level n: the frame `warnings.warn(stacklevel=n + 1)` names
+    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

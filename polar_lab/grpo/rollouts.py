@@ -22,11 +22,11 @@ import queue
 import random
 import threading
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from polar_lab.errors import warn_at_caller
 from polar_lab.grpo.batch import group_staleness, informative
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.rollout import harness_name, make_groups, run_one
@@ -124,8 +124,7 @@ class AsyncRollouts:
         self._running: set[asyncio.Task] = set()
         self._stopped = False
         for other in lab.owned(AsyncRollouts):
-            warnings.warn("stopping the async rollouts of an earlier trainer on this Lab (one producer per Lab)",
-                          stacklevel=3)
+            warn_at_caller("stopping the async rollouts of an earlier trainer on this Lab (one producer per Lab)")
             other.close()
         lab.adopt(self)
         self._producer = lab.submit(self._produce())

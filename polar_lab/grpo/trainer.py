@@ -27,7 +27,6 @@ import math
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ import pandas as pd
 import torch
 
 from polar_lab.engine.layout import engine_gpus, visible_gpus
-from polar_lab.errors import ConfigError, TrainerError
+from polar_lab.errors import ConfigError, TrainerError, warn_at_caller
 from polar_lab.grpo.batch import Batch, build_batch
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.lora import check_targets
@@ -185,10 +184,10 @@ class GRPOTrainer:
             return
         gap = update.metrics()["logprob_abs_diff_mean"]
         if gap > self.config.fidelity_warn_nats:
-            warnings.warn(f"engine and trainer disagree on an on-policy batch: mean |log pi_old - log mu| = "
+            warn_at_caller(f"engine and trainer disagree on an on-policy batch: mean |log pi_old - log mu| = "
                           f"{gap:.3f} nats > fidelity_warn_nats={self.config.fidelity_warn_nats}. Check that the "
                           f"engine samples the full distribution at the training temperature (no top_p/top_k), "
-                          f"in the trainer's dtype and chat template", stacklevel=3)
+                          f"in the trainer's dtype and chat template")
 
     def train(self, num_steps: int | None = None, *, progress: bool = True) -> pd.DataFrame:
         """Run `num_steps` steps (default config.max_steps); evaluates every eval_steps; checkpoints every

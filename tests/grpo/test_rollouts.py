@@ -316,14 +316,16 @@ def test_dynamic_sampling_drops_groups_without_spread_and_refills_the_step(repli
     (["flat0", "spread0", "spread1", "flat1"], 1, 1),  # one kept, one refilled (the fourth task is never taken)
     (["flat0", "flat1", "flat2", "spread0", "spread1"], 2, 3),  # nothing kept, then one, then one: two rounds
 ])
-def test_dynamic_sampling_refills_only_what_the_filter_took_round_by_round(replies_lab, order, rounds, filtered):
+def test_dynamic_sampling_refills_only_what_the_filter_took_round_by_round(replies_lab, capsys, order, rounds,
+                                                                          filtered):
     tasks = {t["id"]: t for t in FLAT + SPREAD}
     config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=4, dynamic_sampling=True, max_refill_rounds=3)
     stream = TaskStream(FLAT + SPREAD, seed=0)
     stream.take = lambda n, _order=iter(order): [tasks[next(_order)] for _ in range(n)]
-    groups, stats = SyncRollouts(replies_lab, config, two_turns, by_task, stream).next_groups(0)
+    groups, stats = SyncRollouts(replies_lab, config, two_turns, by_task, stream).next_groups(0, progress=True)
     assert [g.task["id"] for g in groups] == ["spread0", "spread1"]
     assert (stats["refill_rounds"], stats["groups_filtered_zero_std"]) == (rounds, filtered)
+    assert "/4 [" in capsys.readouterr().err  # the last refill's bar (one task × 4 runs) is shown like the first's
 
 
 def test_async_dynamic_sampling_skips_groups_without_spread_as_they_arrive(replies_lab):
@@ -385,7 +387,8 @@ def test_async_rollouts_run_a_window_of_groups_at_most_each_seeded_from_the_conf
         gates[0].set()
         groups, stats = rollouts.next_groups(3, timeout=60)  # sampled at version 0, at the bound: kept
         assert len(groups) == 2 and stats["groups_dropped_stale"] == 0
-        _wait_until(lambda: len(started) >= 14)  # a slot freed by each group taken: new groups run
+        _wait_until(lambda: len(started) == 16)  # a slot freed by each group taken: two new groups run
+        assert replies_lab.run(_producer_state(rollouts)) == (2, True)  # the finished ones are not kept
     finally:
         rollouts.close()
         for gate in gates:
@@ -410,7 +413,7 @@ def test_an_async_group_staler_than_the_bound_is_dropped_and_its_task_runs_next_
     runs = groups[0].sessions  # one group id for the group's runs, each named after its harness
     assert runs[0].group_id and [(s.group_id, s.info["harness"]) for s in runs] == [(runs[0].group_id, "two_turns")] * 2
     assert (stats["groups_dropped_stale"], stats["groups_rerun"]) == (1, int(stale_groups == "rerun"))
-    assert stats["dropped_tokens_mean"] > 0
+    assert stats["dropped_tokens_mean"] > 0 and "groups_filtered_zero_std" not in stats  # no dynamic sampling
 
 
 def test_every_stale_group_of_a_step_is_counted_and_each_task_reruns_in_turn(replies_lab):
@@ -467,8 +470,9 @@ def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
     first = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
     why = r"^stopping the async rollouts of an earlier trainer on this Lab \(one producer per Lab\)$"
-    with pytest.warns(UserWarning, match=why):
+    with pytest.warns(UserWarning, match=why) as caught:
         second = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
+    assert [w.filename for w in caught] == [__file__]  # the line that made the second producer, not polar_lab's
     try:
         assert first._producer.done() and replies_lab.owned(AsyncRollouts) == [second]
         assert len(second.next_groups(0, timeout=60)[0]) == 1
@@ -492,3 +496,94 @@ def test_a_group_that_fails_to_build_is_raised_to_the_trainer(replies_lab, monke
         assert isinstance(failed.value.__cause__, ValueError)
     finally:
         rollouts.close()
+
+
+def test_async_dynamic_sampling_skips_up_to_its_bound_then_keeps_what_comes(replies_lab):
+    """A window of one group makes the order of arrival the order of tasks: with max_refill_rounds=2 (two groups
+    without spread may be skipped per group kept), flat0 and flat1 are skipped and flat2 is trained."""
+    config = GRPOConfig(seed=1, tasks_per_step=1, async_window_steps=1, num_generations=2, dynamic_sampling=True,
+                        max_refill_rounds=2, async_mode=True)
+    stream = TaskStream(FLAT, seed=0)
+    stream.take = lambda n, _order=iter(FLAT + FLAT[:1]): [next(_order) for _ in range(n)]  # then the stream ends
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, by_task, stream)
+    try:
+        groups, stats = rollouts.next_groups(0, timeout=20)
+    finally:
+        rollouts.close()
+    assert [g.task["id"] for g in groups] == ["flat2"] and stats["groups_filtered_zero_std"] == 2
+
+
+def test_a_task_that_reaches_the_loss_may_be_rerun_again_later(replies_lab):
+    """max_reruns bounds re-queues *in a row*: once a task's rerun is trained, its count starts again, so the same
+    task going stale at a later step is re-run again (one task, so every group is that task's)."""
+    config = GRPOConfig(seed=1, tasks_per_step=1, async_window_steps=1, num_generations=2, async_mode=True,
+                        max_staleness=1, stale_groups="rerun", max_reruns=1)
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS[:1], seed=0))
+    reruns = []
+    try:
+        for version in (2, 4):  # each time, the group waiting was sampled two versions ago
+            _wait_until(lambda: rollouts.ready.qsize() == 1)
+            replies_lab.engine.load_weights({}, version=version)
+            groups, stats = rollouts.next_groups(version, timeout=60)
+            assert len(groups) == 1 and group_staleness(groups[0], version) == 0
+            reruns.append(stats["groups_rerun"])
+    finally:
+        rollouts.close()
+    assert reruns == [1, 1]
+
+
+def test_a_producer_that_fails_is_raised_to_the_trainer(replies_lab):
+    def broken_stream(n):
+        raise OSError("the task file went away")
+
+    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
+    stream = TaskStream(TASKS, seed=0)
+    stream.take = broken_stream
+    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, stream)
+    try:
+        with pytest.raises(RuntimeError, match="^async rollout failed: OSError") as failed:
+            rollouts.next_groups(0, timeout=20)
+        assert isinstance(failed.value.__cause__, OSError)
+    finally:
+        rollouts.close()
+
+
+def test_each_async_run_records_the_harness_of_a_mixture_that_ran_its_task(replies_lab):
+    from polar_lab.harness.mixture import HarnessMixture
+
+    async def other(session, task):
+        return await two_turns(session, task)
+
+    mixture = HarnessMixture({"two_turns": two_turns, "other": other})
+    config = GRPOConfig(seed=1, tasks_per_step=2, num_generations=2, async_mode=True)
+    rollouts = AsyncRollouts(replies_lab, config, mixture, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        groups, _ = rollouts.next_groups(0, timeout=60)
+    finally:
+        rollouts.close()
+    recorded = {g.task["id"]: {s.info["harness"] for s in g.sessions} for g in groups}
+    assert recorded == {g.task["id"]: {mixture.name_for(g.task)} for g in groups}
+    assert set().union(*recorded.values()) == {"two_turns", "other"}  # the two tasks took the two in turn
+
+
+def test_close_returns_once_the_cancelled_runs_have_unwound(replies_lab):
+    """close() waits for every running group to unwind, a harness's own clean-up included: nothing of the producer's
+    is left running on the Lab's loop when it returns."""
+    started, unwound = [], []
+
+    async def slow_to_unwind(session, task):
+        started.append(session.id)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)  # a harness's clean-up: closing its client, stopping its program
+            unwound.append(session.id)
+            raise
+
+    config = GRPOConfig(seed=1, tasks_per_step=1, async_window_steps=2, num_generations=2, async_mode=True)
+    rollouts = AsyncRollouts(replies_lab, config, slow_to_unwind, ends_early, TaskStream(TASKS, seed=0))
+    try:
+        _wait_until(lambda: len(started) == 4)  # two groups of two runs
+    finally:
+        rollouts.close()
+    assert sorted(unwound) == sorted(started)

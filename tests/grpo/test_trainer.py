@@ -134,9 +134,11 @@ def test_an_on_policy_batch_the_trainer_disagrees_with_is_a_warning(scripted_lab
 
     trainer = GRPOTrainer(scripted_lab, GRPOConfig(output_dir=str(tmp_path)))
     monkeypatch.setattr(trainer, "_source", lambda: _HandMadeGroups())  # behaviour logprobs -2.0: not the model's
-    with pytest.warns(UserWarning, match="engine and trainer disagree on an on-policy batch"):
-        m = trainer.step(progress=False)
+    with pytest.warns(UserWarning, match="engine and trainer disagree on an on-policy batch") as caught:
+        m = trainer.train(num_steps=1, progress=False).iloc[-1]  # train → step → the check: two calls deep
     assert m["logprob_abs_diff_mean"] > trainer.config.fidelity_warn_nats
+    disagree = [w for w in caught if "disagree" in str(w.message)]
+    assert [w.filename for w in disagree] == [__file__]  # it names the user's line, not the trainer's own
     trainer.config.fidelity_warn_nats = m["logprob_abs_diff_mean"] * 10  # the control: under the threshold
     with warnings.catch_warnings():
         warnings.simplefilter("error")
