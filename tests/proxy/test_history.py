@@ -151,3 +151,104 @@ def test_a_retried_request_renders_as_before_and_a_dropped_session_gives_back_it
     assert history.chars == base
     history.drop("t")
     assert history.chars == 0
+
+
+# ---- the history's own logic, on toy templates whose text shows every input they get --------------------------------
+# A real template hides most mistakes of the incremental path (a wrong argument often renders the same text); these
+# show each input — the template's name, the tools, the thinking switch, each message's neighbour — so a mistake in
+# what reaches a render changes the text. Each named template breaks incremental rendering in one way, or not at all.
+def toy(messages, tools, chat_template, *, generation_prompt=True, thinking=None):
+    name = chat_template or "plain"
+    declared = {t["function"]["name"] for t in tools}
+    system = messages[0]["role"] == "system"
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    nothink = "/nothink" if thinking is False else ""
+    out = [f"[{name}|{','.join(sorted(declared))}|{thinking}]"]
+    for i, m in enumerate(messages):
+        if m["role"] not in ("system", "user", "assistant", "tool") or "content" not in m:
+            raise RequestError(f"a malformed message: {m}")  # a strict template
+        tag = m["role"] + ("+sys" if system and m["role"] == "user" else "")  # the first message read by later ones
+        if name == "after-role":  # each message shows its neighbour: only the two-message stand-in keeps it
+            tag += f"<{messages[i - 1]['role'] if i else ''}"
+        if name == "final-user" and i == len(messages) - 1 and m["role"] == "user":  # the question being asked
+            tag += "!"  # not incremental: probed only where requests end (after a user or tool message), it shows
+        thought = m.get("reasoning_content")
+        if thought and not (name == "hide-thoughts" and i < last_user):  # not incremental once there are thoughts
+            out.append(f"<think>{thought}</think>")
+        calls = "".join(f"{c['function']['name']}{'' if c['function']['name'] in declared else '?'}"
+                        f"({c['function']['arguments']})" for c in m.get("tool_calls") or [])
+        out.append(f"<{tag}>{m['content'] or ''}{calls}")
+    if generation_prompt:  # "prompt-by-role": not a fixed suffix, so not incremental
+        out.append(f"<gen{nothink}{':' + messages[-1]['role'] if name == 'prompt-by-role' else ''}>")
+    return "".join(out)
+
+
+# name → what the probe must find, without and with thoughts: (generation prompt, first message alone stands in) or None
+TOYS = {"plain": (("<gen/nothink>", True),) * 2, "after-role": (("<gen/nothink>", False),) * 2,
+        "final-user": (None, None), "hide-thoughts": (("<gen/nothink>", True), None), "prompt-by-role": (None, None)}
+
+
+@pytest.mark.parametrize("name", list(TOYS))
+def test_the_probe_finds_each_toy_template_incremental_or_not_as_its_rendering_allows(name):
+    history = TemplateHistory(toy)
+    assert (history.checked(name, False, False), history.checked(name, False, True)) == TOYS[name]
+
+
+@pytest.mark.parametrize("corpus", ["tools and parallel calls", "thoughts", "a second system prompt"])
+@pytest.mark.parametrize("name", list(TOYS))
+def test_a_session_under_each_toy_template_renders_as_whole_and_incrementally_where_the_probe_allows(name, corpus):
+    """Byte-identical to rendering each request whole; the new messages alone rendered wherever the probe said
+    the template allows it; and with the first message standing in, one render per request (its text is kept)."""
+    messages, calls = CORPUS[corpus], []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return toy(*args, **kwargs)
+
+    history = TemplateHistory(counted)
+    allowed = TOYS[name][any(m.get("reasoning_content") for m in messages)]
+    history.checked(name, False, True), history.checked(name, False, False)  # probed up front: not counted below
+    ends = _ends(messages)
+    for i, n in enumerate(ends):
+        info, calls[:] = {}, []
+        got = history.render("s", messages[:n], TOOLS, name, False, info)
+        assert got == toy(messages[:n], TOOLS, name, thinking=False), (name, n)
+        assert ("template" in info) == (i > 0 and allowed is not None), (name, n, info)
+        if i > 1 and allowed is not None:  # from the third request on, what the history keeps is reused
+            assert len(calls) == (1 if allowed[1] else 2), (name, n)
+    assert (history.chars > 0) == (allowed is not None)  # a session rendered whole to its end keeps nothing
+
+
+def test_a_session_that_stops_being_incremental_gives_back_its_characters():
+    """Under a template that hides earlier thoughts, a session is incremental until a thought arrives; then its
+    kept text is dropped, not left to grow stale."""
+    messages = CORPUS["thoughts"]
+    history = TemplateHistory(toy)
+    history.render("s", messages[:2], [], "hide-thoughts", None)
+    assert history.chars > 0
+    history.render("s", messages[:4], [], "hide-thoughts", None)  # a thought came with the tool call
+    assert history.chars == 0
+
+
+def test_the_history_keeps_its_bounds_exactly_and_counts_what_it_keeps():
+    conversation = [{"role": "user", "content": "a"}]
+    texts = {s: "[plain||None]<user>a" for s in "pqr"}  # what each session keeps: its text without the prompt
+    size = len(texts["p"])
+    history = TemplateHistory(toy, sessions=2, max_chars=2 * size)
+    for s in "pq":
+        history.render(s, conversation, [], None, None)
+    assert (list(history._previous), history.chars) == (["p", "q"], 2 * size)  # at both bounds: nothing evicted
+    history.render("r", conversation, [], None, None)
+    assert (list(history._previous), history.chars) == (["q", "r"], 2 * size)  # the oldest out, its characters too
+    history = TemplateHistory(toy, max_chars=2 * size - 1)
+    for s in "pqr":
+        history.render(s, conversation, [], None, None)
+    assert (list(history._previous), history.chars) == (["r"], size)  # characters bound the history alone
+
+
+def test_the_checked_templates_are_bounded_oldest_out():
+    history = TemplateHistory(toy)
+    names = [f"plain-{i}" for i in range(65)]
+    for name in names:
+        assert history.checked(name, None, False) == ("<gen>", True)
+    assert list(history._checked) == [(name, None, False) for name in names[1:]]  # 64 kept: the first one is out
