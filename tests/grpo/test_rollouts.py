@@ -5,6 +5,7 @@ import asyncio
 import itertools
 import threading
 import time
+from pathlib import Path
 
 import openai
 import orjson
@@ -472,7 +473,9 @@ def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     why = r"^stopping the async rollouts of an earlier trainer on this Lab \(one producer per Lab\)$"
     with pytest.warns(UserWarning, match=why) as caught:
         second = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
-    assert [w.filename for w in caught] == [__file__]  # the line that made the second producer, not polar_lab's
+    # it names the line that made the second producer, not polar_lab's (mutmut's trampoline, where it wraps the class,
+    # is the first frame outside polar_lab)
+    assert len(caught) == 1 and (caught[0].filename == __file__ or "mutmut" in Path(caught[0].filename).parts)
     try:
         assert first._producer.done() and replies_lab.owned(AsyncRollouts) == [second]
         assert len(second.next_groups(0, timeout=60)[0]) == 1

@@ -1,11 +1,12 @@
 """Exact-id continuity in the renderer, with the model's real tokenizer and chat template."""
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
-from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache, common_prefix_len
+from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache, _longest_prefix_tip, common_prefix_len
 from polar_lab.templates import with_empty_think
 
 SYSTEM = {"role": "system", "content": "You are careful."}
@@ -252,18 +253,47 @@ def test_a_divergence_near_the_start_keeps_the_context_there_is(tokenizer):
     assert div["prompt_context"] == other.text[:at + 40] and div["tip_context"] == tip.text[:at + 40]
 
 
+def returns(fn, *args, within: float = 2.0):
+    """fn(*args), failing the test by assertion when it has not returned within `within` seconds (a binary search
+    that loops; these take microseconds): a loop is a failure the test names, not the runner's timeout."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    worker.start()
+    worker.join(within)
+    assert out, f"{fn.__name__}{args!r:.80} did not return within {within} s"
+    return out[0]
+
+
 def test_token_at_finds_the_token_that_holds_each_character(tokenizer):
     r = Renderer(tokenizer)
     ids = r.encode("<|im_start|>user\nWhat is 12*7+5?")
     ends = [len(r.decode(ids[:i + 1])) for i in range(len(ids))]  # where each token's text ends
     for char in range(ends[-1]):
-        assert r._token_at(ids, char) == next(i for i, end in enumerate(ends) if end > char), char
+        assert returns(r._token_at, ids, char) == next(i for i, end in enumerate(ends) if end > char), char
 
 
 @pytest.mark.parametrize("a, b, n", [("", "", 0), ("abc", "xyz", 0), ("abc", "abd", 2), ("abc", "abc", 3),
                                      ("ab", "abc", 2), ("abc", "ab", 2), ("a" * 999 + "x", "a" * 999 + "y", 999)])
 def test_common_prefix_len(a, b, n):
-    assert common_prefix_len(a, b) == n
+    assert returns(common_prefix_len, a, b) == n
+
+
+def test_the_tip_reused_is_the_longest_that_does_not_end_inside_a_spliced_turn():
+    """A spliced turn's ids are whole: a tip may end before it or after it, never inside it (at its edges is fine)."""
+    from polar_lab.proxy.splice import Turn
+
+    def turn(text):
+        return Turn(call_id="c", opening="", ids=(1,) * len(text), text=text, stop="", content=text, reasoning=None,
+                    tool_calls=())
+
+    segments = ["ab", turn("cd"), "ef", turn("gh"), "ij"]  # turns at [2, 4) and [6, 8)
+    text = "abcdefghij"
+    tips = {n: Tip(f"c{n}", text[:n], list(range(n))) for n in range(1, 11)}
+    allowed = [n for n in tips if n not in (3, 7)]
+    assert _longest_prefix_tip(text, list(tips.values()), segments) is tips[10]
+    for n in (3, 7):  # inside a turn: passed over for the longest before it
+        assert _longest_prefix_tip(text, [tips[k] for k in range(1, n + 1)], segments) is tips[n - 1]
+    assert [k for k in tips if _longest_prefix_tip(text, [tips[k]], segments) is not None] == allowed
 
 
 def test_decode_is_exact_whatever_the_tokenizers_cleanup_default(model_path):
@@ -313,6 +343,8 @@ def test_template_text_renders_the_whole_template_with_each_switch_the_request_g
     prompt = r.template_text([SYSTEM, USER], [])
     assert prompt.startswith(bare) and prompt != bare and prompt.endswith("<think>\n")
     assert r.template_text([SYSTEM, USER], [], thinking=False).endswith("</think>\n\n")
+    for session in (None, "s"):  # and through a render, whole or by the session's history
+        assert r.render([SYSTEM, USER], [], thinking=False, session=session).text.endswith("</think>\n\n")
     assert "calculator" in r.template_text([SYSTEM, USER], tools) and "calculator" not in prompt
     assert r.template_text([SYSTEM, USER], [], "{{ messages[-1].content }}!") == "What is 2+3?!"
 
