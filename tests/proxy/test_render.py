@@ -1,13 +1,13 @@
 """Exact-id continuity in the renderer, with the model's real tokenizer and chat template."""
 
 import random
-import threading
 from pathlib import Path
 
 import pytest
 
 from polar_lab.proxy.render import PieceEncoder, Renderer, Tip, TipCache, _longest_prefix_tip, common_prefix_len
 from polar_lab.templates import with_empty_think
+from tests.timing import returns
 
 SYSTEM = {"role": "system", "content": "You are careful."}
 USER = {"role": "user", "content": "What is 2+3?"}
@@ -251,17 +251,6 @@ def test_a_divergence_near_the_start_keeps_the_context_there_is(tokenizer):
     at = div["char"]
     assert 0 < at < 40 and other.text[:at] == tip.text[:at] != other.text[:at + 1]
     assert div["prompt_context"] == other.text[:at + 40] and div["tip_context"] == tip.text[:at + 40]
-
-
-def returns(fn, *args, within: float = 2.0):
-    """fn(*args), failing the test by assertion when it has not returned within `within` seconds (a binary search
-    that loops; these take microseconds): a loop is a failure the test names, not the runner's timeout."""
-    out = []
-    worker = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
-    worker.start()
-    worker.join(within)
-    assert out, f"{fn.__name__}{args!r:.80} did not return within {within} s"
-    return out[0]
 
 
 def test_token_at_finds_the_token_that_holds_each_character(tokenizer):

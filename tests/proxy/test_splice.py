@@ -10,6 +10,7 @@ from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 from polar_lab.proxy.formats import FORMATS
 from polar_lab.proxy.render import Renderer, Tip
 from polar_lab.proxy.splice import Turn, TurnLedger, edits, pick, probe_glue
+from tests.timing import returns
 
 QWEN35 = Path("data/models/tiny-calc-qwen35")
 FIRST = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 12*7+5?"}]
@@ -326,18 +327,18 @@ def test_the_turn_ledger_keeps_the_newest_keys_and_sessions_within_its_bounds(to
     edited = {"role": "assistant", "content": "edited"}
     ledger = TurnLedger(per_session=3, sessions=2, max_bytes=size["t0"] + size["t1"])
     ledger.add("s", a, history="h0")  # two keys: its content and its history
-    ledger.add("s", b, history="h1")  # four keys for room for three: a's oldest, its content, goes
+    returns(ledger.add, "s", b, history="h1")  # four keys for room for three: a's oldest, its content, goes
     assert ledger.nbytes == size["t0"] + size["t1"]
     assert ledger.find("s", said["t0"], "?") == [] and ledger.find("s", edited, "h0") == [a]
     assert ledger.find("s", said["t1"], "?") == [b] and ledger.find("s", edited, "h1") == [b]
     ledger.drop("never")  # a session it never held: nothing to give back
     assert ledger.nbytes == size["t0"] + size["t1"]
-    ledger.add("t", c, history="h2")  # two sessions, but over max_bytes: the oldest session goes
+    returns(ledger.add, "t", c, history="h2")  # two sessions, but over max_bytes: the oldest session goes
     assert ledger.find("s", edited, "h1") == [] and ledger.find("t", said["t2"], "?") == [c]
     assert ledger.nbytes == size["t2"]
     ledger.add("u", a, history="h0")  # within max_bytes and at two sessions: both kept
     assert ledger.find("t", said["t2"], "?") == [c] and ledger.find("u", said["t0"], "?") == [a]
-    ledger.add("v", a, history="h0")  # a third session: the oldest, "t", goes
+    returns(ledger.add, "v", a, history="h0")  # a third session: the oldest, "t", goes
     assert ledger.find("t", said["t2"], "?") == [] and ledger.find("u", said["t0"], "?") == [a]
 
 
@@ -355,7 +356,7 @@ def test_history_digests_keep_the_newest_sessions(monkeypatch):
     hashed.clear()
     digests.keys("s", two)  # two sessions held: "s" continues, only its new message is hashed
     assert len(hashed) == 1
-    digests.keys("u", one)  # a third: the oldest, "t", goes; "s" was used since
+    returns(digests.keys, "u", one)  # a third: the oldest, "t", goes; "s" was used since
     hashed.clear()
     digests.keys("s", two + [{"role": "user", "content": "c"}])
     digests.keys("t", two)
