@@ -1,5 +1,5 @@
-"""The polar_lab exception hierarchy; the proxy maps each to a provider-shaped HTTP error. Warnings go through
-`warn_at_caller`, which names the user's line.
+"""The polar_lab exception hierarchy; the proxy maps each to a provider-shaped HTTP error. `warn_at_caller` is for
+warnings raised deep in the library: it names the user's line.
 
     PolarLabError
     ├── ConfigError            a config value, or two that disagree (message quotes both)
