@@ -332,8 +332,6 @@ def test_template_text_renders_the_whole_template_with_each_switch_the_request_g
     prompt = r.template_text([SYSTEM, USER], [])
     assert prompt.startswith(bare) and prompt != bare and prompt.endswith("<think>\n")
     assert r.template_text([SYSTEM, USER], [], thinking=False).endswith("</think>\n\n")
-    for session in (None, "s"):  # and through a render, whole or by the session's history
-        assert r.render([SYSTEM, USER], [], thinking=False, session=session).text.endswith("</think>\n\n")
     assert "calculator" in r.template_text([SYSTEM, USER], tools) and "calculator" not in prompt
     assert r.template_text([SYSTEM, USER], [], "{{ messages[-1].content }}!") == "What is 2+3?!"
 
@@ -351,3 +349,17 @@ def test_the_tip_cache_keeps_the_newest_tips_and_sessions_within_its_bounds():
     cache.add("t", tip(4, 1))  # over it: the oldest session goes
     assert cache.get("s") == [] and cache.nbytes == 37 * 5
     assert cache.drop("t") == 37 * 5 and cache.nbytes == 0
+
+
+def test_the_thinking_switch_reaches_a_render_whole_and_by_the_sessions_history():
+    from transformers import AutoTokenizer
+
+    from polar_lab.proxy.formats import FORMATS
+
+    qwen35 = Path("data/models/tiny-calc-qwen35")
+    if not (qwen35 / "tokenizer.json").exists():
+        pytest.skip("run `python scripts/build_tiny_model.py --family qwen35`")
+    r = Renderer(AutoTokenizer.from_pretrained(qwen35), FORMATS["qwen3_coder"])
+    for session in (None, "s"):
+        assert r.render([SYSTEM, USER], [], thinking=False, session=session).text.endswith("</think>\n\n")
+        assert r.render([SYSTEM, USER], [], session=session).text.endswith("<think>\n")  # the template's default
