@@ -125,8 +125,10 @@ test: setup malloc agents sandbox-tools browser envs
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Mutation testing (docs/testing.md): mutmut's generated mutants over the core modules listed in
-# pyproject.toml [tool.mutmut] (~15 min on 2 cores; results cached in mutants/, so a rerun checks only what
-# changed), then the hand-written named mutants of issue 14 (~5 min). Not part of `make test`.
+# pyproject.toml [tool.mutmut] (hours from scratch on 2 cores: a surviving render or history mutant runs the
+# rollout tests too, ~30 s; scripts/mutants_scope.py narrows them, docs/testing.md says how; results are cached in
+# mutants/, so a rerun checks only what changed), then the hand-written named mutants of issue 14. Not part of
+# `make test`.
 # mutmut is pinned: scripts/mutants_report.py reads its result files (mutants/*.py.meta).
 # OMP_NUM_THREADS=1: mutmut forks its own process for each mutant, and a fork of a process whose OpenMP pool has
 # run (the loss tests' torch ops) hangs in its first parallel op; with one thread there is no pool to inherit.

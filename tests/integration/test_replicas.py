@@ -45,7 +45,9 @@ def ray_processes() -> set[int]:
 
 def _ask(lab: Lab, sessions, rounds: int = 1, max_tokens: int = 8) -> None:
     async def one(s, r):
-        client = openai.AsyncOpenAI(base_url=s.openai_base_url, api_key=s.api_key)
+        # 60 s, not the SDK's 600: once, under the full suite, two answers recorded as delivered never reached their
+        # clients, which waited 600 s and retried (docs/reliability.md, "Open defect")
+        client = openai.AsyncOpenAI(base_url=s.openai_base_url, api_key=s.api_key, timeout=60)
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"what is {r}+{r}"}],
                                              max_tokens=max_tokens, temperature=1.0)
 
