@@ -172,23 +172,6 @@ def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     assert second._producer.done() and replies_lab.owned(AsyncRollouts) == []
 
 
-def test_a_group_that_fails_to_build_is_raised_to_the_trainer(replies_lab, monkeypatch):
-    from polar_lab.grpo import rollouts as rollouts_module
-
-    def broken(*args, **kwargs):
-        raise ValueError("no trajectories")
-
-    monkeypatch.setattr(rollouts_module, "make_groups", broken)
-    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
-    rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
-    try:
-        with pytest.raises(RuntimeError, match="^async rollout failed: ValueError") as failed:
-            rollouts.next_groups(0, timeout=20)
-        assert isinstance(failed.value.__cause__, ValueError)
-    finally:
-        rollouts.close()
-
-
 def test_async_dynamic_sampling_skips_up_to_its_bound_then_keeps_what_comes(replies_lab):
     """A window of one group makes the order of arrival the order of tasks: with max_refill_rounds=2 (two groups
     without spread may be skipped per group kept), flat0 and flat1 are skipped and flat2 is trained."""
@@ -223,18 +206,28 @@ def test_a_task_that_reaches_the_loss_may_be_rerun_again_later(replies_lab):
     assert reruns == [1, 1]
 
 
-def test_a_producer_that_fails_is_raised_to_the_trainer(replies_lab):
-    def broken_stream(n):
-        raise OSError("the task file went away")
+@pytest.mark.parametrize("where", ["group", "producer"])
+def test_a_failure_building_a_group_or_in_the_producer_reaches_the_trainer(replies_lab, monkeypatch, where):
+    """A group whose trajectories cannot be built, and the producer itself failing (its task stream), each reach the
+    trainer's next_groups as the error, not as a wait."""
+    from polar_lab.grpo import rollouts as rollouts_module
 
-    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
+    error = ValueError if where == "group" else OSError
+
+    def broken(*args, **kwargs):
+        raise error("no trajectories" if where == "group" else "the task file went away")
+
     stream = TaskStream(TASKS, seed=0)
-    stream.take = broken_stream
+    if where == "group":
+        monkeypatch.setattr(rollouts_module, "make_groups", broken)
+    else:
+        stream.take = broken
+    config = GRPOConfig(seed=1, tasks_per_step=1, num_generations=2, async_mode=True)
     rollouts = AsyncRollouts(replies_lab, config, two_turns, ends_early, stream)
     try:
-        with pytest.raises(RuntimeError, match="^async rollout failed: OSError") as failed:
+        with pytest.raises(RuntimeError, match=f"^async rollout failed: {error.__name__}") as failed:
             rollouts.next_groups(0, timeout=20)
-        assert isinstance(failed.value.__cause__, OSError)
+        assert isinstance(failed.value.__cause__, error)
     finally:
         rollouts.close()
 
