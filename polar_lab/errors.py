@@ -19,12 +19,8 @@ warnings raised deep in the library: it names the user's line.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
-from pathlib import Path
-
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # this package's own files
 
 
 class PolarLabError(Exception):
@@ -109,6 +105,6 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     library the cause was found and by whichever path (a fixed `stacklevel` points into polar_lab when the same code
     is reached from a trainer's `step` and from a direct call)."""
     frame, level = sys._getframe(1), 1  # level n: the frame `warnings.warn(stacklevel=n + 1)` names
-    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "polar_lab":
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)

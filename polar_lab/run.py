@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import orjson
 import pandas as pd
 
-from polar_lab.errors import StoreError
+from polar_lab.errors import StoreError, warn_at_caller
 from polar_lab.rewards.table import COLUMNS as REWARD_COLUMNS
 from polar_lab.store import RunStore, calls_frame
 from polar_lab.store.delta import Expander
@@ -198,8 +197,8 @@ class Run:
         torn = self.torn_lines[name]
         if torn and name not in self._warned and self._store is None:  # a live Lab's tail is a write in progress
             self._warned.add(name)
-            warnings.warn(f"{self.path / name}: {torn} torn line(s) skipped (a write cut by a machine crash); the "
-                          f"records around them are whole", stacklevel=3)
+            warn_at_caller(f"{self.path / name}: {torn} torn line(s) skipped (a write cut by a machine crash); the "
+                           f"records around them are whole")
 
 
 def _call(record: dict[str, Any], path: Path) -> ModelCall:

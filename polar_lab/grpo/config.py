@@ -5,12 +5,11 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from polar_lab.config import _f
-from polar_lab.errors import ConfigError
+from polar_lab.errors import ConfigError, warn_at_caller
 from polar_lab.grpo.lora import lora_config, lora_dict
 from polar_lab.grpo.trackers import resolve_report_to
 from polar_lab.rollout import TRAINING, RolloutSpec
@@ -283,9 +282,8 @@ def _check(ok: bool, message: str) -> None:
 
 def _from_tis_cap(data: dict[str, Any]) -> dict[str, Any]:
     cap = data.pop("tis_cap")
-    warnings.warn("grpo.tis_cap is now vllm_importance_sampling_clip_max (with vllm_importance_sampling_mode "
-                  "token_truncate); tis_cap: null is vllm_importance_sampling_correction: false", DeprecationWarning,
-                  stacklevel=3)
+    warn_at_caller("grpo.tis_cap is now vllm_importance_sampling_clip_max (with vllm_importance_sampling_mode "
+                   "token_truncate); tis_cap: null is vllm_importance_sampling_correction: false", DeprecationWarning)
     if cap is None:
         data.setdefault("vllm_importance_sampling_correction", False)
     else:

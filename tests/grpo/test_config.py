@@ -72,3 +72,12 @@ def test_a_config_file_with_the_earlier_tis_cap_still_loads_under_trls_names():
         off = GRPOConfig.from_dict({"tis_cap": None})
     assert not off.vllm_importance_sampling_correction and off.tis_cap is None
 
+
+
+def test_the_tis_cap_warning_names_the_line_that_loaded_the_file(tmp_path):
+    from polar_lab.grpo.run import load_train_config
+
+    (tmp_path / "old.yaml").write_text("grpo: {tis_cap: 3.0}\n")
+    with pytest.warns(DeprecationWarning, match="tis_cap") as caught:
+        load_train_config(tmp_path / "old.yaml")  # the loader, then from_dict: not polar_lab's own line
+    assert [w.filename for w in caught] == [__file__]
