@@ -305,24 +305,24 @@ PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm
 
 
 def preload() -> None:
-    """Import what every engine process imports before it builds vLLM, then freeze what is alive so far out of the
-    garbage collector's reach (vLLM collects several times while it builds; frozen objects are not walked)."""
-    import gc
+    """Import what every engine process imports before it builds vLLM, frozen out of the garbage collector's reach
+    (`frozen_imports`; vLLM collects several times while it builds, and frozen objects are not walked)."""
     import importlib
 
-    import torch  # noqa: F401
-    import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401 - vllm's top level imports these lazily
+    from polar_lab.engine.worker import frozen_imports
 
-    from polar_lab.engine import worker  # noqa: F401
+    with frozen_imports():
+        import torch  # noqa: F401
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams  # noqa: F401 - vllm's top level imports these lazily
 
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - another vLLM build: the engine imports what it needs itself
-            log.info("not preloaded: %s (%r)", name, exc)
-    gc.collect()
-    gc.freeze()
+        from polar_lab.engine import worker  # noqa: F401
+
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - another vLLM build: the engine imports what it needs itself
+                log.info("not preloaded: %s (%r)", name, exc)
 
 
 def serve(listener: socket.socket, owner_fd: int) -> None:
