@@ -220,7 +220,9 @@ def smollm2(args, results: dict) -> None:
         finally:
             ranks.close()
         print("fsdp_2_ranks", json.dumps(results["fsdp_2_ranks"]), flush=True)
-        results["beside_streams"] = beside_streams(lab, single)
+        runs = [beside_streams(lab, single) for _ in range(args.repeats)]  # noisy: one sync's window is ~1-3 s
+        results["beside_streams"] = {"median_during_over_before": statistics.median(r["during_over_before"]
+                                                                                    for r in runs), "runs": runs}
         print("beside_streams", json.dumps(results["beside_streams"]), flush=True)
         for pause in ("drain", "keep"):
             results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)

