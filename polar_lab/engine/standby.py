@@ -161,6 +161,12 @@ class StandbyLoader:
         self.error: str | None = None  # why that load cannot be swapped in (None: it can, once done)
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
+        self._awaited = False  # the step loop is blocked until this load ends (`wait`)
+
+    def serving(self) -> bool:
+        """Whether a load should give way now: the engine has requests in flight and its loop is stepping them, not
+        blocked waiting for this load to end (an in-place load or a swap of another file waits so)."""
+        return not self._awaited and self.busy()
 
     def start(self, path: str, on_done) -> None:
         """Load `path` into the standby; `on_done(path, error or None)` is called from the loader's thread."""
@@ -173,7 +179,7 @@ class StandbyLoader:
                 import torch
 
                 torch._C.set_num_threads(self.threads)  # vLLM makes torch.set_num_threads a no-op on CPU
-            pacer = Pacer(self.share, self.busy)
+            pacer = Pacer(self.share, self.serving)
             try:
                 missing = self.llm.collective_rpc(load, args=(path, pacer))[0]
                 if missing:
@@ -189,9 +195,14 @@ class StandbyLoader:
         self._thread.start()
 
     def wait(self) -> None:
-        """Until no load is running (an in-place load and the standby's must not interleave)."""
+        """Until no load is running (an in-place load and the standby's must not interleave); the load runs at full
+        speed meanwhile: nothing steps while this waits."""
         if self._thread is not None:
-            self._thread.join()
+            self._awaited = True
+            try:
+                self._thread.join()
+            finally:
+                self._awaited = False
             self._thread = None
 
     def holds(self, path: str) -> bool:

@@ -135,3 +135,35 @@ def test_a_standby_load_gives_way_to_the_step_loop_only_while_the_engine_serves(
         pacer()
     assert clock.naps == pytest.approx(naps)
     assert pacer.slept_s == pytest.approx(sum(naps))
+
+
+def test_a_load_the_step_loop_waits_on_stops_giving_way():
+    """A load paces itself only while the engine's loop steps beside it: once the loop blocks on it (an in-place load,
+    or a swap of another file, waits for it to end), nothing is served meanwhile and it must finish at full speed."""
+    import threading
+
+    from polar_lab.engine.standby import StandbyLoader
+
+    seen: list[bool] = []
+    waiting = threading.Event()
+
+    class Engine:  # stands in for vllm.LLM: its collective_rpc runs `load` with the loader's pacer
+        def collective_rpc(self, fn, args):
+            pacer = args[1]
+            seen.append(pacer.busy())  # requests in flight, nobody waiting: give way
+            waiting.wait(timeout=60)
+            for _ in range(2000):  # the loop's wait() begins right after it is announced
+                if not pacer.busy():
+                    break
+                time.sleep(0.005)
+            seen.append(pacer.busy())
+            return [[]]
+
+    loader = StandbyLoader(Engine(), share=0.2, busy=lambda: True)
+    loader.start("weights.safetensors", lambda path, error: None)
+    while not seen:
+        time.sleep(0.001)
+    waiting.set()
+    loader.wait()
+    assert seen == [True, False]
+    assert loader.serving()  # once it returned, the next load gives way again
