@@ -156,7 +156,6 @@ class StandbyLoader:
         self.threads = threads
         self.share = share
         self.busy = busy
-        self.slept_s = 0.0  # how long the last load gave way to the step loop
         self.path: str | None = None  # the file being (or last) loaded into the standby
         self.error: str | None = None  # why that load cannot be swapped in (None: it can, once done)
         self.seconds = 0.0
@@ -188,7 +187,8 @@ class StandbyLoader:
                 log.exception("loading the standby failed")
                 self.error = f"loading the standby failed: {exc!r}"
             self.seconds = time.perf_counter() - t0
-            self.slept_s = pacer.slept_s
+            log.debug("standby load of %s: %.3f s, %.3f s of it given to the step loop", path, self.seconds,
+                      pacer.slept_s)
             on_done(path, self.error)
 
         self._thread = threading.Thread(target=run, name="polar-lab-standby", daemon=True)
