@@ -309,7 +309,7 @@ def preload() -> None:
     (`frozen_imports`; vLLM collects several times while it builds, and frozen objects are not walked)."""
     import importlib
 
-    from polar_lab.engine.worker import frozen_imports
+    from polar_lab._imports import frozen_imports
 
     with frozen_imports():
         import torch  # noqa: F401

@@ -39,19 +39,17 @@ When the parent goes away (its end of the socket closes) the worker stops: no en
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from polar_lab._imports import frozen_imports
 from polar_lab.config import EngineConfig
 from polar_lab.engine.adapters import AdapterServing
 from polar_lab.engine.base import Rejection, versions_from_spans
@@ -452,24 +450,6 @@ def _prompt_logprobs(output) -> list[float] | None:
 def main(fd: int) -> int:
     sys.meta_path.insert(0, WithoutRay())
     return serve_connection(Connection(fd), exit_after=True)
-
-
-@contextlib.contextmanager
-def frozen_imports() -> Iterator[None]:
-    """A block of imports with Python's cyclic garbage collector off, and what is alive after it frozen (`gc.freeze`:
-    never walked again). Importing torch and vLLM leaves ~1M objects alive for the life of the process; the
-    collector, run every 700 allocations, walks that growing heap again and again, and once turned back on it walks
-    all of it once more. The forkserver's imports took 9.5-10.0 s this way, 10.6-12.6 s without (four trials each,
-    2026-12-05). Garbage the block made is frozen too: ~17k objects after the forkserver's imports, which left its
-    resident memory at 627 MiB with or without a collection first (that collection cost 0.5 s)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-        gc.freeze()
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class WithoutRay:

@@ -270,11 +270,8 @@ def rank_main(conn, *args: Any) -> int:
     return 0
 
 
-# What every rank imports before it builds its Policy: imported once, in the forkserver (`rank_context`). `transformers`
-# alone is lazy: the Policy's `AutoModelForCausalLM` and `get_scheduler` would import their modules in every rank,
-# ~2.8 s of CPU each on this project's 2 cores (2026-12-05; 0.1 s once preloaded, the model's own module included).
-RANK_PRELOAD = ["torch.distributed", "transformers", "transformers.models.auto.modeling_auto",
-                "transformers.optimization", "polar_lab.grpo.policy"]
+# What every rank imports before it builds its Policy, imported once, in the forkserver (`rank_context`)
+RANK_PRELOAD = ["polar_lab.grpo.rank_preload"]
 
 
 def rank_context():

@@ -140,31 +140,3 @@ def test_one_interpreter_under_two_names_is_one_and_another_venv_is_another(tmp_
     assert forkserver._interpreter() == asked
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     assert forkserver._interpreter() != asked
-
-
-def test_imports_run_with_the_collector_off_then_frozen_and_it_comes_back_as_it_was():
-    """The forkserver's and a fresh engine's imports run without the cyclic collector, and what they leave is frozen
-    (engine/worker.py `frozen_imports`); the engines forked from there, and the rest of that process, must get the
-    collector back, even when an import failed."""
-    import gc
-
-    from polar_lab.engine.worker import frozen_imports
-
-    assert gc.isenabled()
-    frozen_before = gc.get_freeze_count()
-    try:
-        with frozen_imports():
-            assert not gc.isenabled()
-            made_inside = [[] for _ in range(1000)]
-        assert gc.isenabled()
-        assert gc.get_freeze_count() >= frozen_before + len(made_inside)
-        with pytest.raises(ImportError), frozen_imports():
-            raise ImportError("an import that failed")
-        assert gc.isenabled()
-        gc.disable()  # a caller that had it off keeps it off
-        with frozen_imports():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-        gc.unfreeze()  # this test process's heap goes back to the collector

@@ -61,17 +61,21 @@ def test_shards_cover_every_sample_once_and_no_rank_is_empty():
 
 def test_a_rank_starts_with_what_its_policy_imports_already_imported(tmp_path):
     """Ranks fork from a server that imported what building a Policy needs (RANK_PRELOAD), so each rank does not
-    import transformers' model classes and scheduler itself (~2.8 s of CPU per rank here)."""
+    import transformers' model classes and scheduler itself (~2.8 s of CPU per rank here). The server imported them
+    with the garbage collector off and froze them (grpo/rank_preload.py): a rank has them frozen and the collector on."""
     from polar_lab.grpo.distributed import rank_context
 
-    check = ("import json, sys; before = set(sys.modules); "
+    check = ("import gc, json, sys; before = set(sys.modules); "
              "from transformers import AutoModelForCausalLM, get_scheduler; "
-             f"json.dump(sorted(set(sys.modules) - before), open({str(tmp_path / 'new.json')!r}, 'w'))")
+             "json.dump({'new': sorted(set(sys.modules) - before), 'collector': gc.isenabled(), "
+             f"'frozen': gc.get_freeze_count()}}, open({str(tmp_path / 'rank.json')!r}, 'w'))")
     rank = rank_context().Process(target=exec, args=(check,))  # a builtin: the rank imports no test module
     rank.start()
     rank.join(120)
     assert rank.exitcode == 0
-    assert json.loads((tmp_path / "new.json").read_text()) == []
+    seen = json.loads((tmp_path / "rank.json").read_text())
+    assert seen["new"] == [] and seen["collector"] is True
+    assert seen["frozen"] > 100_000  # torch's and transformers' objects (~708k here), not a handful
 
 
 def test_a_rank_that_cannot_start_is_an_error_not_a_hang(tmp_path):
