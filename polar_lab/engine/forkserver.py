@@ -298,33 +298,6 @@ def close_own() -> None:
 
 
 # ---- the server's side -----------------------------------------------------------------------------------------
-# What a CPU engine imports while vllm.LLM builds, beyond `import vllm` (~1 s of a forked engine's start otherwise):
-# the CPU worker and its model runner, the model loader, and the model classes of the families polar_lab ships
-PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader",
-           "vllm.model_executor.models.qwen3", "vllm.model_executor.models.llama")
-
-
-def preload() -> None:
-    """Import what every engine process imports before it builds vLLM, frozen out of the garbage collector's reach
-    (`frozen_imports`; vLLM collects several times while it builds, and frozen objects are not walked)."""
-    import importlib
-
-    from polar_lab._imports import frozen_imports
-
-    with frozen_imports():
-        import torch  # noqa: F401
-        import vllm  # noqa: F401
-        from vllm import LLM, SamplingParams  # noqa: F401 - vllm's top level imports these lazily
-
-        from polar_lab.engine import worker  # noqa: F401
-
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # noqa: BLE001 - another vLLM build: the engine imports what it needs itself
-                log.info("not preloaded: %s (%r)", name, exc)
-
-
 def serve(listener: socket.socket, owner_fd: int) -> None:
     """Accept connections and answer their requests until the owner's pipe closes. Single-threaded."""
     clients: list[socket.socket] = []
@@ -496,6 +469,8 @@ def main(listen_fd: int, owner_fd: int) -> None:
 
     sys.meta_path.insert(0, WithoutRay())  # as in a fresh engine process (engine/worker.py)
     t0 = time.perf_counter()
+    from polar_lab.engine.preload import preload
+
     preload()
     _IMPORT_THREADS[0] = _native_threads()
     log.info("forkserver %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)
