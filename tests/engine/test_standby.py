@@ -167,3 +167,22 @@ def test_a_load_the_step_loop_waits_on_stops_giving_way():
     loader.wait()
     assert seen == [True, False]
     assert loader.serving()  # once it returned, the next load gives way again
+
+
+def test_the_engine_paces_its_standby_by_its_config_and_its_requests_in_flight(model_path):
+    """The worker hands its `standby_share` and its own requests in flight to the loader (engine/worker.py
+    `build_standby`): without that, every preload would run unpaced whatever the config says."""
+    from polar_lab.config import EngineConfig
+    from polar_lab.engine.worker import Worker
+
+    class Engine:  # stands in for vllm.LLM: the standby's build reports its seconds
+        def collective_rpc(self, fn):
+            return [0.0]
+
+    worker = Worker(conn=None, config=EngineConfig(model=model_path, standby_share=0.3))
+    worker.llm = Engine()
+    worker.build_standby(cuda=False)
+    assert worker.standby.share == 0.3
+    assert not worker.standby.serving()  # nothing in flight: a sync the trainer waits on loads at full speed
+    worker.live.add("request-1")
+    assert worker.standby.serving()
