@@ -1,8 +1,9 @@
-"""Engine vs trainer logprobs on Qwen3.5's hybrid architecture (issue 41): the CPU engine serves a hybrid in bf16
-(vLLM's CPU Gated-DeltaNet kernel takes nothing else); how far are its logprobs from what the trainer computes?
+"""Engine vs trainer logprobs on Qwen3.5's hybrid architecture (issue 41): how far are the engine's logprobs from what
+the trainer computes? The CPU engine serves a hybrid in fp32 (its DeltaNet layers through engine/gdn_fp32.py) or in
+bf16 (through vLLM's own CPU kernels, which take nothing else); both are measured, one Lab each.
 
-One Lab on the hybrid fixture; `--sessions` calculator-style chats of three turns each at T=0.7 (seeded); every
-sampled token of each session's one chain is rescored by the trainer four ways:
+Per engine dtype, one Lab on the hybrid fixture; `--sessions` calculator-style chats of three turns each at T=0.7
+(seeded); every sampled token of each session's one chain is rescored by the trainer four ways:
   fp32                 the trainer's default (fp32 weights and compute) — the issue's reference
   fp32, bf16 weights   fp32 compute on the weights rounded to bf16, as the engine holds them
   bf16 autocast        GRPOConfig(dtype="bfloat16"): fp32 master weights, bf16 matmuls
@@ -10,6 +11,7 @@ sampled token of each session's one chain is rescored by the trainer four ways:
 Printed per way: mean and max |Δ logprob| and the mean TIS weight exp(trainer − engine), over all sampled tokens.
 
     python benchmarks/hybrid_fidelity.py [--model data/models/tiny-calc-qwen35-hybrid] [--sessions 8]
+                                         [--engine-dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -71,28 +73,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc-qwen35-hybrid")
     parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--engine-dtypes", default="float32,bfloat16")
     args = parser.parse_args()
-    t0 = time.perf_counter()
-    with Lab(args.model, port=0, kv_cache_gib=0.25, max_model_len=4096) as lab:
-        found = chains(lab, args.sessions)
+    ways = scorers(args.model)
     rows = {}
-    with torch.no_grad():
-        for name, score in scorers(args.model).items():
-            gaps, ratios = [], []
-            for chain in found:
-                trainer = score(torch.tensor([chain.token_ids]))
-                for i, m in enumerate(chain.loss_mask):
-                    if m:
-                        delta = trainer[i - 1].item() - chain.behavior_logprobs[i]
-                        gaps.append(abs(delta))
-                        ratios.append(math.exp(delta))
-            rows[name] = {"tokens": len(gaps), "mean": sum(gaps) / len(gaps), "max": max(gaps),
-                          "tis_mean": sum(ratios) / len(ratios)}
-            print(json.dumps({"way": name, **rows[name]}), flush=True)
-    print(f"\n{len(found)} chains, {time.perf_counter() - t0:.0f} s; engine: vLLM CPU, bf16\n")
-    print("| trainer | tokens | mean \\|Δ\\| | max \\|Δ\\| | TIS mean |\n|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['tokens']} | {r['mean']:.2e} | {r['max']:.2e} | {r['tis_mean']:.4f} |")
+    for dtype in args.engine_dtypes.split(","):
+        t0 = time.perf_counter()
+        with Lab(args.model, port=0, kv_cache_gib=0.25, max_model_len=4096, dtype=dtype) as lab:
+            found = chains(lab, args.sessions)
+        seconds = time.perf_counter() - t0
+        with torch.no_grad():
+            for name, score in ways.items():
+                gaps, ratios = [], []
+                for chain in found:
+                    trainer = score(torch.tensor([chain.token_ids]))
+                    for i, m in enumerate(chain.loss_mask):
+                        if m:
+                            delta = trainer[i - 1].item() - chain.behavior_logprobs[i]
+                            gaps.append(abs(delta))
+                            ratios.append(math.exp(delta))
+                rows[dtype, name] = {"tokens": len(gaps), "mean": sum(gaps) / len(gaps), "max": max(gaps),
+                                     "tis_mean": sum(ratios) / len(ratios), "engine_s": round(seconds, 1)}
+                print(json.dumps({"engine": dtype, "way": name, **rows[dtype, name]}), flush=True)
+    print("\n| engine | trainer | tokens | mean \\|Δ\\| | max \\|Δ\\| | TIS mean |\n|---|---|---|---|---|---|")
+    for (dtype, name), r in rows.items():
+        print(f"| {dtype} | {name} | {r['tokens']} | {r['mean']:.2e} | {r['max']:.2e} | {r['tis_mean']:.4f} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ must hold for *any* seed, not the one seen once. This runs each
 (lr, seed) from the shipped weights: evaluate (eval_seed fixed), `--steps` sync steps, evaluate again.
 
     python benchmarks/learning_rate.py [--lrs 1e-3,5e-4] [--seeds 1,2,3,4] [--steps 6] [--eval-limit 100]
-                                       [--tasks-per-step 16]
+                                       [--tasks-per-step 16] [--engine-dtype float32]
 
 Prints one row per run and the worst and mean gain per lr; writes benchmarks/results/learning_rate.json (--out).
 """
@@ -53,13 +53,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-limit", type=int, default=100)
     parser.add_argument("--tasks-per-step", type=int, default=16, help="tasks per step (8 runs each)")
+    parser.add_argument("--engine-dtype", default="float32", help="the engine's dtype (the trainer's stays fp32)")
     parser.add_argument("--out", default="benchmarks/results/learning_rate.json")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
 
     runs = []
-    with Lab(args.model, port=0, run_name=time.strftime("bench-lr-%Y%m%d-%H%M%S")) as lab:
+    with Lab(args.model, port=0, run_name=time.strftime("bench-lr-%Y%m%d-%H%M%S"), dtype=args.engine_dtype) as lab:
         shipped = shipped_weights(lab)
         print(f"{'lr':>8} {'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'worst drop':>10}  train reward per step")
         for lr in lrs:
@@ -78,7 +79,7 @@ def main() -> None:
               f"mean {sum(gains) / len(gains):+.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "steps": args.steps,
+    out.write_text(json.dumps({"model": args.model, "engine_dtype": args.engine_dtype, "steps": args.steps,
                                                         "eval_limit": args.eval_limit, "runs": runs,
                                                         "summary": summary}, indent=2))
 

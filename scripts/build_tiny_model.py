@@ -421,8 +421,9 @@ def vllm_check_main(out: Path, test_path: Path, seed: int, family: str = "hermes
 
     tasks = [json.loads(line) for line in test_path.read_text().splitlines()]
     t0 = time.time()
-    # a hybrid model as polar_lab's CPU engine runs it: bf16 (vLLM's CPU DeltaNet kernel takes nothing else) and
-    # chunked prefill on, with a whole-context budget so no prefill is split (engine/worker.py says why)
+    # a hybrid model through vLLM's own CPU kernels: bf16 (they take nothing else; polar_lab's engine serves it in
+    # fp32 through engine/gdn_fp32.py) and chunked prefill on, with a whole-context budget so no prefill is split
+    # (engine/worker.py says why)
     extra = dict(dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=32768) if hybrid(str(out)) \
         else dict(dtype="float32")
     llm = LLM(model=str(out), enforce_eager=True, max_model_len=32768, logprobs_mode="processed_logprobs", seed=seed,

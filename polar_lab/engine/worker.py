@@ -128,6 +128,10 @@ class Worker(AdapterServing):
     def make_llm(self, vllm, cuda: bool):
         """`vllm.LLM` as this project serves it."""
         c = self.config
+        if not cuda and _dtype(c, cuda) == "float32" and hybrid(c.model):
+            from polar_lab.engine import gdn_fp32
+
+            gdn_fp32.install()  # vLLM's CPU linear-attention kernels take bf16 only
         return vllm.LLM(
             model=c.model, runner="generate", dtype=_dtype(c, cuda), max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
@@ -349,11 +353,11 @@ def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
 
 
 def _dtype(c: EngineConfig, cuda: bool) -> str:
-    """The engine's dtype: the config's, except a hybrid model's on CPU, which runs in bf16 (vLLM's CPU Gated-DeltaNet
-    kernel takes nothing else: "CPU GDN attention requires BF16"); the trainer recomputes in fp32 and the gap is
-    measured (tests/engine/test_qwen35_hybrid.py)."""
-    if not cuda and c.dtype != "bfloat16" and hybrid(c.model):
-        log.info("%s has linear-attention layers: the CPU engine runs it in bfloat16, not %s", c.model, c.dtype)
+    """The engine's dtype: the config's. A hybrid model (Qwen3.5's linear-attention layers) on CPU runs in fp32 through
+    engine/gdn_fp32.py (vLLM's own CPU kernels for those layers take bf16 only); in any other dtype it runs in bf16
+    through vLLM's kernels, whose gap to an fp32 trainer is measured (benchmarks/hybrid_fidelity.py)."""
+    if not cuda and c.dtype not in ("float32", "bfloat16") and hybrid(c.model):
+        log.info("%s has linear-attention layers: vLLM's CPU kernels run it in bfloat16, not %s", c.model, c.dtype)
         return "bfloat16"
     return c.dtype
 
