@@ -11,8 +11,9 @@ inputs with transformers' own delta-rule functions (the ones the trainer runs, `
 `torch_recurrent_gated_delta_rule`) and vLLM's own torch causal conv, reading and writing vLLM's conv and recurrent
 state caches as its kernels do; bf16/fp16 inputs go to vLLM's function unchanged. Only the engine process calls it,
 and only for a hybrid model served in fp32 on CPU (engine/worker.py). Not covered: speculative decoding (vLLM's
-wide-buffer path; refused with a clear error). Speed: the torch functions are slower than vLLM's C++ kernels per
-token; for the tiny fixture this is what a GRPO step measures (docs/benchmarks.md).
+wide-buffer path; refused with a clear error). Speed: on the 2-core AVX2 machine (no native bf16) the fixture's GRPO
+run took 118-125 s with this core against 189 s with vLLM's bf16 kernels (docs/benchmarks.md); on a CPU with native
+bf16 (AVX-512 BF16, AMX) vLLM's kernels may be the faster ones, not measured.
 """
 
 from __future__ import annotations
