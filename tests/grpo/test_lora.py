@@ -124,7 +124,7 @@ def test_fsdp_ranks_train_the_same_adapter(model_path, batch):
     mine = single.gradients()
     assert set(grads) == set(mine) and all(".lora_" in n for n in mine)
     gap = sum((mine[k] - grads[k]).pow(2).sum() for k in mine).sqrt() / sum(g.pow(2).sum() for g in mine.values()).sqrt()
-    assert two.loss == pytest.approx(one.loss, rel=1e-5) and gap <= 1e-5
+    assert two.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-6) and gap <= 1e-5  # loss: absolute rounding
 
 
 def test_bad_lora_settings_are_errors_before_any_process_starts(lab, model_path):
