@@ -127,13 +127,13 @@ class Worker(AdapterServing):
 
     def make_llm(self, vllm, cuda: bool):
         """`vllm.LLM` as this project serves it."""
-        c = self.config
-        if not cuda and _dtype(c, cuda) == "float32" and hybrid(c.model):
+        c, dtype = self.config, _dtype(self.config, cuda)
+        if not cuda and dtype == "float32" and hybrid(c.model):
             from polar_lab.engine import gdn_fp32
 
             gdn_fp32.install()  # vLLM's CPU linear-attention kernels take bf16 only
         return vllm.LLM(
-            model=c.model, runner="generate", dtype=_dtype(c, cuda), max_model_len=c.max_model_len,
+            model=c.model, runner="generate", dtype=dtype, max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from

@@ -11,6 +11,13 @@ def train_tasks():
     return load_tasks("data/tasks/calc_train.jsonl")
 
 
+def same_loss(two: float, one: float) -> bool:
+    """Two ranks' loss against one rank's: within 1e-5 relative or 1e-6 absolute. The loss is a mean of ~±1 terms that
+    nearly cancel (-3.2e-4 in one run, where two ranks were 1.7e-8 = 5.3e-5 relative apart), so its rounding is
+    absolute; a rank that lost samples is off by the loss's own size."""
+    return two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
 def rollout(lab, tasks, n=8):
     """Real calculator runs through the proxy at T=1, scored by the final-answer evaluator."""
     return lab.rollout(tasks, calculator_agent, num_generations=n, evaluator="final_answer",
