@@ -13,7 +13,10 @@ SKIP with its figure) and the whole table at the end; exit 1 if a row failed. Ro
             T=0.7 (the temperature must stay fp32), one update whose gradients match one unsharded rank
   lora      the hybrid fixture with adapters on attention, DeltaNet and MLP projections: only the adapter moves,
             the merged weights as shipped score like the trainer
-  sync      the weights as the file path ships them (fp32 safetensors): seconds and GiB per model, 4B included
+  offload   FSDP2 with cpu_offload=True on one GPU (shards and optimiser state in host memory): the same update as one
+            unsharded rank, and its time beside FSDP without offload
+  sync      the weights as the file path ships them (fp32 safetensors) and as the in-memory path writes them (a
+            Lab-style slot in bf16, fresh and again in place): seconds and GiB per model, 4B included
   memory    Qwen3.5-4B's config (configs/qwen3.5-4b, random weights): the trainer's measured peak on one GPU against
             polar_lab/grpo/memory.py's plan for the same update
 """
@@ -138,6 +141,43 @@ def fsdp(args, table: Table, model: str, samples: list[Sample]) -> None:
               grad_gap=gap, ranks=ranks)
 
 
+def offload(args, table: Table, model: str, samples: list[Sample]) -> None:
+    """FSDP2 with `cpu_offload=True` (shards and optimiser state in host memory, gloo for the CPU side): the same
+    update as one unsharded rank, and its time beside FSDP without offload."""
+    from polar_lab.grpo.distributed import DistributedPolicy
+
+    base = dict(learning_rate=1e-3, dtype=args.dtype, device=args.device, micro_batch_size=4)
+    single = Policy(model, GRPOConfig(**base), device=args.device)
+    single_lp = single.logprobs(samples)
+    single.update(samples)
+    grads = single.gradients()
+    seconds, out, peak = {}, {}, {}
+    for offloaded in (False, True):
+        sharded = DistributedPolicy(model, GRPOConfig(**base, world_size=1, strategy="fsdp", cpu_offload=offloaded,
+                                                      trainer_devices=[f"{args.device}:0"]))
+        try:
+            lp = sharded.logprobs(samples)
+            sharded.memory(reset_peak=True)
+            t0 = time.perf_counter()
+            stats = sharded.update(samples)
+            seconds[offloaded] = time.perf_counter() - t0
+            peak[offloaded] = sharded.memory()[0]["cuda_peak"]  # the GPU's peak over the update, the rank's view
+            out[offloaded] = (lp, stats, sharded.gradients())
+        finally:
+            sharded.close()
+    lp, stats, other = out[True]
+    mean, worst = mean_abs_gap(lp, single_lp, samples)
+    gap = relative_gap(grads, other)
+    # the shards, their gradients and Adam's state off the GPU: its peak over an update must drop
+    ok = mean <= FIDELITY["mean"] and gap <= 5e-2 and math.isfinite(stats.loss) and peak[True] < peak[False]
+    table.add("offload", f"{Path(model).name} ×1", "PASS" if ok else "FAIL",
+              f"fsdp cpu_offload: logprobs vs 1 rank mean |Δ| {mean:.2e} (max {worst:.2e}), relative gradient gap "
+              f"{gap:.2e}, loss {stats.loss:.4f}; GPU peak over the update {peak[True] / 2**20:.0f} MiB (without "
+              f"offload {peak[False] / 2**20:.0f} MiB); update {seconds[True]:.2f} s (without {seconds[False]:.2f} s)",
+              mean=mean, grad_gap=gap, update_s=seconds[True], update_s_without=seconds[False],
+              cuda_peak=peak[True], cuda_peak_without=peak[False])
+
+
 def lora(args, table: Table, model: str, samples: list[Sample]) -> None:
     from polar_lab.engine.weights import read_weights
 
@@ -181,21 +221,53 @@ def random_model(config_path: str, folder: str, device: str):
 def write_time(policy, scratch: str) -> tuple[float, float]:
     """Seconds and GiB of the weights file a sync writes, in /dev/shm as the sync does where it has room (else in
     `scratch`); the file is removed after."""
-    import shutil
-
-    size = 4 * sum(p.numel() for p in policy.model.parameters())
-    try:
-        shm = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 1.2 * size else scratch
-    except OSError:
-        shm = scratch
-    with tempfile.TemporaryDirectory(dir=shm) as folder:
+    with tempfile.TemporaryDirectory(dir=shm_or(scratch, 4 * params(policy))) as folder:
         t0 = time.perf_counter()
         written = policy.write_weights(f"{folder}/sync.safetensors")
         return time.perf_counter() - t0, written / 2**30
 
 
+def slot_write_time(policy, scratch: str) -> tuple[float, float, float]:
+    """The in-memory path (issue 45): the weights written into a Lab-style slot in the engine's dtype (bf16 on a
+    GPU), first into a fresh slot, then again in place as every later sync does; (first s, again s, GiB)."""
+    from polar_lab.engine.weights import SLOT_PREFIX, unmap
+
+    with tempfile.TemporaryDirectory(dir=shm_or(scratch, 2 * params(policy))) as folder:
+        path = f"{folder}/{SLOT_PREFIX}0.safetensors"
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            written = policy.write_weights(path, torch.bfloat16)
+            times.append(time.perf_counter() - t0)
+        unmap(path)
+        return times[0], times[1], written / 2**30
+
+
+def params(policy) -> int:
+    return sum(p.numel() for p in policy.model.parameters())
+
+
+def shm_or(scratch: str, size: int) -> str:
+    """/dev/shm where it has room for `size` bytes (and a margin), else `scratch`."""
+    import shutil
+
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 1.2 * size else scratch
+    except OSError:
+        return scratch
+
+
+def add_sync_rows(table: Table, model: str, policy, scratch: str) -> None:
+    seconds, gib = write_time(policy, scratch)
+    table.add("sync", model, "PASS", f"file path: write {seconds:.2f} s, {gib:.2f} GiB fp32", seconds=seconds, gib=gib)
+    first, again, gib = slot_write_time(policy, scratch)
+    table.add("sync", model, "PASS", f"in memory (slot, bf16): write {first:.2f} s into a fresh slot, {again:.2f} s in "
+              f"place, {gib:.2f} GiB (the engine's side needs vLLM: the engine row)", first_s=first, again_s=again,
+              gib=gib)
+
+
 def sync_rows(args, table: Table, scratch: str) -> None:
-    """The file path a sync takes today (fp32 safetensors the engine then parses): its write, per model."""
+    """What a sync writes, per model: the file path (fp32 safetensors the engine parses) and the in-memory slot."""
     models = [HYBRID]
     if (ROOT / SMOLLM2 / "config.json").exists():
         models.append(SMOLLM2 if (ROOT / SMOLLM2 / "model.safetensors").exists()
@@ -203,10 +275,7 @@ def sync_rows(args, table: Table, scratch: str) -> None:
     for model in models:
         with guarded(table, "sync", Path(model).name):
             policy = Policy(model, GRPOConfig(dtype=args.dtype, device=args.device), device=args.device)
-            seconds, gib = write_time(policy, scratch)
-            table.add("sync", "smollm2-135m" if "smollm2" in model else Path(model).name, "PASS",
-                      f"file path: write {seconds:.2f} s, {gib:.2f} GiB fp32 (engine side: the engine row)",
-                      seconds=seconds, gib=gib)
+            add_sync_rows(table, "smollm2-135m" if "smollm2" in model else Path(model).name, policy, scratch)
 
 
 def memory(args, table: Table, scratch: str) -> None:
@@ -218,7 +287,13 @@ def memory(args, table: Table, scratch: str) -> None:
 
     folder = random_model(str(ROOT / QWEN35_4B), f"{scratch}/qwen35-4b", args.device)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(folder))
+    capacity = torch.cuda.get_device_properties(0).total_memory
+    policy = None
     for checkpointing, tokens in ((False, args.memory_tokens), (True, 4 * args.memory_tokens)):
+        asked = tokens
+        while tokens > 512 and plan(shape, strategy="ddp", tokens=tokens, chunk=4096, attention="flash",
+                                    checkpointing=checkpointing)["trainer_total"] > 0.85 * capacity:
+            tokens //= 2  # the plan does not fit this GPU (an H100's 80 GB against 4,096 tokens unchecked)
         policy = None
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
@@ -239,11 +314,11 @@ def memory(args, table: Table, scratch: str) -> None:
                   math.isfinite(stats.loss) else "FAIL",
                   f"{shape.params / 1e9:.2f}B params, {tokens} tokens, {'' if checkpointing else 'no '}checkpointing: "
                   f"measured peak {peak / GIB:.1f} GiB, plan {predicted / GIB:.1f} GiB (×{ratio:.2f}); "
-                  f"load {load_s:.0f} s, update {step_s:.1f} s", peak_gib=peak / GIB, plan_gib=predicted / GIB,
+                  f"load {load_s:.0f} s, update {step_s:.1f} s"
+                  + (f" ({asked} tokens planned past this GPU's {capacity / GIB:.0f} GiB)" if tokens != asked else ""),
+                  peak_gib=peak / GIB, plan_gib=predicted / GIB,
                   tokens=tokens, checkpointing=checkpointing)
-    seconds, gib = write_time(policy, scratch)
-    table.add("sync", "qwen3.5-4b (random weights)", "PASS", f"file path: write {seconds:.1f} s, {gib:.1f} GiB fp32",
-              seconds=seconds, gib=gib)
+    add_sync_rows(table, "qwen3.5-4b (random weights)", policy, scratch)
 
 
 def token_sample(tokens: int) -> Sample:
@@ -309,6 +384,9 @@ def main() -> int:
                         fsdp(args, table, model, samples)
                     with guarded(table, "lora", Path(model).name):
                         lora(args, table, model, samples)
+                    if args.device == "cuda":  # offload moves shards off a GPU; on CPU there is nowhere to move
+                        with guarded(table, "offload", Path(model).name):
+                            offload(args, table, model, samples)
         sync_rows(args, table, scratch)
         if args.device == "cuda":
             with guarded(table, "memory", "qwen3.5-4b"):

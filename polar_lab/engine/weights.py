@@ -102,7 +102,13 @@ class WeightsWriter:
             raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, the layout says {entry['dtype']} "
                              f"{tuple(entry['shape'])}")
         first, last = (self._start + at for at in entry["data_offsets"])
-        self._data[first:last].view(kind).view(tensor.shape).copy_(tensor.detach())  # on every thread, cast as it goes
+        source = tensor.detach()
+        if source.device.type != "cpu" and source.dtype != kind:
+            # cast where the tensor lives, then move only the engine's bytes to the host. A copy that casts on the way
+            # wrote Qwen3.5-4B's bf16 slot from an H100 in 12-21 s, slower than its whole fp32 file (11-15 s):
+            # scripts/check_gpu.py's sync row, docs/recipe-polar.md
+            source = source.to(kind)
+        self._data[first:last].view(kind).view(tensor.shape).copy_(source)  # on every thread, cast as it goes
         self._missing.discard(name)
 
     def close(self) -> None:
