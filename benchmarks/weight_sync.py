@@ -17,6 +17,9 @@ Results → benchmarks/results/weight_sync.json.
 
     python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5]
                                      [--tiny data/models/tiny-calc] [--lora] [--out F]
+                                     [--dtype bfloat16] [--parts one_rank,tiny]
+--dtype: the engines' dtype (default: the Lab's, float32 on CPU; a GPU engine serves in bfloat16).
+--parts: a subset of one_rank, fsdp, streams, stall, tiny (default: all).
 """
 
 from __future__ import annotations
@@ -205,36 +208,56 @@ def model_bytes(policy) -> int:
     return sum(t.numel() * t.element_size() for t in policy.state_dict().values())
 
 
+PARTS = ("one_rank", "fsdp", "streams", "stall", "tiny")
+
+
+def engine_args(args) -> dict:
+    """The Labs' engine settings the command line asks for (none: the Lab's defaults)."""
+    return {"dtype": args.dtype} if args.dtype else {}
+
+
 def smollm2(args, results: dict) -> None:
-    with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}") as lab:
+    if not set(args.parts) - {"tiny"}:
+        return
+    with Lab(args.model, port=0, run_name=f"bench-sync-{int(time.time())}", **engine_args(args)) as lab:
         results["engine_mib_at_start"] = engine_memory_mib(lab)
         single = Policy(args.model, GRPOConfig(learning_rate=1e-4))
         nudge(single, lab.tokenizer)
-        results["one_rank"] = {**side_by_side(lab, single, args.repeats), **agreement(lab, single)}
-        print("one_rank", json.dumps(results["one_rank"]), flush=True)
-        ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),
-                                  devices=["cpu", "cpu"])
-        try:
-            nudge(ranks, lab.tokenizer)
-            results["fsdp_2_ranks"] = {**side_by_side(lab, ranks, args.repeats), **agreement(lab, ranks)}
-        finally:
-            ranks.close()
-        print("fsdp_2_ranks", json.dumps(results["fsdp_2_ranks"]), flush=True)
-        runs = [beside_streams(lab, single) for _ in range(args.repeats)]  # noisy: one sync's window is ~1-3 s
-        results["beside_streams"] = {"median_during_over_before": statistics.median(r["during_over_before"]
-                                                                                    for r in runs), "runs": runs}
-        print("beside_streams", json.dumps(results["beside_streams"]), flush=True)
-        for pause in ("drain", "keep"):
-            results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)
-            print(f"stall_{pause}", json.dumps(results[f"stall_{pause}"]), flush=True)
+        if "one_rank" in args.parts:
+            results["one_rank"] = {**side_by_side(lab, single, args.repeats), **agreement(lab, single)}
+            print("one_rank", json.dumps(results["one_rank"]), flush=True)
+        if "fsdp" in args.parts:
+            fsdp(args, lab, results)
+        if "streams" in args.parts:
+            runs = [beside_streams(lab, single) for _ in range(args.repeats)]  # noisy: one sync's window is ~1-3 s
+            results["beside_streams"] = {"median_during_over_before": statistics.median(r["during_over_before"]
+                                                                                        for r in runs), "runs": runs}
+            print("beside_streams", json.dumps(results["beside_streams"]), flush=True)
+        if "stall" in args.parts:
+            for pause in ("drain", "keep"):
+                results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)
+                print(f"stall_{pause}", json.dumps(results[f"stall_{pause}"]), flush=True)
         results["engine_mib_after_syncs"] = engine_memory_mib(lab)
         results["model_mib"] = model_bytes(single) / 2**20
         print("engine memory", results["engine_mib_at_start"], "→", results["engine_mib_after_syncs"],
               "MiB; model", round(results["model_mib"]), "MiB", flush=True)
 
 
+def fsdp(args, lab: Lab, results: dict) -> None:
+    ranks = DistributedPolicy(args.model, GRPOConfig(strategy="fsdp", world_size=2, learning_rate=1e-4),
+                              devices=["cpu", "cpu"])
+    try:
+        nudge(ranks, lab.tokenizer)
+        results["fsdp_2_ranks"] = {**side_by_side(lab, ranks, args.repeats), **agreement(lab, ranks)}
+    finally:
+        ranks.close()
+    print("fsdp_2_ranks", json.dumps(results["fsdp_2_ranks"]), flush=True)
+
+
 def tiny(args, results: dict) -> None:
-    with Lab(args.tiny, port=0, run_name=f"bench-sync-tiny-{int(time.time())}") as lab:
+    if "tiny" not in args.parts:
+        return
+    with Lab(args.tiny, port=0, run_name=f"bench-sync-tiny-{int(time.time())}", **engine_args(args)) as lab:
         policy = Policy(args.tiny, GRPOConfig(learning_rate=1e-4))
         nudge(policy, lab.tokenizer)
         results["tiny_calc"] = side_by_side(lab, policy, max(args.repeats, 10))
@@ -267,8 +290,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lora", action="store_true", help="also a LoRA adapter's sync (the adapter alone moves)")
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    parser.add_argument("--dtype", default=None, help="the engines' dtype (default: the Lab's, float32 on CPU)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
     args = parser.parse_args()
-    results: dict = {"model": args.model}
+    args.parts = args.parts.split(",")
+    if set(args.parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(args.parts) - set(PARTS))}; known: {', '.join(PARTS)}")
+    results: dict = {"model": args.model, "dtype": args.dtype or "the Lab's default", "parts": args.parts}
     smollm2(args, results)
     tiny(args, results)
     if args.lora:
