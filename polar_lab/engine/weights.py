@@ -16,9 +16,9 @@ tensor at once, so this one writes the documented format itself; `safetensors.sa
 file that already has the layout is written in place: a Lab hands its trainer one of two *slots* (`is_slot`;
 engine/launch.py `WeightsFolder.slot`), the one the engine is not serving, so a sync's bytes land in pages both
 processes have mapped before — no new file, no page faults, no parse (SmolLM2: 0.04 s against 0.22–0.34 s for a
-fresh file). Given the engine's dtype, floating matrices are cast as they are copied, and half the bytes cross for
-a bf16 engine. A fresh file per sync (`EngineConfig.weights_transport="file"`) stays as the fallback and for
-checkpoints.
+fresh file). Given the engine's dtype, floating matrices are cast as they are copied (a GPU tensor on the GPU, before
+it crosses to the host), and half the bytes cross for a bf16 engine. A fresh file per sync
+(`EngineConfig.weights_transport="file"`) stays as the fallback and for checkpoints.
 
 A LoRA adapter travels the same way, as a PEFT folder (adapter_config.json + adapter_model.safetensors).
 """
