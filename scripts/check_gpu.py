@@ -14,7 +14,7 @@ SKIP with its figure) and the whole table at the end; exit 1 if a row failed. Ro
   lora      the hybrid fixture with adapters on attention, DeltaNet and MLP projections: only the adapter moves,
             the merged weights as shipped score like the trainer
   offload   FSDP2 with cpu_offload=True on one GPU (shards and optimiser state in host memory): the same update as one
-            unsharded rank, and its time beside FSDP without offload
+            unsharded rank with a lower GPU peak, and its time beside FSDP without offload
   sync      the weights as the file path ships them (fp32 safetensors) and as the in-memory path writes them (a
             Lab-style slot in bf16, fresh and again in place): seconds and GiB per model, 4B included
   memory    Qwen3.5-4B's config (configs/qwen3.5-4b, random weights): the trainer's measured peak on one GPU against
@@ -143,7 +143,7 @@ def fsdp(args, table: Table, model: str, samples: list[Sample]) -> None:
 
 def offload(args, table: Table, model: str, samples: list[Sample]) -> None:
     """FSDP2 with `cpu_offload=True` (shards and optimiser state in host memory, gloo for the CPU side): the same
-    update as one unsharded rank, and its time beside FSDP without offload."""
+    update as one unsharded rank, a lower GPU peak over it than without offload, and its time beside that."""
     from polar_lab.grpo.distributed import DistributedPolicy
 
     base = dict(learning_rate=1e-3, dtype=args.dtype, device=args.device, micro_batch_size=4)
