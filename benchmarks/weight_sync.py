@@ -19,7 +19,8 @@ Results → benchmarks/results/weight_sync.json.
                                      [--tiny data/models/tiny-calc] [--lora] [--out F]
                                      [--dtype bfloat16] [--parts one_rank,tiny]
 --dtype: the engines' dtype (default: the Lab's, float32 on CPU; a GPU engine serves in bfloat16).
---parts: a subset of one_rank, fsdp, streams, stall, tiny (default: all).
+--parts: a subset of one_rank, fsdp, streams, stall, overlap, tiny (default: all). overlap: the write beside the
+preload (what streaming the write into the standby could at best save), against each alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from polar_lab import Lab
+from polar_lab.engine.weights import unmap
 from polar_lab.grpo import GRPOConfig
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.distributed import DistributedPolicy
@@ -187,6 +189,46 @@ def stall_through_proxy(lab: Lab, policy, pause: str, calls: int = 16, max_token
             "write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s, "drain_s": sync.drain_s}
 
 
+def write_beside_preload(lab: Lab, policy, repeats: int) -> dict:
+    """The best a write streamed into the standby as it goes could do on these cores: the whole write (into another
+    slot) beside the whole preload (of the slot written before), against each alone; medians over `repeats`."""
+    slot = lab.weights_path()
+    policy.write_weights(str(slot), lab.engine.weights_dtype)
+    other = slot.with_name(slot.name.replace(".safetensors", "-beside.safetensors"))
+    policy.write_weights(str(other), lab.engine.weights_dtype)  # made once: later writes go in place
+
+    def preload() -> float:
+        t0 = time.perf_counter()
+        why = lab.engine.preload_weights_file(slot)
+        if why is not None:
+            raise RuntimeError(f"no standby load: {why}")
+        return time.perf_counter() - t0
+
+    def write() -> float:
+        t0 = time.perf_counter()
+        policy.write_weights(str(other), lab.engine.weights_dtype)
+        return time.perf_counter() - t0
+
+    rows: dict[str, list[float]] = {"preload_s": [], "write_s": [], "preload_beside_write_s": [],
+                                    "write_beside_preload_s": [], "both_wall_s": []}
+    try:
+        for _ in range(repeats):
+            rows["preload_s"].append(preload())
+            rows["write_s"].append(write())
+            beside: list[float] = []
+            writer = threading.Thread(target=lambda: beside.append(write()))
+            t0 = time.perf_counter()
+            writer.start()
+            rows["preload_beside_write_s"].append(preload())
+            writer.join()
+            rows["both_wall_s"].append(time.perf_counter() - t0)
+            rows["write_beside_preload_s"].append(beside[0])
+    finally:
+        unmap(other)  # a slot's mapping stays open in this process after each write (engine/weights.py)
+        other.unlink(missing_ok=True)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
 def engine_memory_mib(lab: Lab) -> dict:
     """The engine process's resident memory: in all, its own (anonymous), and shared memory it maps (the slots)."""
     with open(f"/proc/{lab.engine.pid}/status") as fh:
@@ -208,7 +250,7 @@ def model_bytes(policy) -> int:
     return sum(t.numel() * t.element_size() for t in policy.state_dict().values())
 
 
-PARTS = ("one_rank", "fsdp", "streams", "stall", "tiny")
+PARTS = ("one_rank", "fsdp", "streams", "stall", "overlap", "tiny")
 
 
 def engine_args(args) -> dict:
@@ -233,6 +275,9 @@ def smollm2(args, results: dict) -> None:
             results["beside_streams"] = {"median_during_over_before": statistics.median(r["during_over_before"]
                                                                                         for r in runs), "runs": runs}
             print("beside_streams", json.dumps(results["beside_streams"]), flush=True)
+        if "overlap" in args.parts:
+            results["write_beside_preload"] = write_beside_preload(lab, single, args.repeats)
+            print("write_beside_preload", json.dumps(results["write_beside_preload"]), flush=True)
         if "stall" in args.parts:
             for pause in ("drain", "keep"):
                 results[f"stall_{pause}"] = stall_through_proxy(lab, single, pause)
