@@ -114,17 +114,27 @@ def fidelity(args, table: Table, model: str) -> list[Sample]:
     return samples
 
 
+def trainer_settings(args) -> dict:
+    """The update the fsdp and offload rows compare with one unsharded rank."""
+    return dict(learning_rate=1e-3, dtype=args.dtype, device=args.device, micro_batch_size=4)
+
+
+def one_rank(args, model: str, samples: list[Sample]) -> tuple[list[torch.Tensor], dict]:
+    """One unsharded rank's logprobs of `samples` before the update, and its gradients of the update."""
+    single = Policy(model, GRPOConfig(**trainer_settings(args)), device=args.device)
+    logprobs = single.logprobs(samples)
+    single.update(samples)
+    return logprobs, single.gradients()
+
+
 def fsdp(args, table: Table, model: str, samples: list[Sample]) -> None:
     """FSDP2 bf16 mixed precision: logprobs at T=0.7 against one unsharded rank's, and the same gradients."""
     from polar_lab.grpo.distributed import DistributedPolicy
 
     ranks = min(2, torch.cuda.device_count()) if args.device == "cuda" else 2
     devices = [f"cuda:{r}" for r in range(ranks)] if args.device == "cuda" else ["cpu"] * ranks
-    base = dict(learning_rate=1e-3, dtype=args.dtype, device=args.device, micro_batch_size=4)
-    single = Policy(model, GRPOConfig(**base), device=args.device)
-    single_lp = single.logprobs(samples)
-    single.update(samples)
-    grads = single.gradients()
+    base = trainer_settings(args)
+    single_lp, grads = one_rank(args, model, samples)
     sharded = DistributedPolicy(model, GRPOConfig(**base, world_size=ranks, strategy="fsdp", trainer_devices=devices))
     try:
         lp = sharded.logprobs(samples)
@@ -147,11 +157,8 @@ def offload(args, table: Table, model: str, samples: list[Sample]) -> None:
     update as one unsharded rank, a lower GPU peak over it than without offload, and its time beside that."""
     from polar_lab.grpo.distributed import DistributedPolicy
 
-    base = dict(learning_rate=1e-3, dtype=args.dtype, device=args.device, micro_batch_size=4)
-    single = Policy(model, GRPOConfig(**base), device=args.device)
-    single_lp = single.logprobs(samples)
-    single.update(samples)
-    grads = single.gradients()
+    base = trainer_settings(args)
+    single_lp, grads = one_rank(args, model, samples)
     seconds, out, peak = {}, {}, {}
     for offloaded in (False, True):
         sharded = DistributedPolicy(model, GRPOConfig(**base, world_size=1, strategy="fsdp", cpu_offload=offloaded,
