@@ -58,7 +58,7 @@ def one_sync(lab: Lab, policy, transport: str) -> dict:
     sync = lab.sync_weights(path)
     return {"write_s": write_s, "preload_s": sync.preload_s, "sync_s": sync.sync_s,
             "total_s": write_s + sync.preload_s + sync.sync_s, "bytes": sync.bytes, "path": sync.path,
-            "swapped": sync.swapped}
+            "swapped": sync.swapped, "standby_load": getattr(lab.engine, "standby_how", None)}
 
 
 def side_by_side(lab: Lab, policy, repeats: int) -> dict:
@@ -72,6 +72,7 @@ def side_by_side(lab: Lab, policy, repeats: int) -> dict:
         out[transport] = {**{k: statistics.median(r[k] for r in runs) for k in KEYS},
                           "bytes": runs[-1]["bytes"], "path": runs[-1]["path"],
                           "swapped": all(r["swapped"] for r in runs),
+                          "standby_load": sorted({str(r["standby_load"]) for r in runs}),
                           "each_total_s": [round(r["total_s"], 3) for r in runs]}
     return out
 

