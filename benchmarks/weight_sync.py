@@ -19,7 +19,8 @@ Results → benchmarks/results/weight_sync.json.
     python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5]
                                      [--tiny data/models/tiny-calc] [--lora] [--out F]
                                      [--dtype bfloat16] [--parts one_rank,tiny]
---dtype: the engines' dtype (default: the Lab's, float32 on CPU; a GPU engine serves in bfloat16).
+--dtype: the engines' dtype (default: the Lab's, float32 on CPU; a GPU engine serves in bfloat16). --standby-share:
+the engines' `standby_share` (the preload's pacing beside requests in flight).
 --parts: a subset of one_rank, fsdp, streams, stall, overlap, tiny (default: all). overlap: the write beside the
 preload (what streaming the write into the standby could at best save), against each alone.
 """
@@ -257,7 +258,8 @@ PARTS = ("one_rank", "fsdp", "streams", "stall", "overlap", "tiny")
 
 def engine_args(args) -> dict:
     """The Labs' engine settings the command line asks for (none: the Lab's defaults)."""
-    return {"dtype": args.dtype} if args.dtype else {}
+    return {**({"dtype": args.dtype} if args.dtype else {}),
+            **({"standby_share": args.standby_share} if args.standby_share is not None else {})}
 
 
 def smollm2(args, results: dict) -> None:
@@ -339,6 +341,9 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="also a LoRA adapter's sync (the adapter alone moves)")
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
     parser.add_argument("--dtype", default=None, help="the engines' dtype (default: the Lab's, float32 on CPU)")
+    parser.add_argument("--standby-share", type=float, default=None,
+                        help="the engines' standby_share (default: the Lab's): the preload's share of the wall time "
+                             "while requests are in flight")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a subset of {','.join(PARTS)}")
     args = parser.parse_args()
     args.parts = args.parts.split(",")

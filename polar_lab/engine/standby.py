@@ -7,10 +7,11 @@ steps. The three functions below run where vLLM keeps the model (`LLM.collective
 Why: an in-place load stops the engine for as long as vLLM loads and re-processes the model — on CPU oneDNN
 re-packs every linear layer's weight (its packed copy is the only one vLLM keeps), 0.33–0.52 s for SmolLM2-135M
 (docs/benchmarks.md) — and every session waits that long. Here the standby is a second instance of the same vLLM
-model class, built once at start-up by vLLM's own loader (weights only: no KV cache); a load goes into it through
-vLLM's layerwise reload, the code an in-place load runs; the swap exchanges each parameter's and buffer's storage
-and each layer's packed kernel (`cpu_linear`) between the two instances — pointer moves, milliseconds. The
-standby then holds the old weights until the next load overwrites them.
+model class, built once at start-up by vLLM's own loader (weights only: no KV cache). A load of a slot goes into it
+the direct way where engine/direct_load.py knows the model (each layer's new weight handed to vLLM's own packing),
+otherwise through vLLM's layerwise reload, the code an in-place load runs. The swap exchanges each parameter's and
+buffer's storage and each layer's packed kernel (`cpu_linear`) between the two instances — pointer moves,
+milliseconds. The standby then holds the old weights until the next load overwrites them.
 
 Limits, each refused in `EngineConfig` or here rather than served wrong:
 - The weights' memory twice (tiny-calc: +5 MB; SmolLM2-135M: +650 MB).
