@@ -275,6 +275,8 @@ def smollm2(args, results: dict) -> None:
         if "fsdp" in args.parts:
             fsdp(args, lab, results)
         if "streams" in args.parts:
+            for _ in range(2):  # both slots laid out by this trainer: the runs measure steady syncs, not a slot's creation
+                one_sync(lab, single, "memory")
             runs = [beside_streams(lab, single) for _ in range(args.repeats)]  # noisy: one sync's window is ~1-3 s
             results["beside_streams"] = {"median_during_over_before": statistics.median(r["during_over_before"]
                                                                                         for r in runs), "runs": runs}

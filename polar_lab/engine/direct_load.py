@@ -1,30 +1,33 @@
 """A standby load that hands each layer its new weight straight to vLLM's own processing, without vLLM's loaders.
 
 Runs in the engine process, in the standby's thread (engine/standby.py `load` calls `load` here first). Owns one
-cache: the last plan it made, keyed by the file's layout (a slot's layout is the same sync after sync).
+cache: the last plan it made, keyed by the model and the file's layout (a slot's layout is the same sync after sync).
 
 Why: vLLM's layerwise reload, which a standby load otherwise runs, costs more in Python than in copying. For
-SmolLM2-135M (fp32) it spent ~0.11 s of a 0.37 s load in bookkeeping: every parameter re-created on the meta device,
-each weight loader run twice (once on meta tensors to count what it would copy), the layer re-materialised and copied
-into, then its processed values copied back. What the load must produce is small: on a CPU engine every linear
-layer's weight lives only in its packed oneDNN kernel (`cpu_linear`; the parameter itself is left empty), and the
-rest are embeddings and norms. So for a model whose layout this module knows:
+SmolLM2-135M (fp32) ~0.11 s of a 0.37 s load went to vLLM's weight loaders, the reload's bookkeeping and the messages:
+every parameter re-created on the meta device, each weight loader run twice (once on meta tensors to count what it
+would copy), the layer re-materialised and copied into, then its processed values copied back. What the load must
+produce is small: on a CPU engine every linear layer's weight lives only in its packed oneDNN kernel (`cpu_linear`;
+the parameter itself is left empty), and the rest are embeddings and norms. So for a model whose layout this module
+knows:
 
 - a linear layer gets its new weight as one tensor — the fused q/k/v or gate/up parts side by side, a view of the
   slot's bytes where the writer put them next to each other (no copy), else concatenated — and vLLM's own
   `quant_method.process_weights_after_loading` packs it, as it does after any load; the kernel packs a copy, so the
-  slot can be rewritten afterwards (checked: tests/engine/test_direct_load.py);
-- an embedding (and a head, tied or not) and a norm are copied into, as vLLM's weight loaders copy; an embedding's
-  rows past the vocabulary are zeroed, as its loader zeroes them; then the embeddings are processed.
+  slot can be rewritten afterwards (tests/engine/test_standby.py, the no-view test);
+- embeddings (a head too, tied or not) and norms are copied into, as vLLM's weight loaders copy; then the head alone
+  is processed (packed).
 
-The result is the same kernels from the same bytes: tests/engine/test_standby.py compares a swapped-in direct load
-with vLLM's in-place reload of the same file, logprob for logprob, bit for bit.
+The result is the same kernels from the same bytes: a swapped-in direct load samples the same tokens and logprobs as
+vLLM's in-place reload of the same file, bit for bit — tested on tiny-calc (Qwen3, tests/engine/test_standby.py) and
+SmolLM2 (Llama, tests/integration/test_smollm2.py), fp32.
 
-What it refuses (`Unsupported`; the layerwise reload runs instead, as before): a model class outside `CLASSES`
-(their `load_weights` is the plain one this mirrors: names mapped by `hf_to_vllm_mapper`, fused parts stacked in
-order, nothing transformed); a layer of another kind or quantised, or one whose kernel keeps its weight (an engine
-dtype oneDNN cannot pack here, e.g. bf16 on AVX2); a file name that maps to no parameter, a parameter no name covers,
-or a shape that does not fit.
+What it refuses (`Unsupported`, before anything is written; the layerwise reload runs instead, as before): a model
+class outside `CLASSES`; a layer of another kind, quantised, with a bias or tensor-parallel, or whose kernel may keep
+its weight (anything but vLLM's packed CPU kernels: zentorch, or the `torch.nn.functional.linear` fallback); an
+embedding with padding rows; a file name that maps to no parameter, a parameter no name covers, a part whose shape is
+not the layer's; a tied head whose own name is not the later of its tensor's two. Any other error while loading falls
+back too (engine/standby.py): the layerwise reload rewrites and re-packs every layer.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import torch
 
 log = logging.getLogger("polar_lab.engine.direct_load")
 
-# the model classes whose `load_weights` does nothing this module does not (read in vLLM 0.32's models/llama.py,
-# qwen2.py, qwen3.py: the checkpoint mapper, stacked q/k/v and gate/up, default copies for the rest)
-CLASSES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+# the model classes whose `load_weights` (vLLM 0.32's models/llama.py, qwen3.py, AutoWeightsLoader) maps names by the
+# checkpoint mapper, stacks q/k/v and gate/up, and copies the rest; what else it does — pass over rotary and kv-scale
+# names, unexpected biases, tied aliases — concerns names and layers `plan` refuses
+CLASSES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"})
 
 
 class Unsupported(Exception):
@@ -49,22 +53,25 @@ class Unsupported(Exception):
 class Step:
     """One module's part of a load: its parameters, each from the file's tensors in part order."""
     module: torch.nn.Module
-    kind: str  # "linear" (packed kernel), "embedding" (copied, then processed) or "copy" (a norm)
-    sources: dict[str, list[str]] = field(default_factory=dict)  # parameter ("weight", "bias") -> file names
+    kind: str  # "linear" (packed kernel), "embedding" (copied; the head's then processed) or "copy" (a norm)
+    sources: dict[str, list[str]] = field(default_factory=dict)  # parameter key ("weight") -> file names
 
 
 @dataclass
 class Plan:
     """The steps of a load, in order: copies, then linear layers, then the output head's processing.
 
-    Of two names for one tied tensor only the later one in the file is copied: in vLLM's loader, which copies both
-    in the file's order, the later one wins. Only the head's embedding is processed: vLLM packs a kernel for every
-    embedding, but calls it only on the head (its logits); an input embedding's lookups read its weight. So the
-    standby's input embedding keeps the packed kernel of an older load — never called, and swapped in with the rest.
+    Of two names for one tied tensor only the head's is copied, and `plan` refuses a file where it is not the later
+    one: vLLM's layerwise reload loads both names, each into its own layer, packs the head from its own name's tensor,
+    and leaves the shared tensor with the layer processed last — the head's, when its name comes later. Only the head
+    is processed: vLLM packs a kernel for every embedding but calls it only on the head (its logits); an input
+    embedding's lookups read its weight. So the standby's input embedding keeps the packed kernel of an older load —
+    never called, and swapped in with the rest.
     """
-    copies: list[tuple[str, Step, str]]  # (file name, step, parameter)
+    model: torch.nn.Module  # the model it was made for
+    copies: list[tuple[str, Step, str]]  # (file name, step, parameter key)
     linears: list[Step]
-    embeddings: list[Step]  # the head, if it is an embedding vLLM packs (processed after every copy)
+    embeddings: list[Step]  # the head, if it is an embedding vLLM packs
 
 
 _cache: dict[tuple, Plan] = {}  # one entry: (id of the model, the file's layout) -> its plan
@@ -72,18 +79,18 @@ _cache: dict[tuple, Plan] = {}  # one entry: (id of the model, the file's layout
 
 def load(model, tensors: dict[str, torch.Tensor], pace=None) -> None:
     """Load `tensors` (file name -> tensor, in the file's order) into `model`, the standby; raises `Unsupported`
-    before anything is written when the direct way does not apply. pace: called between two steps (engine/standby.py
-    `Pacer`)."""
+    before anything is written when the direct way does not apply. pace: called between two modules (engine/standby.py
+    `Pacer`). Another error may leave the standby partly written: the caller then loads it all another way."""
     key = (id(model), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items()))
-    if key not in _cache:
+    steps = _cache.get(key)
+    if steps is None or steps.model is not model:
         _cache.clear()
-        _cache[key] = plan(model, {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
-    steps = _cache[key]
+        steps = _cache[key] = plan(model, {name: tuple(t.shape) for name, t in tensors.items()})
     for name, step, param in steps.copies:
-        _copy(step, param, tensors[name])
+        getattr(step.module, param).data.copy_(tensors[name])
         _pace(pace)
     for step in steps.linears:
-        _linear(step, tensors)
+        _linear(step, [tensors[name] for name in step.sources["weight"]])
         _pace(pace)
     for step in steps.embeddings:
         step.module.quant_method.process_weights_after_loading(step.module)
@@ -95,9 +102,9 @@ def _pace(pace) -> None:
         pace()
 
 
-def plan(model, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Plan:
-    """The steps that load a file of `layout` (name -> (shape, dtype)) into `model`; `Unsupported` if any part of it
-    is not one this module knows."""
+def plan(model, layout: dict[str, tuple[int, ...]]) -> Plan:
+    """The steps that load a file of `layout` (name -> shape, in the file's order) into `model`; `Unsupported` if any
+    part of it is not one this module knows."""
     if type(model).__name__ not in CLASSES:
         raise Unsupported(f"{type(model).__name__} is not one of the classes the direct load knows")
     owners = _owners(model)
@@ -115,18 +122,12 @@ def plan(model, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Plan:
         module, param = owners[target]
         step = steps.setdefault(id(module), Step(module, _kind(module)))
         names = [name for _, name in sorted(found)]
-        if step.kind != "linear" and len(found) > 1:
-            raise Unsupported(f"{target} would take {len(found)} tensors: {names}")
+        if step.kind != "linear" and len(names) > 1:
+            raise Unsupported(f"{target} would take {len(names)} tensors: {names}")
         step.sources[param] = names
-        _check(step, param, [layout[name] for name in names], target)
-    order = {name: i for i, name in enumerate(layout)}
-    last: dict[int, tuple[str, Step, str]] = {}  # a tied tensor, two names: only the later one's copy stays
-    for name, step, param in sorted(((name, step, param) for step in steps.values() if step.kind != "linear"
-                                     for param, names in step.sources.items() for name in names),
-                                    key=lambda entry: order[entry[0]]):
-        last[id(getattr(step.module, param))] = (name, step, param)
+        check(step, param, [layout[name] for name in names], target)
     head = getattr(model, "lm_head", None)
-    return Plan(sorted(last.values(), key=lambda entry: order[entry[0]]),
+    return Plan(model, _copies(steps.values(), list(layout), head),
                 [s for s in steps.values() if s.kind == "linear"],
                 [s for s in steps.values() if s.kind == "embedding" and s.module is head])
 
@@ -136,6 +137,22 @@ def _owners(model) -> dict[str, tuple[torch.nn.Module, str]]:
     return {f"{prefix}.{key}" if prefix else key: (module, key)
             for prefix, module in model.named_modules(remove_duplicate=False)
             for key, param in module._parameters.items() if param is not None}
+
+
+def _copies(steps, order: list[str], head) -> list[tuple[str, Step, str]]:
+    """The copies of a load, in the file's order: one per tensor, a tied one's from the head's name (`Plan`)."""
+    at = {name: i for i, name in enumerate(order)}
+    by_tensor: dict[int, list[tuple[str, Step, str]]] = {}
+    for step in steps:
+        for param, names in step.sources.items() if step.kind != "linear" else ():
+            by_tensor.setdefault(id(getattr(step.module, param)), []).append((names[0], step, param))
+    copies = []
+    for names in by_tensor.values():
+        names.sort(key=lambda entry: at[entry[0]])
+        if len(names) > 1 and names[-1][1].module is not head:
+            raise Unsupported(f"a tied tensor's names {[n for n, _, _ in names]}: the head's is not the later one")
+        copies.append(names[-1])
+    return sorted(copies, key=lambda entry: at[entry[0]])
 
 
 def target_of(model, name: str) -> tuple[str, int]:
@@ -167,61 +184,46 @@ def _kind(module) -> str:
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import (UnquantizedEmbeddingMethod,
                                                                      VocabParallelEmbedding)
+    from vllm.platforms import current_platform
 
     if isinstance(module, LinearBase) and type(module.quant_method) is UnquantizedLinearMethod:
+        # the kernel must hold a packed copy: the slot under a view of it is rewritten by the next sync
         if module.weight.numel() != 0 or getattr(module, "_cpu_skip_gemm_dispatch", False):
             raise Unsupported(f"{type(module).__name__}'s kernel keeps its weight (not a packed CPU kernel)")
-        if getattr(module, "tp_size", 1) != 1:
-            raise Unsupported("tensor-parallel layers")
+        if current_platform.is_zen_cpu():
+            raise Unsupported("zentorch's kernels may keep a view of the weight they are given")
+        if getattr(module, "tp_size", 1) != 1 or module.bias is not None:
+            raise Unsupported(f"a {type(module).__name__} with tensor parallelism or a bias")
         return "linear"
     if isinstance(module, VocabParallelEmbedding) and type(module.quant_method) is UnquantizedEmbeddingMethod:
+        if module.num_embeddings_padded != module.org_vocab_size:
+            raise Unsupported("an embedding with padding rows")
         return "embedding"
     if type(module) is RMSNorm:
         return "copy"
     raise Unsupported(f"no direct load for a {type(module).__name__}")
 
 
-def _check(step: Step, param: str, shapes: list[tuple[tuple[int, ...], torch.dtype]], target: str) -> None:
-    """The file's parts fit the parameter: a norm's shape exactly, an embedding's up to its padded vocabulary, a linear
-    layer's parts stacked along its output rows in its own part sizes."""
+def check(step: Step, param: str, shapes: list[tuple[int, ...]], target: str) -> None:
+    """The file's parts fit the parameter: a linear layer's stacked along its output rows in the layer's own part sizes
+    (q, k and v cannot trade rows and still fill qkv_proj), anything else exactly its shape (an embedding's rows: its
+    vocabulary, as vLLM's loader asserts)."""
     module = step.module
     if step.kind == "linear":
-        rows, cols = module.output_size_per_partition, module.input_size_per_partition
-        sizes = list(getattr(module, "output_sizes", None) or [rows]) if param == "weight" or param == "bias" else []
-        want = [(size, cols) if param == "weight" else (size,) for size in sizes]
-        if len(shapes) != len(want) or any(tuple(s) != w for (s, _), w in zip(shapes, want)):
-            raise Unsupported(f"{target}: the file's parts {[s for s, _ in shapes]} are not its {want}")
-        if param == "bias" and module.bias is None:
-            raise Unsupported(f"{target}: no bias to load")
-        return
-    have = tuple(getattr(module, param).shape)
-    (shape, _), = shapes
-    fits = shape == have or (step.kind == "embedding" and shape[1:] == have[1:] and shape[0] <= have[0])
-    if not fits:
-        raise Unsupported(f"{target}: the file's {shape} does not fit its {have}")
+        cols = module.input_size_per_partition
+        want = [(size, cols) for size in getattr(module, "output_sizes", None) or [module.output_size_per_partition]]
+    else:
+        want = [tuple(getattr(module, param).shape)]
+    if [tuple(shape) for shape in shapes] != want:
+        raise Unsupported(f"{target}: the file's parts {[tuple(s) for s in shapes]} are not its {want}")
 
 
-def _copy(step: Step, param: str, source: torch.Tensor) -> None:
-    """A copy into a parameter, as vLLM's loaders copy: an embedding's padding rows zeroed."""
-    data = getattr(step.module, param).data
-    data[:source.shape[0]].copy_(source)
-    if data.shape[0] > source.shape[0]:
-        data[source.shape[0]:].zero_()
-
-
-def _linear(step: Step, tensors: dict[str, torch.Tensor]) -> None:
-    """Pack a linear layer's new weight into its kernel with vLLM's own processing; the layer keeps its parameter
-    objects (the layerwise reload, which a later load may run, finds its loaders on them)."""
+def _linear(step: Step, parts: list[torch.Tensor]) -> None:
+    """Pack a linear layer's new weight into its kernel with vLLM's own processing. The layer keeps the Parameter
+    object it had (empty, as vLLM's processing leaves it): the swap exchanges the two instances' objects by name."""
     module = step.module
-    if "bias" in step.sources:
-        bias = module.bias.data
-        at = 0
-        for name in step.sources["bias"]:
-            bias[at:at + tensors[name].shape[0]].copy_(tensors[name])
-            at += tensors[name].shape[0]
     kernel = module._parameters["weight"]
-    weight = _stacked([tensors[name] for name in step.sources["weight"]]).to(kernel.dtype)
-    module._parameters["weight"] = torch.nn.Parameter(weight, requires_grad=False)
+    module._parameters["weight"] = torch.nn.Parameter(_stacked(parts).to(kernel.dtype), requires_grad=False)
     try:
         module.quant_method.process_weights_after_loading(module)
         if module.weight.numel() != 0:  # the kernel would read the slot's bytes, which the next sync rewrites

@@ -73,7 +73,7 @@ def load(worker, path: str, pace=None) -> tuple[list[str], str]:
     """Load a weights file into the standby; returns the parameters it did not cover (empty: the standby holds the
     file's weights and can be swapped) and how it loaded: "direct" (a slot, into a model engine/direct_load.py knows)
     or "layerwise (why not direct)" (vLLM's layerwise reload, as `Worker.reload_weights` runs it).
-    pace: called between two tensors (a `Pacer`: it may sleep there, to leave the engine's loop the cores)."""
+    pace: called between two tensors or layers (a `Pacer`: it may sleep there, to leave the engine's loop the cores)."""
     from polar_lab.engine import direct_load
     from polar_lab.engine.weights import is_slot, read_weights
 
@@ -86,6 +86,10 @@ def load(worker, path: str, pace=None) -> tuple[list[str], str]:
             return [], "direct"
         except direct_load.Unsupported as exc:  # nothing was written: the layerwise reload loads it all
             why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - written in part: the layerwise reload rewrites every layer
+            log.exception("the direct standby load failed")
+            direct_load._cache.clear()
+            why = f"the direct load failed: {exc!r}"
     return _layerwise(model, config, path, pace), f"layerwise ({why})"
 
 

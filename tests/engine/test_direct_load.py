@@ -57,3 +57,30 @@ def test_a_model_class_it_does_not_know_is_refused_before_anything_is_written():
     with pytest.raises(direct_load.Unsupported, match="_Model is not one of the classes"):
         direct_load.load(model, {"norm.weight": torch.zeros(2, 2)})
     assert torch.equal(model.norm.weight, before)
+
+
+def test_a_fused_layers_parts_must_have_its_own_sizes_not_only_its_total():
+    from types import SimpleNamespace
+
+    qkv = direct_load.Step(SimpleNamespace(input_size_per_partition=3, output_size_per_partition=8,
+                                           output_sizes=[4, 2, 2]), "linear")
+    direct_load.check(qkv, "weight", [(4, 3), (2, 3), (2, 3)], "qkv_proj.weight")
+    with pytest.raises(direct_load.Unsupported, match="are not its"):  # 8 rows in all, but k took one of q's
+        direct_load.check(qkv, "weight", [(3, 3), (3, 3), (2, 3)], "qkv_proj.weight")
+    embedding = direct_load.Step(SimpleNamespace(weight=torch.zeros(6, 3)), "embedding")
+    with pytest.raises(direct_load.Unsupported, match="are not its"):  # fewer rows than its vocabulary
+        direct_load.check(embedding, "weight", [(5, 3)], "embed_tokens.weight")
+
+
+def test_a_tied_tensor_is_copied_once_from_the_heads_name_and_only_when_that_name_comes_later():
+    embed, head = torch.nn.Module(), torch.nn.Module()
+    embed.weight = head.weight = torch.nn.Parameter(torch.zeros(2, 2))
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.zeros(2))
+    steps = [direct_load.Step(embed, "embedding", {"weight": ["model.embed_tokens.weight"]}),
+             direct_load.Step(head, "embedding", {"weight": ["lm_head.weight"]}),
+             direct_load.Step(norm, "copy", {"weight": ["model.norm.weight"]})]
+    order = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert [name for name, _, _ in direct_load._copies(steps, order, head)] == ["model.norm.weight", "lm_head.weight"]
+    with pytest.raises(direct_load.Unsupported, match="the head's is not the later one"):
+        direct_load._copies(steps, ["lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"], head)

@@ -68,6 +68,12 @@ def test_after_a_sync_from_fsdp_ranks_the_engine_samples_the_trainers_smollm2(sm
     gap = (trainer - torch.tensor(gen.output_logprobs)).abs()
     assert sync.policy_version == version + 1 and gen.output_versions == [version + 1] * 32
     assert sync.path == "shared-memory"
+    # a Llama-class model: the slot went into the standby the direct way (engine/direct_load.py), and serves what
+    # vLLM's own in-place reload of the same slot serves, bit for bit
+    assert sync.swapped and lab.engine.standby_how == "direct", lab.engine.standby_how
+    lab.engine.load_weights_file(path)  # no preload: in place
+    again = lab.engine.submit(ids, SamplingSpec(max_tokens=32, temperature=1.0, seed=3, ignore_eos=True)).result()
+    assert (again.output_ids, again.output_logprobs) == (gen.output_ids, gen.output_logprobs)
     assert gap.mean() <= 1e-3, f"engine vs trainer after the sync: mean |Δ| {gap.mean():.2e}, max {gap.max():.2e}"
 
     from transformers import AutoModelForCausalLM
