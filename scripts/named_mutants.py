@@ -253,6 +253,14 @@ MUTANTS = [
            [("            why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) else \"a state dict\"",
              "            why = \"no preload\"")],
            ["tests/engine/test_supervisor.py::test_a_sync_preloads_a_file_before_it_pauses"]),
+    # issue 45: the direct standby load, engine/direct_load.py
+    Mutant("direct load: embeddings and norms keep a view of the slot", "polar_lab/engine/direct_load.py",
+           [("        getattr(step.module, param).data.copy_(tensors[name])\n",
+             "        getattr(step.module, param).data = tensors[name]\n")],
+           ["tests/engine/test_standby.py::test_a_direct_load_keeps_no_view_of_the_slot_it_was_loaded_from"]),
+    Mutant("direct load: the head is not re-packed", "polar_lab/engine/direct_load.py",
+           [('[s for s in steps.values() if s.kind == "embedding" and s.module is head]', "[]")],
+           ["tests/engine/test_standby.py::test_a_preloaded_file_serves_exactly_what_an_in_place_load_of_it_serves"]),
     # issue 21: replicas behind one proxy, on Ray
     Mutant("replica: a session's later calls pick afresh (not sticky)", "polar_lab/engine/replicas.py",
            [("            own = self._routes.get(route) if route is not None else None\n",
