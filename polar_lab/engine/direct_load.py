@@ -86,15 +86,19 @@ def load(model, tensors: dict[str, torch.Tensor], pace=None) -> None:
     if steps is None or steps.model is not model:
         _cache.clear()
         steps = _cache[key] = plan(model, {name: tuple(t.shape) for name, t in tensors.items()})
-    for name, step, param in steps.copies:
-        getattr(step.module, param).data.copy_(tensors[name])
-        _pace(pace)
-    for step in steps.linears:
-        _linear(step, [tensors[name] for name in step.sources["weight"]])
-        _pace(pace)
-    for step in steps.embeddings:
-        step.module.quant_method.process_weights_after_loading(step.module)
-        _pace(pace)
+    try:
+        for name, step, param in steps.copies:
+            getattr(step.module, param).data.copy_(tensors[name])
+            _pace(pace)
+        for step in steps.linears:
+            _linear(step, [tensors[name] for name in step.sources["weight"]])
+            _pace(pace)
+        for step in steps.embeddings:
+            step.module.quant_method.process_weights_after_loading(step.module)
+            _pace(pace)
+    except BaseException:
+        _cache.clear()  # the next load plans afresh rather than repeat what failed part-way
+        raise
 
 
 def _pace(pace) -> None:

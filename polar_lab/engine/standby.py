@@ -88,7 +88,6 @@ def load(worker, path: str, pace=None) -> tuple[list[str], str]:
             why = str(exc)
         except Exception as exc:  # noqa: BLE001 - written in part: the layerwise reload rewrites every layer
             log.exception("the direct standby load failed")
-            direct_load._cache.clear()
             why = f"the direct load failed: {exc!r}"
     return _layerwise(model, config, path, pace), f"layerwise ({why})"
 
