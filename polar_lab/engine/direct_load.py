@@ -161,26 +161,19 @@ def _copies(steps, order: list[str], head) -> list[tuple[str, Step, str]]:
 
 def target_of(model, name: str) -> tuple[str, int]:
     """The engine parameter a file tensor loads into, and its part there (0 unless it is one of a fused layer's parts:
-    q, k, v of qkv_proj are 0, 1, 2), by the model's own checkpoint mapper (`hf_to_vllm_mapper`) and fused layers
-    (`packed_modules_mapping`)."""
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    shard = None
-    if mapper is not None:
-        mapped = mapper._map_name_with_shard(name)
-        if mapped is None:
-            raise Unsupported(f"the model's mapper drops {name}")
-        name, shard = mapped
+    q, k, v of qkv_proj are 0, 1, 2): engine/weights.py `engine_target`, the mapping the load's check uses too."""
+    from polar_lab.engine.weights import engine_target
+
+    target, shard = engine_target(model, name)
+    if target is None:
+        raise Unsupported(f"the model's mapper drops {name}")
+    if shard is None:
+        return target, 0
     if isinstance(shard, str) and shard in ("q", "k", "v"):
-        return name, "qkv".index(shard)
+        return target, "qkv".index(shard)
     if isinstance(shard, int):
-        return name, shard
-    if shard is not None:
-        raise Unsupported(f"{name} loads into shards {shard!r}")
-    for whole, pieces in (getattr(model, "packed_modules_mapping", None) or {}).items():
-        for index, piece in enumerate(pieces):
-            if f".{piece}." in name:
-                return name.replace(f".{piece}.", f".{whole}.", 1), index
-    return name, 0
+        return target, shard
+    raise Unsupported(f"{name} loads into shards {shard!r}")
 
 
 def _kind(module) -> str:

@@ -315,19 +315,33 @@ def unplaced_names(worker, path: str) -> list[str]:
     model = worker.model_runner.model
     # an engine serving LoRA wraps its layers: the base weight is `<layer>.base_layer.weight`
     params = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters(remove_duplicate=False)}
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    packed = getattr(model, "packed_modules_mapping", None) or {}
-    fused = [(f".{part}.", f".{whole}.") for whole, parts in packed.items() for part in parts]
     with safe_open(str(path), framework="pt") as f:
         names = list(f.keys())
-    out = []
-    for name in names:
-        mapped = mapper.map_name(name) if mapper is not None and hasattr(mapper, "map_name") else name
-        for part, whole in fused if mapped is not None else ():
-            mapped = mapped.replace(part, whole)
-        if mapped not in params:
-            out.append(name)
-    return out
+    return [name for name in names if engine_target(model, name)[0] not in params]
+
+
+def engine_target(model, name: str) -> tuple[str | None, object]:
+    """The engine parameter a checkpoint tensor loads into (None: the model's mapper drops it), by the model's own
+    checkpoint mapper (`hf_to_vllm_mapper`) and fused layers (`packed_modules_mapping`), and its shard there: the
+    mapper's shard id ("q", "k", "v", 0, 1, ...), else the tensor's index among a fused layer's parts, else None (the
+    whole parameter)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
+        mapped = mapper._map_name_with_shard(name)
+        if mapped is None:
+            return None, None
+        name, shard = mapped
+        if shard is not None:
+            return name, shard
+    elif mapper is not None and hasattr(mapper, "map_name"):
+        name = mapper.map_name(name)
+        if name is None:
+            return None, None
+    for whole, pieces in (getattr(model, "packed_modules_mapping", None) or {}).items():
+        for index, piece in enumerate(pieces):
+            if f".{piece}." in name:
+                return name.replace(f".{piece}.", f".{whole}.", 1), index
+    return name, None
 
 
 def reload_from_file(worker, path: str) -> None:
