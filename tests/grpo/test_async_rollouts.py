@@ -161,9 +161,13 @@ def test_a_second_async_producer_on_a_lab_stops_the_first(replies_lab):
     why = r"^stopping the async rollouts of an earlier trainer on this Lab \(one producer per Lab\)$"
     with pytest.warns(UserWarning, match=why) as caught:
         second = AsyncRollouts(replies_lab, config, two_turns, ends_early, TaskStream(TASKS, seed=0))
-    # it names the line that made the second producer, not polar_lab's (mutmut's trampoline, where it wraps the class,
-    # is the first frame outside polar_lab)
-    assert len(caught) == 1 and (caught[0].filename == __file__ or "mutmut" in Path(caught[0].filename).parts)
+    # once, naming the line that made the second producer, not polar_lab's (mutmut's trampoline, where it wraps the
+    # class, is the first frame outside polar_lab). Only this warning is counted: pytest.warns records every warning
+    # of every thread, and a CI run caught two more in this window. Stopping producers in a loop shows what they are:
+    # ResourceWarnings ("unclosed transport") of the cut-off runs' SDK connections, which the collector finalises
+    # whenever it next runs, in whichever thread.
+    stops = [w for w in caught if "one producer per Lab" in str(w.message)]
+    assert len(stops) == 1 and (stops[0].filename == __file__ or "mutmut" in Path(stops[0].filename).parts)
     try:
         assert first._producer.done() and replies_lab.owned(AsyncRollouts) == [second]
         assert len(second.next_groups(0, timeout=20)[0]) == 1

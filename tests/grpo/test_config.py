@@ -80,4 +80,5 @@ def test_the_tis_cap_warning_names_the_line_that_loaded_the_file(tmp_path):
     (tmp_path / "old.yaml").write_text("grpo: {tis_cap: 3.0}\n")
     with pytest.warns(DeprecationWarning, match="tis_cap") as caught:
         load_train_config(tmp_path / "old.yaml")  # the loader, then from_dict: not polar_lab's own line
-    assert [w.filename for w in caught] == [__file__]
+    # only its own warning is counted (see test_async_rollouts' second producer)
+    assert [w.filename for w in caught if "tis_cap" in str(w.message)] == [__file__]
