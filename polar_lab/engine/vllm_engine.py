@@ -101,7 +101,8 @@ class VLLMEngine(WeightCalls, OneProcess):
         self.standby = bool(info.get("standby"))
         self.weights_dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
         self.forked = bool(info.get("forked"))  # forked from the forkserver, not started fresh (engine/forkserver.py)
-        self.start_info = info  # the worker's own figures: llm_s, standby_s, imported_at_s (benchmarks/lab_startup.py)
+        self.start_info = info  # the worker's own figures: llm_s, standby_s, imported_at_s (benchmarks/lab_startup.py);
+        # step_threads: a CPU engine's thread policy as the step loop applies it (engine/step_threads.py)
         self.startup_seconds = time.perf_counter() - self._t_launch
         self._reader = threading.Thread(target=self._read, name="polar-lab-engine", daemon=True)
         self._reader.start()

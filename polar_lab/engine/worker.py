@@ -123,7 +123,9 @@ class Worker(AdapterServing):
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
                 "standby": self.standby is not None, "standby_s": standby_s, "llm_s": llm_s,
                 "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
-                "imported_at_s": imported_at}
+                "imported_at_s": imported_at, "step_threads": self.threads and {  # None: vLLM's own threading
+                    "small_batch": self.threads.small_batch, "small_prefill": self.threads.small_prefill,
+                    "every": self.threads.every}}
 
     def make_llm(self, vllm, cuda: bool):
         """`vllm.LLM` as this project serves it."""

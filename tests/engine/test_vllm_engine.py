@@ -180,6 +180,10 @@ def test_small_steps_run_on_one_thread_and_large_batches_and_long_prefills_on_ev
     long_prompt = min(3072, lab.engine.max_model_len - 1)
     if config.cpu_small_batch < 1 or config.cpu_bind != "nobind" or not 16 <= config.cpu_small_prefill < long_prompt:
         pytest.skip("the session's engine is not in the default layout")
+    # the bounds the step loop applies are the configured ones: at this model's size a short prefill on every thread
+    # gives the helpers no work either (its matrices are under torch's parallel grain), so only the report shows it
+    applied = lab.engine.start_info["step_threads"]
+    assert (applied["small_batch"], applied["small_prefill"]) == (config.cpu_small_batch, config.cpu_small_prefill)
     spec = SamplingSpec(max_tokens=384, ignore_eos=True, seed=0)
     lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=4, seed=0)).result(timeout=120)  # warm
     rng = random.Random(0)
