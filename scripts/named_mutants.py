@@ -251,7 +251,8 @@ MUTANTS = [
            ["tests/engine/test_standby.py::test_a_file_that_leaves_parameters_out_is_loaded_in_place_not_swapped_in"]),
     Mutant("standby: modules vLLM shares between the copies are not copied", "polar_lab/engine/standby.py",
            [("    _unshare(model, worker.model_runner.model)\n", "")],
-           ["tests/engine/test_standby.py::test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end"]),
+           ["tests/engine/test_standby.py::test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end"
+            "[layerwise]"]),  # the direct load walks no shared module
     Mutant("standby: a sync does not preload", "polar_lab/engine/supervisor.py",
            [("            why = self.engine.preload_weights_file(weights) if isinstance(weights, (str, Path)) "
              "else \"not a file\"",

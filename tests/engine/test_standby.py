@@ -85,21 +85,27 @@ def test_a_direct_load_keeps_no_view_of_the_slot_it_was_loaded_from(lab, prompt_
     assert _sample(lab, prompt_ids) != served
 
 
+@pytest.mark.parametrize("how", ["direct", "layerwise"])
 def test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end(lab, prompt_ids, shipped_weights,
-                                                                              restore_weights):
-    long = SamplingSpec(max_tokens=1500, temperature=1.0, seed=1, ignore_eos=True)
+                                                                              restore_weights, how):
+    """Both loads: a slot goes the direct way; a fresh file through vLLM's layerwise reload, which also walks the
+    modules vLLM shares between the two copies (the rotary embedding) unless the standby has its own."""
+    long = SamplingSpec(max_tokens=800, temperature=1.0, seed=1, ignore_eos=True)
     version = lab.policy_version
     t0 = time.perf_counter()
     before = lab.engine.submit(prompt_ids, long).result(timeout=300)  # the old weights' sample, alone
     alone = time.perf_counter() - t0  # the control: how long this generation takes on this machine now
     zeroed = {k: torch.zeros_like(v) for k, v in shipped_weights.items()}
-    path = _file(lab, zeroed)
+    path = _file(lab, zeroed) if how == "direct" else str(lab.weights.new_path())
+    if how == "layerwise":
+        write_weights(path, zeroed)
     running = lab.engine.submit(prompt_ids, long)
     time.sleep(alone / 5)  # a fifth of the way in: the preload (a fraction of a second) lands mid-generation
     assert lab.engine.preload_weights_file(path) is None
     assert not running.done(), f"the generation ({alone:.1f} s alone) finished before the preload"
+    assert lab.engine.standby_how.startswith(how), lab.engine.standby_how
     during = running.result(timeout=300)
-    assert during.output_versions == [version] * 1500
+    assert during.output_versions == [version] * 800
     assert during.output_ids == before.output_ids  # the zeroed weights never reached a step
     assert max(abs(a - b) for a, b in zip(during.output_logprobs, before.output_logprobs)) <= 1e-5
     assert lab.engine.load_weights_file(path) == version + 1  # the swap
