@@ -4,6 +4,7 @@ train the same adapter; bad LoRA settings are errors before any process starts.
 One private engine here (`lora_lab`): vLLM serves adapters only from an engine started with LoRA on."""
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -171,8 +172,17 @@ def test_a_call_running_with_an_adapter_survives_a_full_weights_load(lora_lab, m
         gen = running.result(timeout=120)
     except EngineError as exc:  # the engine died re-reading the adapter: the call did not survive
         raise AssertionError(f"the running call ended with its engine: {exc}") from exc
-    assert len(gen.output_ids) == 200 and lora_lab.engine.alive and not path.exists()
+    assert len(gen.output_ids) == 200 and lora_lab.engine.alive
     assert sync.path == "shared-memory" and lora_lab.engine_restarts == []
+    # and the Lab does remove a superseded adapter's folder (the test removed the first one itself)
+    second = lora_lab.weights_path(adapter=True)
+    policy.write_adapter(str(second))
+    lora_lab.sync_weights(second)
+    lora_lab.sync_weights(Policy(model_path, GRPOConfig()).state_dict())
+    deadline = time.monotonic() + 10  # removed in a thread of its own: ~ms
+    while second.exists():
+        assert time.monotonic() < deadline, f"{second} outlived the sync that superseded it"
+        time.sleep(0.01)
 
 
 def test_a_lora_trainer_puts_the_base_weights_back_into_an_engine_that_served_others(lora_lab, model_path, batch):
