@@ -328,12 +328,7 @@ MUTANTS = [
 def check(mutants: list[Mutant]) -> list[str]:
     """Before anything runs: every edit must apply exactly once and every named test must exist (collected), or the
     mutant is invalid — it would be 'killed' by a collection error or a missing test id, which proves nothing."""
-    problems = []
-    for mutant in mutants:
-        text = (ROOT / mutant.file).read_text() if (ROOT / mutant.file).exists() else ""
-        for old, _ in mutant.edits:
-            if text.count(old) != 1:
-                problems.append(f"{mutant.name}: its edit occurs {text.count(old)} times in {mutant.file}")
+    problems = [problem for mutant in mutants for problem in mutated(mutant)[1]]
     ids = sorted({t for m in mutants for t in m.tests})
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
                           cwd=ROOT, capture_output=True, text=True)
@@ -345,15 +340,24 @@ def check(mutants: list[Mutant]) -> list[str]:
     return problems
 
 
+def mutated(mutant: Mutant) -> tuple[str, list[str]]:
+    """The mutated file's text, and why the mutant is invalid: each edit that does not occur exactly once."""
+    path = ROOT / mutant.file
+    text = path.read_text() if path.exists() else ""
+    problems = [f"{mutant.name}: its edit occurs {text.count(old)} times in {mutant.file}"
+                for old, _ in mutant.edits if text.count(old) != 1]
+    for old, new in mutant.edits:
+        text = text.replace(old, new)
+    return text, problems
+
+
 def run(mutant: Mutant) -> tuple[str, float, str]:
     """Apply the mutant, run its tests, restore the file. "killed" only when a named test failed on an assertion or on
     an error raised in the mutated file; a timeout, or an error elsewhere (a fixture that could not start), is
     "unclear" and counts as not killed."""
     path = ROOT / mutant.file
     original = path.read_text()
-    text = original
-    for old, new in mutant.edits:
-        text = text.replace(old, new)
+    text, _ = mutated(mutant)  # valid: main checked them all first
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"

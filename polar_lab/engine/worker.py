@@ -123,7 +123,7 @@ class Worker(AdapterServing):
                 "startup_seconds": time.perf_counter() - t0, "pid": os.getpid(),
                 "standby": self.standby is not None, "standby_s": standby_s, "llm_s": llm_s,
                 "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
-                "imported_at_s": imported_at, "step_threads": self.threads and {  # None: vLLM's own threading
+                "imported_at_s": imported_at, "step_threads": None if self.threads is None else {  # None: vLLM's own
                     "small_batch": self.threads.small_batch, "small_prefill": self.threads.small_prefill,
                     "every": self.threads.every}}
 

@@ -30,8 +30,9 @@ def _perturbed(weights, seed: int, scale: float = 0.05) -> dict[str, torch.Tenso
     return out
 
 
-def _file(lab, weights) -> str:
-    path = lab.weights_path()
+def _file(lab, weights, *, slot: bool = True) -> str:
+    """A slot the Lab reuses (the direct load takes it), or a fresh file (vLLM's layerwise reload)."""
+    path = lab.weights_path() if slot else lab.weights.new_path()
     write_weights(path, weights)
     return str(path)
 
@@ -96,9 +97,7 @@ def test_while_the_standby_loads_the_engine_serves_the_old_weights_to_the_end(la
     before = lab.engine.submit(prompt_ids, long).result(timeout=300)  # the old weights' sample, alone
     alone = time.perf_counter() - t0  # the control: how long this generation takes on this machine now
     zeroed = {k: torch.zeros_like(v) for k, v in shipped_weights.items()}
-    path = _file(lab, zeroed) if how == "direct" else str(lab.weights.new_path())
-    if how == "layerwise":
-        write_weights(path, zeroed)
+    path = _file(lab, zeroed, slot=how == "direct")
     running = lab.engine.submit(prompt_ids, long)
     time.sleep(alone / 5)  # a fifth of the way in: the preload (a fraction of a second) lands mid-generation
     assert lab.engine.preload_weights_file(path) is None
