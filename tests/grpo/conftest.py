@@ -18,6 +18,13 @@ def same_loss(two: float, one: float) -> bool:
     return two == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
+# The trainer's fp32 logprob of a token in a padded micro-batch against the same sample run alone: the matmuls'
+# shapes differ, so the sums round differently. Mostly 0 apart; CI saw 1.3e-5 (14 ulps at |logprob| 8-16) on one
+# token of a rollout at T=1 (this machine: ≤ 2.9e-6 in one probe). A wrong value (a shifted token, another sample's
+# row) is ≥ 1e-2 off.
+BATCHING_NOISE = 1e-4
+
+
 def rollout(lab, tasks, n=8):
     """Real calculator runs through the proxy at T=1, scored by the final-answer evaluator."""
     return lab.rollout(tasks, calculator_agent, num_generations=n, evaluator="final_answer",

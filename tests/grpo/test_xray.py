@@ -9,7 +9,7 @@ from polar_lab.grpo import GRPOConfig, build_batch
 from polar_lab.grpo.policy import Policy
 from polar_lab.grpo.xray import XRays
 
-from .conftest import rollout
+from .conftest import BATCHING_NOISE, rollout
 
 ICEPOP = {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5,
           "vllm_importance_sampling_clip_max": 2.0}
@@ -33,12 +33,12 @@ def test_the_xray_holds_the_losss_own_per_token_values(model_path, samples):
     for sample, old in zip(samples, expected):
         row = captured[(sample.session_id, sample.chain_index)]
         trained = sample.weights.numpy() > 0
-        assert np.abs(row["old"] - old.numpy())[trained].max() < 1e-5
+        assert np.abs(row["old"] - old.numpy())[trained].max() < BATCHING_NOISE
         assert np.array_equal(row["behavior"], sample.behavior_logprobs.numpy())
         assert np.array_equal(row["weight"], sample.weights.numpy())
         assert np.allclose(row["advantage"][trained], sample.advantage)
         tis = np.minimum(np.exp(old.numpy() - sample.behavior_logprobs.numpy()), 2.0)
-        assert np.abs(row["is_weight"] - tis)[trained].max() < 1e-4
+        assert np.abs(row["is_weight"] - tis)[trained].max() < 2 * BATCHING_NOISE  # exp's slope ≤ 2 below the clip
 
 
 def test_each_token_carries_the_rule_that_decided_it(model_path, tokenizer, samples):
