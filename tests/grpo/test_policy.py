@@ -198,7 +198,8 @@ def test_chunked_logprobs_equal_the_full_logits_and_stay_fp32_under_bf16(model_p
     from polar_lab.grpo.loss import TokenLogprobs, token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (3, 17))
+    one_draw = torch.Generator().manual_seed(0)  # the same ids on every run, whatever ran before in the worker
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=one_draw)
     mask, temps = torch.ones_like(ids), torch.tensor([1.0, 0.7, 1.3])
     chunked = TokenLogprobs(model, chunk=7)
     assert chunked.chunked  # tiny-calc's logits are its lm_head's: the chunked path, not the fallback
