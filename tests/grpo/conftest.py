@@ -20,8 +20,8 @@ def same_loss(two: float, one: float) -> bool:
 
 # The trainer's fp32 logprob of a token in a padded micro-batch against the same sample run alone: the matmuls'
 # shapes differ, so the sums round differently. Mostly 0 apart; CI saw 1.3e-5 (14 ulps at |logprob| 8-16) on one
-# token of a rollout at T=1 (this machine: ≤ 2.9e-6 in one probe). A wrong value (a shifted token, another sample's
-# row) is ≥ 1e-2 off.
+# token of a rollout at T=1 (this machine: ≤ 2.9e-6 in one probe). A token shifted by one is ≥ 8 off somewhere in
+# every sample of that probe.
 BATCHING_NOISE = 1e-4
 
 
