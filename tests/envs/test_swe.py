@@ -1,6 +1,7 @@
-"""SWE-bench / SWE-Gym rows → repository tasks (polar_lab/envs/swe.py), on the shipped set (data/swe: 21 small
+"""SWE-bench / SWE-Gym rows → repository tasks (polar_lab/envs/swe.py), on the shipped set (data/swe: small
 repositories built by scripts/build_swe_tasks.py, in SWE-bench's row format, each tree as an archive at its base
-commit): on every instance the gold patch scores 1 and the base commit 0 under `repo_tests`, in the sandbox."""
+commit; a held-out split of 21 and a train split): on every held-out instance, and on three train instances, the gold
+patch scores 1 and the base commit 0 under `repo_tests`, in the sandbox."""
 
 import concurrent.futures
 import io
@@ -18,6 +19,7 @@ from polar_lab.rewards import code
 from polar_lab.tasks import load_tasks
 
 ROWS, REPOS, TASKS = Path("data/swe/rows.jsonl"), Path("data/swe/repos"), Path("data/tasks/swe_mini.jsonl")
+TRAIN_ROWS, TRAIN = Path("data/swe/rows_train.jsonl"), Path("data/tasks/swe_train.jsonl")
 
 
 def test_the_shipped_rows_are_swe_bench_rows_and_the_shipped_tasks_are_their_conversion(tmp_path):
@@ -42,6 +44,30 @@ def test_on_every_instance_the_gold_patch_scores_1_and_the_base_commit_0():
         base = list(pool.map(lambda t: _score(t, {}), tasks))
     assert gold == [1.0] * len(tasks), [t["id"] for t, g in zip(tasks, gold) if g != 1.0]
     assert base == [0.0] * len(tasks), [t["id"] for t, b in zip(tasks, base) if b != 0.0]
+
+
+def _packages(tasks):
+    return {path.split("/")[0] for t in tasks for path in t["files"] if path.endswith("/__init__.py")} - {"tests"}
+
+
+def test_the_train_split_is_the_conversion_of_its_rows_and_shares_no_instance_or_package_with_the_held_out_one(
+        tmp_path):
+    train, held_out = load_rows(TRAIN_ROWS), load_rows(ROWS)
+    assert len(train) >= 40 and len({r["instance_id"] for r in train}) == len(train)
+    assert not {r["instance_id"] for r in train} & {r["instance_id"] for r in held_out}
+    assert convert(TRAIN_ROWS, REPOS, tmp_path / "tasks.jsonl") == len(train)
+    assert load_tasks(tmp_path / "tasks.jsonl") == load_tasks(TRAIN)
+    train_packages, held_out_packages = _packages(load_tasks(TRAIN)), _packages(load_tasks(TASKS))
+    assert len(train_packages) == len(train) and len(held_out_packages) == len(held_out)
+    assert not train_packages & held_out_packages
+
+
+def test_on_three_train_instances_the_gold_patch_scores_1_and_the_base_commit_0():
+    tasks = load_tasks(TRAIN)
+    sample = tasks[:: len(tasks) // 3][:3]  # the first, a third in, two thirds in (the build checks them all)
+    gold = [_score(t, changes_of(t["files"], t["reference_patch"])) for t in sample]
+    base = [_score(t, {}) for t in sample]
+    assert (gold, base) == ([1.0] * 3, [0.0] * 3), [t["id"] for t in sample]
 
 
 def test_a_task_holds_the_tests_the_grader_runs_and_not_the_fix():
