@@ -1,6 +1,8 @@
-"""A scripted stand-in for the engine, for unit tests of the HTTP layer only (never acceptance tests).
+"""A scripted stand-in for the engine: unit tests of the HTTP layer, and the demonstrator whose recorded sessions
+train the tiny-agent fixture (never acceptance tests).
 
-It "samples" the next scripted reply (a seeded call: the one its seed picks), tokenised with the model's own
+It "samples" the next scripted reply (a seeded call: the one its seed picks) — or, given a reply function, what
+that function writes for the prompt (a scripted policy: harness/demonstrator.py) — tokenised with the model's own
 tokenizer, with logprob -1.0 per token, streamed a token at a time when asked (spread over `delay_s`); it
 can also be told to fail. No vLLM, no weights, no process (`pid` is
 None). It implements the whole `Engine` protocol (engine/base.py).
@@ -18,13 +20,17 @@ from polar_lab.engine.base import OneProcess
 from polar_lab.errors import EngineError
 from polar_lab.types import Generation, SamplingSpec, TokenDelta
 
+# A reply function: the prompt as text (special tokens included) and the call's sampling → the reply's text.
+Policy = Callable[[str, SamplingSpec], str]
+
 
 class ScriptedEngine(OneProcess):
-    def __init__(self, tokenizer, replies: list[str] | None = None, *, model_path: str,
+    def __init__(self, tokenizer, replies: list[str] | Policy | None = None, *, model_path: str,
                  model_name: str = "scripted", max_model_len: int = 4096, eos_token: str = "<|im_end|>",
                  delay_s: float = 0.0, keep_prompts: bool = True):
         self.tokenizer = tokenizer
-        self.replies = list(replies or ["ok"])
+        self.policy: Policy | None = replies if callable(replies) else None
+        self.replies = [] if callable(replies) else list(replies or ["ok"])
         self.model_name = model_name
         self.model_path = model_path  # where the Lab loads the tokenizer from
         self.max_model_len = max_model_len
@@ -82,7 +88,10 @@ class ScriptedEngine(OneProcess):
             self.specs.append(spec)
         # a seeded call "samples" the reply its seed picks (reproducible, like vLLM's seeded sampling); an
         # unseeded one the next in turn
-        text = self.replies[(self._turn if spec.seed is None else spec.seed) % len(self.replies)]
+        if self.policy is not None:
+            text = self.policy(self.tokenizer.decode(prompt_ids, skip_special_tokens=False), spec)
+        else:
+            text = self.replies[(self._turn if spec.seed is None else spec.seed) % len(self.replies)]
         self._turn += 1
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: spec.max_tokens]
         finish = "length" if len(ids) == spec.max_tokens else "stop"

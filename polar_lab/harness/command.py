@@ -17,6 +17,7 @@ or deleted there. Evaluators score those changes on pristine task files in a fre
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import stat
@@ -59,6 +60,7 @@ class Command:
     processes: int = 512  # tasks (processes and threads): a pids cgroup where possible, else RLIMIT_NPROC
     keep_workdir: bool = False
     enforce_limits: bool = True  # False: run without prlimit where the machine has none (an explicit opt-out)
+    final_field: str | None = None  # the final answer is this field of the JSON object stdout ends with
     name: str = "command"
 
     @property
@@ -105,6 +107,8 @@ class Command:
             sandbox.write_files(repo, pristine)
         argv = [fill(a) for a in self.argv]
         env = sandbox.environment(seen, {**session.env(), **{k: fill(v) for k, v in self.env.items()}})
+        if self.workspace:  # the repository's tests run with this interpreter's packages (pytest), as its grader does
+            env["PATH"] = values["bin"] + os.pathsep + env.get("PATH", os.defpath)
         proxy = sandbox.Proxy.from_url(session.base_url, session.proxy_socket) if session.proxy_socket else None
         box = sandbox.Sandbox(argv, workdir=workdir, env=env, limits=self.limits, level=self.sandbox,
                               readonly=tuple(self.readonly), proxy=proxy, cwd=repo if self.workspace else None,
@@ -120,9 +124,27 @@ class Command:
             raise HarnessError(f"{argv[0]} exited {outcome.returncode}: {said}", output=outcome.stdout + outcome.stderr)
         if self.workspace:  # a walk of a tree the program made (within its limits): off the Lab's loop
             result["changes"], result["skipped"] = await asyncio.to_thread(changes, repo, pristine, self.disk_files)
-        lines = outcome.stdout.strip().splitlines()
-        result["final"] = lines[-1] if lines else ""
+        result["final"] = final_answer(outcome.stdout, self.final_field)
         return result
+
+
+def final_answer(stdout: str, field_name: str | None = None) -> str:
+    """A program's final answer: its last line of output, or `field_name` of the JSON object it printed last (a
+    CLI's machine-readable output; its last line where that is not there).
+
+    >>> final_answer("working\\nThe answer is 5.\\n"), final_answer('{"result": "It is 5."}', "result")
+    ('The answer is 5.', 'It is 5.')
+    """
+    lines = stdout.strip().splitlines()
+    if field_name is not None:
+        for line in reversed(lines):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict) and isinstance(value.get(field_name), str):
+                return value[field_name]
+    return lines[-1] if lines else ""
 
 
 def changes(repo: str | Path, pristine: dict[str, str], max_entries: int = 200_000

@@ -71,19 +71,23 @@ _FETCH_ADDRESS_MB = 65536
 
 
 def claude_code(*, model: str = "tiny-calc", bare: bool = True, task_field: str = "question",
-                workspace: str | None = None) -> Command:
+                workspace: str | None = None, run_commands: bool = True) -> Command:
     """Claude Code (npm `@anthropic-ai/claude-code`) in print mode, against the session's Anthropic URL.
 
-    `--bare` keeps the request at ~4 KB (3 tools) so it fits a small model's context; without it the
-    request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
-    `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`); then it
-    runs with `--dangerously-skip-permissions` so that it can edit it, and refuses to run outside the isolated sandbox.
+    `--bare` keeps the request at ~4 KB (3 tools: Bash, Edit, Read) so it fits a small model's context; without it
+    the request is ~76 KB with 24 tools. Non-essential traffic and telemetry are off: no outside connections.
+    `workspace`: the task field holding a repository to start in (SWE-style tasks, `repo_tests`).
+    `run_commands` (the default): it runs the model's commands and edits without asking
+    (`--dangerously-skip-permissions`) — in print mode nobody can approve them, and each would come back as "This
+    command requires approval" — and so it refuses to run outside the isolated sandbox, which is the boundary.
+    Its final answer is the `result` of the JSON it prints.
     """
     argv = [agents_bin("claude"), "-p", "{" + task_field + "}", "--output-format", "json", "--model", model]
-    if workspace:  # it must edit the repository without asking; polar_lab's sandbox is the boundary
+    if run_commands:
         argv.append("--dangerously-skip-permissions")
     return Command(argv + (["--bare"] if bare else []), memory_mb=_NODE_MEMORY_MB, name="claude-code",
-                   readonly=[install_root(argv[0])], workspace=workspace, isolated_only=bool(workspace),
+                   readonly=[install_root(argv[0])], workspace=workspace, isolated_only=run_commands,
+                   final_field="result",
                    env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                         "IS_SANDBOX": "1"})
 
@@ -92,6 +96,7 @@ CODEX_CONFIG = """model = "{model}"
 model_provider = "polar"
 check_for_update_on_startup = false
 web_search = "disabled"
+allow_login_shell = false
 [model_providers.polar]
 name = "polar"
 base_url = "{openai_base_url}"
@@ -112,20 +117,22 @@ enabled = false
 """
 
 
-def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: str | None = None) -> Command:
+def codex(*, model: str = "tiny-calc", task_field: str = "question", workspace: str | None = None,
+          run_commands: bool = True) -> Command:
     """Codex CLI (npm `@openai/codex`) `exec` mode. It ignores OPENAI_BASE_URL, so a provider config pointing at
     the session's Responses endpoint is written into its own CODEX_HOME (quiet: 4 function tools, no
-    plugins, analytics or web search). `workspace`: the task field holding a repository to start in; then
-    Codex's own sandbox (read-only by default in `exec`) is turned off with the flag its docs give for
-    "environments that are externally sandboxed", so that it can edit it; it then refuses to run outside the
-    isolated sandbox."""
+    plugins, analytics or web search). `workspace`: the task field holding a repository to start in.
+    `run_commands` (the default): Codex's own sandbox is turned off with the flag its docs give for "environments
+    that are externally sandboxed" — it cannot start inside polar_lab's (it re-executes itself as
+    `codex-linux-sandbox`, which is not there: every command would fail) — and so it refuses to run outside the
+    isolated sandbox, which is the boundary. False: Codex's own read-only sandbox, for the process level."""
     executable = agents_bin("codex")
-    writes = ["--dangerously-bypass-approvals-and-sandbox"] if workspace else []
+    writes = ["--dangerously-bypass-approvals-and-sandbox"] if run_commands else []
     return Command([executable, "exec", "--skip-git-repo-check", "--ephemeral", *writes, "{" + task_field + "}"],
                    files={"codex-home/config.toml": CODEX_CONFIG.replace("{model}", model)},
                    readonly=[install_root(executable)],
                    env={"CODEX_HOME": "{workdir}/codex-home"}, memory_mb=_NODE_MEMORY_MB, name="codex",
-                   workspace=workspace, isolated_only=bool(workspace))
+                   workspace=workspace, isolated_only=run_commands)
 
 
 # Qwen Code's settings: no usage statistics (by default it reports to Aliyun RUM), and no "managed memory" sub-agent
@@ -134,16 +141,25 @@ QWEN_SETTINGS = json.dumps({"privacy": {"usageStatisticsEnabled": False},
                             "memory": {"enableManagedAutoMemory": False}})
 
 
-def qwen_code(*, model: str = "tiny-calc", task_field: str = "question", max_output_tokens: int = 1024) -> Command:
+def qwen_code(*, model: str = "tiny-calc", task_field: str = "question", max_output_tokens: int = 1024,
+              bare: bool = True, workspace: str | None = None, run_commands: bool = True) -> Command:
     """Qwen Code (npm `@qwen-code/qwen-code`) headless (`-p`) over Chat Completions (`--auth-type openai`: the
-    session's OPENAI_BASE_URL / OPENAI_API_KEY), streaming, 10 tools, a ~21k-token first prompt.
-    `max_output_tokens` (QWEN_CODE_MAX_OUTPUT_TOKENS): its default, 32,000, does not fit beside that prompt in a
-    32k context. Its settings file turns usage statistics and the memory sub-agent off (docs/presets.md)."""
+    session's OPENAI_BASE_URL / OPENAI_API_KEY), streaming. `--bare` (its minimal mode: no skills, no deferred-tool
+    registry) keeps the first prompt at ~12k tokens of tiny-calc's tokenizer with 6 tools (`run_shell_command`,
+    `read_file`, `edit`...); without it ~21k. `max_output_tokens` (QWEN_CODE_MAX_OUTPUT_TOKENS): its default, 32,000,
+    does not fit beside that prompt in a 32k context. Its settings file turns usage statistics and the memory
+    sub-agent off (docs/presets.md). `workspace`: the task field holding a repository to start in.
+    `run_commands` (the default): `--approval-mode yolo` — headless, it leaves out the shell and edit tools unless
+    they need no approval — and so it refuses to run outside the isolated sandbox, which is the boundary. `--bare`
+    ignores the settings file, so its usage statistics are on: it too runs only in the isolated sandbox, which has
+    no network to send them over."""
     executable = agents_bin("qwen")
-    return Command([executable, "--auth-type", "openai", "-p", "{" + task_field + "}"],
+    flags = (["--approval-mode", "yolo"] if run_commands else []) + (["--bare"] if bare else [])
+    return Command([executable, "--auth-type", "openai", *flags, "-p", "{" + task_field + "}"],
                    files={".qwen/settings.json": QWEN_SETTINGS}, readonly=[install_root(executable)],
                    env={"OPENAI_MODEL": model, "QWEN_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)},
-                   memory_mb=_NODE_MEMORY_MB, address_mb=_FETCH_ADDRESS_MB, name="qwen-code")
+                   memory_mb=_NODE_MEMORY_MB, address_mb=_FETCH_ADDRESS_MB, name="qwen-code", workspace=workspace,
+                   isolated_only=run_commands or bare)
 
 
 # Gemini CLI's settings: the API-key auth (no login prompt), no usage statistics (Clearcut, play.googleapis.com),
@@ -172,15 +188,17 @@ PI_MODELS = """{"providers": {"polar": {"baseUrl": "{openai_base_url}", "api": "
 """
 
 
-def pi(*, model: str = "tiny-calc", task_field: str = "question") -> Command:
+def pi(*, model: str = "tiny-calc", task_field: str = "question", workspace: str | None = None) -> Command:
     """The Pi coding agent (npm `@mariozechner/pi-coding-agent`, `pi -p`) with a custom provider pointed at the
     session's Chat Completions endpoint (`~/.pi/agent/models.json`); PI_OFFLINE=1 turns off its version check,
-    package update checks and install ping. The smallest prompt of the presets (~2.1k tokens, 7 tools)."""
+    package update checks and install ping. The smallest prompt of the presets (~2.1k tokens, 4 tools: `read`,
+    `bash`, `edit`, `write`); it runs commands without asking. `workspace`: the task field holding a repository
+    to start in."""
     executable = agents_bin("pi")
     return Command([executable, "--provider", "polar", "--model", model, "-p", "{" + task_field + "}"],
                    files={".pi/agent/models.json": PI_MODELS.replace("{model}", model)},
                    readonly=[install_root(executable)], env={"PI_OFFLINE": "1"}, memory_mb=_NODE_MEMORY_MB,
-                   address_mb=_FETCH_ADDRESS_MB, name="pi")
+                   address_mb=_FETCH_ADDRESS_MB, name="pi", workspace=workspace)
 
 
 # OpenCode's config: one provider (the bundled @ai-sdk/openai-compatible, nothing downloaded) at the session's

@@ -104,7 +104,7 @@ def test_presets_take_their_options_by_name_and_other_harnesses_refuse_options(a
 
     codex = get_harness("codex", {"task_field": "prompt", "workspace": "files", "model": "qwen3.5-4b"})
     assert isinstance(codex, Command) and codex.workspace == "files" and "{prompt}" in codex.argv
-    assert "--dangerously-bypass-approvals-and-sandbox" in codex.argv  # exec's own sandbox is read-only
+    assert "--dangerously-bypass-approvals-and-sandbox" in codex.argv  # its own sandbox cannot nest in polar_lab's
     assert 'model = "qwen3.5-4b"' in codex.files["codex-home/config.toml"]
     assert get_harness("claude_code", {"workspace": "files"}).workspace == "files"
     with pytest.raises(ValueError, match="harness_options are for the presets"):
@@ -119,7 +119,7 @@ def test_an_agent_with_its_own_guards_off_refuses_to_run_outside_the_isolated_sa
     from polar_lab.harness.registry import get_harness
 
     codex = get_harness("codex", {"workspace": "files"})
-    assert codex.isolated_only and not get_harness("codex").isolated_only
+    assert codex.isolated_only and not get_harness("codex", {"run_commands": False}).isolated_only
     codex.sandbox = "process"
     with pytest.raises(SandboxError, match="must run in the isolated sandbox"):
         asyncio.run(codex(None, {"prompt": "fix it", "files": {}}))
