@@ -18,6 +18,7 @@ import re
 
 # The prompt, tool and evaluator are the harness's own: the model is trained on exactly what it will see.
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT, safe_eval  # noqa: E402,F401
+from polar_lab.harness.demonstrator import near_miss  # noqa: E402 - the same mistakes the CLI demonstrator makes
 from polar_lab.rewards import last_integer  # noqa: E402,F401 - the evaluator the RL reward uses
 
 QUESTION_TEMPLATES = (
@@ -85,23 +86,6 @@ def make_task_splits(rng: random.Random, n_train: int, n_test: int) -> tuple[lis
     train = [make_task(rng, f"calc-train-{i:04d}", e)
              for i, e in enumerate(unique_expressions(rng, n_train, used))]
     return train, test, used
-
-
-def near_miss(rng: random.Random, expression: str, answer: int) -> tuple[int, str]:
-    """A plausible wrong final answer: off by a little, one digit changed, or an operand copied."""
-    kind = rng.choice(("offset", "digit", "operand"))
-    if kind == "operand":
-        operands = [int(x) for x in re.findall(r"\d+", expression) if int(x) != answer]
-        if operands:
-            return rng.choice(operands), kind
-        kind = "offset"
-    if kind == "digit":
-        text = str(abs(answer))
-        pos = rng.randrange(len(text))
-        choices = [d for d in "0123456789" if d != text[pos] and not (pos == 0 and d == "0" and len(text) > 1)]
-        wrong = int(text[:pos] + rng.choice(choices) + text[pos + 1:])
-        return (-wrong if answer < 0 else wrong), kind
-    return answer + rng.choice((-1, 1)) * rng.randint(1, 10), "offset"
 
 
 def sft_conversation(rng: random.Random, expression: str, p_direct: float,
