@@ -31,20 +31,28 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from polar_lab.grpo.config import GRPOConfig
-from polar_lab.trajectory.support import restrict
+from polar_lab.trajectory.support import restrict_sampled
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperatures: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
     """log π(input_ids[:, 1:]) under a causal LM at each row's temperature, within each target's sampling `support`
-    ((B, T-1, 3) top_k, top_p, min_p; None: the whole vocabulary). (B, T) → (B, T-1). The reference form: it
-    materialises the whole (B, T-1, V) logits (the trainer uses `TokenLogprobs`)."""
+    ((B, T-1, 3) top_k, top_p, min_p; None: the whole vocabulary; the target itself always inside it, see
+    trajectory/support.py). (B, T) → (B, T-1). The reference form: it materialises the whole (B, T-1, V) logits (the
+    trainer uses `TokenLogprobs`)."""
+    return _reference_logprobs(model, input_ids, attention_mask, temperatures, support)[0]
+
+
+def _reference_logprobs(model, input_ids, attention_mask, temperatures, support=None):
+    """`token_logprobs` and the number of targets the support's masks alone would have cut."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     logits = logits / temperatures[:, None, None]
+    targets = input_ids[:, 1:]
+    cut = torch.zeros((), dtype=torch.long)
     if support is not None:
-        logits = restrict(logits.flatten(0, 1), support.flatten(0, 1)).view_as(logits)
-    targets = input_ids[:, 1:, None]
-    return (logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1))  # (B, T-1)
+        flat, outside = restrict_sampled(logits.flatten(0, 1), support.flatten(0, 1), targets.flatten())
+        logits, cut = flat.view_as(logits), outside.sum()
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1), cut  # (B, T-1)
 
 
 class TokenLogprobs(torch.nn.Module):
@@ -52,7 +60,8 @@ class TokenLogprobs(torch.nn.Module):
     through the lm_head `chunk` positions at a time, in fp32 even under bf16 autocast, and with gradients
     each chunk is recomputed in backward (activation checkpointing), so the fp32 logits of only `chunk`
     positions ever exist at once (with their softmax and gradient in backward, ~3 copies): for a ~150k vocabulary
-    and a 32k-token chain, ~20 GB of fp32 logits become ~7 GB at 4096.
+    and a 32k-token chain, ~20 GB of fp32 logits become ~7 GB at 4096. `outside_support` counts the targets its
+    forward passes kept in their support although the masks alone would have cut them (trajectory/support.py).
 
     Wraps the model (DDP wraps this: its forward is the trainer's whole forward). Models not known to have
     plain logits (`PLAIN_HEAD_TYPES`; others add a softcap, a logit scale...) use the reference path of
@@ -63,11 +72,14 @@ class TokenLogprobs(torch.nn.Module):
         self.model, self.chunk = model, chunk
         self.chunked = chunk is not None and _plain_head(model)  # chunk=None: the reference path, on purpose
         self.head_calls = 0  # positions' chunks through the lm_head, recomputations included (tests count them)
+        self.outside_support = 0  # targets outside their sampling support's masks, kept in (forward passes only)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 temperatures: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
         if not self.chunked:
-            return token_logprobs(self.model, input_ids, attention_mask, temperatures, support)
+            logp, cut = _reference_logprobs(self.model, input_ids, attention_mask, temperatures, support)
+            self.outside_support += int(cut)
+            return logp
         decoder = self.model.get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         batch, width = input_ids.shape[0], input_ids.shape[1] - 1
@@ -75,20 +87,24 @@ class TokenLogprobs(torch.nn.Module):
         targets = input_ids[:, 1:].reshape(-1)  # (B·(T-1),)
         temps = temperatures.repeat_interleave(width)  # (B·(T-1),)
         supports = support.reshape(batch * width, 3) if support is not None else None
-        parts = []
+        parts, cuts = [], []
         for start in range(0, hidden.shape[0], self.chunk):
             end = start + self.chunk
             piece = (hidden[start:end], targets[start:end], temps[start:end],
                      supports[start:end] if supports is not None else None)
             if torch.is_grad_enabled():  # the model draws no random numbers: no RNG state to keep
-                parts.append(checkpoint(self._head_logprobs, *piece, use_reentrant=False, preserve_rng_state=False))
+                logp, cut = checkpoint(self._head_logprobs, *piece, use_reentrant=False, preserve_rng_state=False)
             else:
-                parts.append(self._head_logprobs(*piece))
+                logp, cut = self._head_logprobs(*piece)
+            parts.append(logp)
+            cuts.append(cut)
+        self.outside_support += int(sum(cuts))
         return torch.cat(parts).view(batch, width).clone()  # (B, T-1); not a view (FSDP2 hooks the output)
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-                       support: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32, within `support`."""
+                       support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, H) hidden states → (N,) logprobs of `targets`, through the lm_head in fp32, within `support` (each
+        target kept in it), and how many targets its masks alone would have cut."""
         head = self.model.get_output_embeddings()
         self.head_calls += 1
         with torch.autocast(hidden.device.type, enabled=False):
@@ -98,9 +114,11 @@ class TokenLogprobs(torch.nn.Module):
                 bias = None if head.bias is None else head.bias.float()
                 logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
             logits = logits / temps[:, None]  # (N, V)
+            cut = torch.zeros((), dtype=torch.long, device=logits.device)
             if support is not None:
-                logits = restrict(logits, support)
-        return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+                logits, outside = restrict_sampled(logits, support, targets)
+                cut = outside.sum()
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1), cut
 
 
 PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "smollm3",

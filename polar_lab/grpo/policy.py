@@ -90,6 +90,7 @@ class Policy:
         micro = same_count_on_every_rank([collate(g, self.pad_id, self.device) for g in groups], self.device)
         frozen = [self._frozen_logprobs(mb) for mb in micro]  # (old, ref, teacher) per micro-batch
         totals = UpdateStats()
+        self._logprobs_model.outside_support = 0
         for iteration in range(self.config.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
@@ -105,6 +106,7 @@ class Policy:
                     totals.xray += token_rows(groups[i], stats.pop("xray"))
                 if iteration == 0:
                     totals.add(stats)  # tokens, loss, IS: what the batch was; later passes re-use it
+                    totals.outside_support = float(self._logprobs_model.outside_support)
                 else:
                     totals.clipped += float(stats["clipped"])  # ratios move away from 1 only after a step
             totals.grad_norm = self._clip_and_step()
@@ -295,6 +297,7 @@ class UpdateStats:
     clipped: float = 0.0  # (token, iteration) pairs whose ratio was clipped, over all num_iterations passes
     is_capped: float = 0.0  # trained tokens whose correction weight was truncated (a *_truncate mode's bounds)
     is_masked: float = 0.0  # trained tokens a *_mask mode zeroed
+    outside_support: float = 0.0  # sampled tokens the trainer's replayed support masks cut, kept in (see support.py)
     mismatch_kl_sum: float = 0.0  # k3 estimate of KL(μ ‖ π_old) summed over trained tokens (engine vs trainer)
     distill_kl_sum: float = 0.0  # log π_old − log π_teacher summed over trained tokens (0 without a teacher)
     log_is: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (tokens,) log(π_old / μ) per token
@@ -336,7 +339,7 @@ class UpdateStats:
             "is_masked_frac": self.is_masked / tokens, "mismatch_kl": self.mismatch_kl_sum / tokens,
             "distill_kl": self.distill_kl_sum / tokens,
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
-            "skipped_steps": self.skipped,
+            "skipped_steps": self.skipped, "outside_support_tokens": self.outside_support,
         }
 
 

@@ -33,9 +33,10 @@ class FrozenScorers:
             self.teacher = self._frozen(teacher.to(device))
 
     def score(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(log π_ref, log π_teacher) of a micro-batch's targets, each None without its model; a teacher engine's
-        scores come with the micro-batch ("teacher")."""
-        args = (mb["input_ids"], mb["attention_mask"], mb["temperature"])
+        """(log π_ref, log π_teacher) of a micro-batch's targets, each None without its model, over the same sampling
+        support as the policy's (`mb["support"]`: a harness's top_p / top_k replayed); a teacher engine's scores come
+        with the micro-batch ("teacher")."""
+        args = (mb["input_ids"], mb["attention_mask"], mb["temperature"], mb.get("support"))
         teacher = self.teacher(*args) if self.teacher is not None else mb.get("teacher")
         return self.ref(*args) if self.ref is not None else None, teacher
 

@@ -50,7 +50,14 @@ class EngineTeacher:
         self.engine = engine
 
     def score(self, samples: list[Sample]) -> None:
-        """Set each sample's `teacher_logprobs` (log π_teacher of its targets), all of them asked at once."""
+        """Set each sample's `teacher_logprobs` (log π_teacher of its targets), all of them asked at once. vLLM
+        scores a prompt over the whole vocabulary: a sample the engine sampled within a harness's top_p / top_k (its
+        `support`) has no teacher score on that support here, so it is an error, not a biased distillation term."""
+        truncated = sum(s.support is not None for s in samples)
+        if truncated:
+            raise TrainerError(f"{truncated} of {len(samples)} samples were sampled within a harness's top_p / top_k "
+                               f"/ min_p, which a teacher engine cannot score within (vLLM scores prompts over the "
+                               f"whole vocabulary): use teacher_scorer='trainer', or sampling_support='force'")
         futures = [self.engine.submit(s.input_ids.tolist(), SCORE) for s in samples]
         for sample, future in zip(samples, futures):
             try:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from polar_lab.trajectory.support import restrict
+from polar_lab.trajectory.support import restrict_sampled
 from polar_lab.types import NO_SUPPORT, Trajectory
 
 
 @torch.no_grad()
 def recompute_logprobs(model, traj: Trajectory, temperature: float = 1.0) -> list[float]:
     """log p(token_t | tokens_<t) under `model` for every position (0.0 at position 0), within each token's
-    sampling support (trajectory/support.py) where its call had one."""
+    sampling support (trajectory/support.py, the token itself kept in it) where its call had one."""
     ids = torch.tensor([traj.token_ids], device=model.device)  # (1, T)
     logits = model(ids).logits[0, :-1].float() / temperature  # (T-1, V)
     if any(s != NO_SUPPORT for s in traj.sampling_support):
-        logits = restrict(logits, torch.tensor(traj.sampling_support[1:], device=logits.device))
+        logits = restrict_sampled(logits, torch.tensor(traj.sampling_support[1:], device=logits.device), ids[0, 1:])[0]
     logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]  # (T-1,)
     return [0.0] + logp.tolist()
 

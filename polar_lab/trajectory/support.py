@@ -4,7 +4,10 @@ belongs to the distribution the engine sampled from.
 
 vLLM returns `processed_logprobs` (engine/worker.py): the sampled token's logprob after temperature and these masks,
 renormalised over what they kept. `restrict` applies the masks in vLLM's order to the caller's own logits; where
-engine and trainer agree on the logits they agree on the support, up to ties at its edge.
+engine and trainer agree on the logits they agree on the support, up to ties at its edge and rounding there (bf16
+against fp32). A sampled token is inside the sampler's support by definition, so `restrict_sampled` keeps each
+row's sampled token whatever the masks say (its logprob stays finite) and says where the masks alone would have cut
+it.
 """
 
 from __future__ import annotations
@@ -39,3 +42,12 @@ def restrict(logits: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     cut = ascending.softmax(-1).cumsum(-1) <= (1 - top_p)[:, None]
     cut[:, -1] = False  # at least one
     return logits.scatter(-1, order, ascending.masked_fill(cut, float("-inf")))
+
+
+def restrict_sampled(logits: torch.Tensor, support: torch.Tensor, sampled: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`restrict`, keeping each row's `sampled` token (N,) in its support whatever the masks say; and (N,) bool, the
+    rows where the masks alone would have cut it (a tie or a rounding at the support's edge)."""
+    masked = restrict(logits, support)
+    cut = masked.gather(-1, sampled[:, None]) == float("-inf")
+    return masked.scatter(-1, sampled[:, None], logits.gather(-1, sampled[:, None])), cut.squeeze(-1)

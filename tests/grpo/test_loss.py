@@ -300,22 +300,28 @@ def _tiny_lm(head_bias: bool = False, head_dtype: torch.dtype = torch.float32):
 
 
 def _by_hand_logprobs(model, ids, mask, temps, top_k):
-    """log π of each next token from the whole logits, tempered, with all but each row's top_k logits at -inf
-    (top_k ≤ 0: the whole vocabulary); the head's product in fp32 from the decoder's hidden states."""
+    """log π of each next token from the whole logits, tempered, with all but each row's top_k logits and the
+    target's own at -inf (top_k ≤ 0: the whole vocabulary); the head's product in fp32 from the decoder's hidden
+    states. Also how many targets fell outside their row's top_k."""
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state.float()
     head = model.lm_head
     logits = hidden @ head.weight.float().T + (head.bias.float() if head.bias is not None else 0.0)
     logits = logits[:, :-1] / temps[:, None, None]
+    targets, outside = ids[:, 1:, None], 0
     for row, k in enumerate(top_k):
         if k > 0:
             kth = logits[row].topk(k, -1).values[..., -1:]
-            logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            cut = logits[row] < kth
+            outside += int(cut.gather(-1, targets[row]).sum())
+            logits[row] = logits[row].masked_fill(cut.scatter(-1, targets[row], False), float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1), outside
 
 
 def test_chunked_and_reference_logprobs_apply_each_rows_support_and_attention_mask():
-    """Row 0 samples within its top 3 (most of its targets fall outside: -inf), row 1 over the whole vocabulary; row
-    1's first position is masked out (left padding), which changes every later position's logits."""
+    """Row 0 samples within its top 3, row 1 over the whole vocabulary; row 1's first position is masked out (left
+    padding), which changes every later position's logits. Most of row 0's targets fall outside its top 3: a sampled
+    token is inside the sampler's support by definition, so each is kept in (finite, renormalised over the top 3 and
+    itself), and counted."""
     from polar_lab.grpo.loss import TokenLogprobs, token_logprobs
 
     model = _tiny_lm()
@@ -323,14 +329,18 @@ def test_chunked_and_reference_logprobs_apply_each_rows_support_and_attention_ma
     mask = torch.tensor([[1] * 8, [0] + [1] * 7])
     temps = torch.tensor([0.7, 1.3])
     support = torch.tensor([[3.0, 1.0, 0.0], [-1.0, 1.0, 0.0]])[:, None, :].expand(2, 7, 3)  # (B, T-1, 3)
-    want = _by_hand_logprobs(model, ids, mask, temps, top_k=[3, -1])
-    assert want[0].isinf().any() and want[1].isfinite().all()
+    want, outside = _by_hand_logprobs(model, ids, mask, temps, top_k=[3, -1])
+    assert want.isfinite().all() and outside >= 4
+    whole, _ = _by_hand_logprobs(model, ids, mask, temps, top_k=[-1, -1])
+    assert (want[0] > whole[0] + 1e-4).all()  # renormalised over fewer tokens than the vocabulary
     with torch.no_grad():
         assert torch.allclose(token_logprobs(model, ids, mask, temps, support), want, atol=1e-5)
-        assert torch.allclose(TokenLogprobs(model, chunk=5)(ids, mask, temps, support), want, atol=1e-5)
-        assert torch.allclose(TokenLogprobs(model, chunk=None)(ids, mask, temps, support), want, atol=1e-5)
+        for chunk in (5, None):
+            scorer = TokenLogprobs(model, chunk=chunk)
+            assert torch.allclose(scorer(ids, mask, temps, support), want, atol=1e-5)
+            assert scorer.outside_support == outside
         unmasked = TokenLogprobs(model, chunk=5)(ids, torch.ones_like(mask), temps)
-    assert not torch.allclose(unmasked[1], _by_hand_logprobs(model, ids, mask, temps, top_k=[-1, -1])[1], atol=1e-3)
+    assert not torch.allclose(unmasked[1], whole[1], atol=1e-3)
 
 
 def test_a_head_in_another_dtype_with_a_bias_is_applied_in_fp32_bias_included():
@@ -341,13 +351,13 @@ def test_a_head_in_another_dtype_with_a_bias_is_applied_in_fp32_bias_included():
     mask = torch.ones_like(ids)
     with torch.no_grad():
         got = TokenLogprobs(model, chunk=4)(ids, mask, temps)
-        want = _by_hand_logprobs(model, ids, mask, temps, top_k=[-1])
-        without_bias = want - _by_hand_logprobs(_tiny_lm(head_dtype=torch.bfloat16), ids, mask, temps, top_k=[-1])
+        want = _by_hand_logprobs(model, ids, mask, temps, top_k=[-1])[0]
+        without_bias = want - _by_hand_logprobs(_tiny_lm(head_dtype=torch.bfloat16), ids, mask, temps, top_k=[-1])[0]
     assert torch.allclose(got, want, atol=1e-5) and without_bias.abs().max() > 1e-2  # the bias matters here
     plain = _tiny_lm(head_dtype=torch.bfloat16)  # and a bf16 head without one
     with torch.no_grad():
         assert torch.allclose(TokenLogprobs(plain, chunk=4)(ids, mask, temps),
-                              _by_hand_logprobs(plain, ids, mask, temps, top_k=[-1]), atol=1e-5)
+                              _by_hand_logprobs(plain, ids, mask, temps, top_k=[-1])[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("mode, low, high, ratios, weights, truncated, masked", [

@@ -2,6 +2,7 @@
 off; the optimiser's groups and schedule; training samples the distribution the loss assumes."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -189,6 +190,62 @@ def test_the_reference_model_goes_through_the_same_head_so_the_first_kl_is_zero_
     policy = Policy(model_path, GRPOConfig(beta=0.1, dtype="bfloat16", learning_rate=1e-9))
     assert isinstance(policy.scorers.ref, TokenLogprobs)
     assert policy.update(_varied_batch()).kl_sum == 0.0  # π_θ = π_ref at step 0, the same numbers
+
+
+def _with_support(samples, top_k=-1.0, top_p=1.0):
+    """Each sampled target's support set to (top_k, top_p); prompt targets keep the whole vocabulary."""
+    import torch
+
+    for s in samples:
+        rows = torch.tensor([[-1.0, 1.0, 0.0]]).repeat(len(s.input_ids) - 1, 1)
+        rows[s.weights > 0] = torch.tensor([top_k, top_p, 0.0])
+        s.support = rows
+    return samples
+
+
+@pytest.mark.parametrize("loss", [{"loss_type": "dapo"}, {"loss_type": "cispo", "epsilon_high": 5.0}])
+def test_a_sampled_token_outside_the_trainers_replayed_support_stays_finite_is_counted_and_the_step_is_taken(
+        model_path, loss):
+    """top_k=1 replayed on tokens that are not the trainer's argmax (a tie, or bf16 against fp32 at the edge): the
+    sampler drew them, so they are in its support; the loss stays finite, each is counted, and the step is taken."""
+    import torch
+
+    from polar_lab.grpo.batch import collate
+
+    policy = Policy(model_path, GRPOConfig(**loss, learning_rate=1e-2))
+    samples = _with_support(_hand_batch().samples, top_k=1.0)
+    mb = collate(samples, pad_id=0, device="cpu")
+    with torch.no_grad():
+        argmax = policy.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].argmax(-1)
+    trained = mb["weights"] > 0
+    outside = int((argmax != mb["input_ids"][:, 1:])[trained].sum())
+    assert outside > 0
+    before = policy.state_dict()["lm_head.weight"]
+    stats = policy.update(samples)
+    metrics = stats.metrics()
+    assert math.isfinite(stats.loss) and metrics["skipped_steps"] == 0 and stats.stepped
+    assert metrics["outside_support_tokens"] == outside
+    assert not torch.equal(before, policy.state_dict()["lm_head.weight"])
+
+
+def test_the_reference_and_the_teacher_score_over_the_policys_replayed_support(model_path):
+    """Under a harness's top_p 0.8, π_ref (a copy of the policy) and a teacher that is the policy's own weights give
+    the policy's own logprobs at step 0: KL 0 and distillation term 0, not log(support mass)."""
+    samples = _with_support(_hand_batch(n_runs=4, sampled=6).samples, top_p=0.8)
+    stats = Policy(model_path, GRPOConfig(beta=0.1, teacher_model=model_path, learning_rate=1e-9)).update(samples)
+    assert stats.tokens > 0 and stats.kl_sum == 0.0 and stats.distill_kl_sum == 0.0
+
+
+def test_a_teacher_engine_refuses_samples_drawn_within_a_harnesss_support(lab, model_path):
+    """vLLM scores a prompt over the whole vocabulary: a teacher engine cannot score within top_p, so it says so."""
+    from polar_lab.errors import TrainerError
+    from polar_lab.grpo.teacher import EngineTeacher
+
+    teacher = EngineTeacher(model_path, model_path, lab.config.engine, engine=lab.engine)
+    with pytest.raises(TrainerError, match="teacher_scorer='trainer'"):
+        teacher.score(_with_support(_hand_batch().samples, top_p=0.8))
+    teacher.score(_hand_batch().samples)  # the whole vocabulary: scored
+    teacher.close()
 
 
 def test_chunked_logprobs_equal_the_full_logits_and_stay_fp32_under_bf16(model_path):
