@@ -1,6 +1,7 @@
 """Trajectory builders: the recorded calls of one session → `Trajectory` samples. Pure functions, no state.
 
-per_request     one sample per call: prompt (loss 0) + sampled tokens (loss 1).
+per_request     one sample per call: prompt (loss 0) + sampled tokens (loss 1). A retry orphan (below) gets no
+                sample: it is listed in its retry's `info["retry_orphans"]`, as prefix_merging lists it.
                 (Both: tokens sampled under a grammar get loss 0 unless `train_constrained`; see _extend.)
 prefix_merging  calls are chained: a call whose prompt ids start with a chain's ids (its last prompt +
                 sampled ids) extends that chain (longest chain wins). The prompt tokens between two
@@ -44,12 +45,34 @@ class ChainBreak:
 
 
 def per_request(calls: Iterable[ModelCall], *, train_constrained: bool = False) -> list[Trajectory]:
+    ordered = _ordered(calls)
+    orphans_of = _retry_orphans(ordered)  # retry's call id → the orphans it replaced
+    orphaned = {o for found in orphans_of.values() for o in found}
     out = []
-    for call in _ordered(calls):
+    for call in ordered:
+        if call.call_id in orphaned:
+            continue
         traj = _new_chain(call.session_id, len(out), call)
         _extend(traj, call, train_constrained)
+        if call.call_id in orphans_of:
+            traj.info["retry_orphans"] = orphans_of[call.call_id]
         out.append(traj)
     return out
+
+
+def _retry_orphans(ordered: list[ModelCall]) -> dict[str, list[str]]:
+    """Per retry, the earlier undelivered calls of its session with exactly its prompt (see the module's doc)."""
+    waiting: dict[tuple[str, tuple[int, ...]], list[ModelCall]] = {}  # (session, prompt) → undelivered calls
+    found: dict[str, list[str]] = {}
+    for call in ordered:
+        key = (call.session_id, tuple(call.prompt_ids))
+        earlier = [o for o in waiting.get(key, []) if o.call_index < call.call_index]
+        if earlier:
+            found[call.call_id] = [o.call_id for o in earlier]
+            waiting[key] = [o for o in waiting[key] if o.call_index >= call.call_index]
+        if not (call.delivered and call.finish_reason != "abort"):
+            waiting.setdefault(key, []).append(call)
+    return found
 
 
 def prefix_merging(calls: Iterable[ModelCall], *, on_break: Callable[[ChainBreak], None] | None = None,

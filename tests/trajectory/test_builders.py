@@ -152,6 +152,23 @@ def test_a_retry_orphan_is_recorded_but_neither_trained_nor_splitting_the_chain(
     assert len(chain.behavior_logprobs) == len(chain.policy_versions) == len(chain.token_ids)
 
 
+def test_per_request_trains_a_retry_orphan_nowhere_either_and_names_it_on_the_retry():
+    """The same record as above, one sample per call: the orphan's answer (8) is in no sample, as in prefix_merging;
+    an undelivered answer that nobody asked for again stays (it is the run's last word), and so do siblings."""
+    orphan = dataclasses.replace(call("s", 1, [1, 2, 3, 4, 5, 6, 7], [8]), delivered=False)
+    retry = call("s", 2, [1, 2, 3, 4, 5, 6, 7], [9])
+    last = dataclasses.replace(call("s", 3, [1, 2, 3, 4, 5, 6, 7, 9, 10], [11]), delivered=False)
+    samples = per_request([TURN1, orphan, retry, last])
+    assert [t.call_ids for t in samples] == [["s-0"], ["s-2"], ["s-3"]]
+    assert [t.chain_index for t in samples] == [0, 1, 2]
+    assert samples[1].info["retry_orphans"] == ["s-1"] and 8 not in samples[1].token_ids
+    cut = dataclasses.replace(orphan, finish_reason="abort", delivered=True)  # cut off mid-stream, then asked again
+    assert [t.call_ids for t in per_request([TURN1, cut, retry])] == [["s-0"], ["s-2"]]
+    first = dataclasses.replace(call("s", 0, [1, 2], [3]), delivered=False)
+    second = dataclasses.replace(call("s", 0, [1, 2], [4]), call_id="s-0-1", choice_index=1, delivered=False)
+    assert len(per_request([first, second])) == 2  # two choices of one call: siblings
+
+
 def test_two_choices_of_one_call_are_siblings_not_a_retry():
     first = dataclasses.replace(call("s", 0, [1, 2], [3]), delivered=False)
     second = dataclasses.replace(call("s", 0, [1, 2], [4]), call_id="s-0-1", choice_index=1, delivered=False)
