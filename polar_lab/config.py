@@ -292,3 +292,20 @@ def make_config(model: str | None, config: LabConfig | None, overrides: dict[str
             raise TypeError(f"Lab() got an unexpected keyword '{name}'")
         base[owner[0]][name] = value
     return LabConfig.from_dict(base)
+
+
+def engine_settings(model: str | None, config: LabConfig | None, engine: Any) -> tuple[LabConfig | None, Any]:
+    """`Lab(model, engine=EngineConfig(...))`: settings for the engine the Lab builds, not an engine — moved into the
+    config. Anything else that is not an engine is a TypeError that says what to write."""
+    if isinstance(engine, EngineConfig):
+        if config is not None:
+            raise TypeError("Lab(config=..., engine=EngineConfig(...)): give the engine's settings once, as "
+                            "config=LabConfig(engine=EngineConfig(...)) or as engine=EngineConfig(...)")
+        if model is not None and engine.model not in (DEFAULT_MODEL, str(model)):
+            raise TypeError(f"Lab({model!r}, engine=EngineConfig(model={engine.model!r})): two models; name one")
+        return LabConfig(engine=engine), None
+    if engine is not None and not callable(getattr(engine, "submit", None)):
+        raise TypeError(f"Lab(engine=...) takes an engine (VLLMEngine, ScriptedEngine...) or an EngineConfig, not "
+                        f"{type(engine).__name__}; engine settings by name go as keywords: "
+                        f"Lab(model, max_model_len=..., dtype=...)")
+    return config, engine

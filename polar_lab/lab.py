@@ -28,7 +28,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from polar_lab.config import DEFAULT_MODEL, LabConfig, make_config
+from polar_lab.config import DEFAULT_MODEL, LabConfig, engine_settings, make_config
 from polar_lab.engine.supervisor import Restart, sync_weights
 from polar_lab.errors import LabError
 from polar_lab.parts import LabParts
@@ -76,6 +76,7 @@ class Lab(LabViews):
     model_path = _part("supervisor.engine.model_path", "the model folder (or hub id) the engine started from")
 
     def __new__(cls, model: str | None = None, *, config: LabConfig | None = None, engine=None, **overrides: Any):
+        config, engine = engine_settings(model, config, engine)
         cfg = make_config(model, config, overrides)
         with cls._live_lock:
             existing = cls._live.get((cfg.proxy.host, cfg.proxy.port)) if cfg.proxy.port != 0 else None
@@ -98,10 +99,11 @@ class Lab(LabViews):
             run_name="x", sandbox="process"...).
         engine: an already-built engine — a ScriptedEngine in unit tests, or one engine several Labs share (each Lab
             its own proxy, sessions and run folder); default builds VLLMEngine. An engine passed in stays its
-            owner's: the Lab never restarts it and leaves it running when it closes.
+            owner's: the Lab never restarts it and leaves it running when it closes. An EngineConfig: its settings.
         """
         if self._started:
             return
+        config, engine = engine_settings(model, config, engine)
         self.config = make_config(model, config, overrides)
         self._owned: list[Any] = []  # trainers and producers that use this Lab; closed before it
         self._last_trainer: Any = None  # the latest trainer released (lab.training() shows its curves)

@@ -232,3 +232,34 @@ def test_a_single_engine_is_replica_0_with_no_moves_and_no_replica_counters(scri
     moves = scripted_lab.replica_moves()
     assert moves.empty and list(moves.columns) == ["route", "from_replica", "to_replica", "why", "at"]
     assert "replicas" not in scripted_lab.stats() and scripted_lab.stats()["calls"] == 0
+
+
+def test_engine_settings_given_as_engine_are_the_engines_settings_and_anything_else_is_a_clear_type_error(
+        model_path, tmp_path, monkeypatch):
+    """`Lab(model, engine=EngineConfig(...))` is what a user writes for the engine's settings: the Lab builds its engine
+    with them (the start is stopped here at the parts, before any engine). A dict or a path is a TypeError at the call
+    that says what to write; so are two models or the settings given twice."""
+    from polar_lab import lab as lab_module
+    from polar_lab.config import EngineConfig, LabConfig
+
+    class Started(Exception):
+        pass
+
+    def parts(config, engine):
+        raise Started(config, engine)
+
+    monkeypatch.setattr(lab_module, "LabParts", parts)
+    settings = EngineConfig(model=model_path, max_model_len=1024, served_model_name="mine")
+    with pytest.raises(Started) as started:
+        Lab(model_path, engine=settings, port=0, runs_dir=str(tmp_path))
+    config, engine = started.value.args
+    assert engine is None and config.engine == settings and config.store.runs_dir == str(tmp_path)
+    with pytest.raises(Started) as started:
+        Lab(engine=settings, port=0)
+    assert started.value.args[0].engine.model == model_path
+    for wrong, says in [({"max_model_len": 1024}, "max_model_len=..."), (model_path, "not str"),
+                        (EngineConfig(model="data/models/other"), "two models")]:
+        with pytest.raises(TypeError, match=says):
+            Lab(model_path, engine=wrong, port=0)
+    with pytest.raises(TypeError, match="once"):
+        Lab(model_path, config=LabConfig(), engine=settings, port=0)
