@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from polar_lab.trajectory.builders import ChainBreak, prefix_merging
-from polar_lab.trajectory.drift import classify
+from polar_lab.trajectory.drift import TurnFormat, classify
 from polar_lab.types import ModelCall
 
 
@@ -19,12 +19,13 @@ def chain_breaks(calls: Iterable[ModelCall], tokenizer, harness_of: dict[str, st
     chains = prefix_merging(calls, on_break=breaks.append)
     tokens = {(c.session_id, c.chain_index): c.token_ids for c in chains}
     by_id = {c.call_id: c for c in calls}
+    turns = TurnFormat.of(tokenizer) if breaks else None  # the model's own template's turns
     rows = []
     for b in breaks:
         chain_ids = tokens[(b.session_id, b.closest_chain)]
         # the chain as it stood when the break happened is a prefix of its final ids: cut at its length then
         chain_text = _decode(tokenizer, chain_ids[:b.chain_tokens])
-        kind, detail = classify(chain_text, _decode(tokenizer, by_id[b.call_id].prompt_ids))
+        kind, detail = classify(chain_text, _decode(tokenizer, by_id[b.call_id].prompt_ids), turns)
         if by_id[b.call_id].render.get("edited") and kind not in ("new_context", "truncation_compaction"):
             kind = "turn_edited"  # the proxy saw the harness change a turn it had produced (not a new context)
         rows.append({"session_id": b.session_id, "harness": (harness_of or {}).get(b.session_id, "unknown"),

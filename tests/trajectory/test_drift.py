@@ -52,3 +52,40 @@ def test_divergence_position_and_context_point_at_the_change():
     _, detail = classify(chain, prompt)
     assert chain[:detail["char"]] == prompt[:detail["char"]]
     assert chain[detail["char"]] != prompt[detail["char"]]
+
+
+TEMPLATED = ["tiny-calc", "tiny-calc-llama3", "tiny-calc-mistral", "tiny-calc-qwen35"]
+
+
+def _render(tokenizer, turns, generation=False):
+    roles = ["system", "user", "assistant", "user", "assistant"]
+    return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in zip(roles, turns)], tokenize=False,
+                                         add_generation_prompt=generation)
+
+
+@pytest.mark.parametrize("model", TEMPLATED)
+def test_the_classes_read_turns_as_each_models_own_template_writes_them(model):
+    """ChatML, Llama 3's headers and Mistral's [INST] blocks: a turn edited in place or two turns swapped is
+    `history_rewritten`, a dropped turn `truncation_compaction`, another system prompt `new_context` — with the turn
+    format learned from the model's template. ChatML's turns alone cannot see the first two in Llama 3 or Mistral."""
+    from transformers import AutoTokenizer
+
+    from polar_lab.trajectory.drift import CHATML, TurnFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(f"data/models/{model}")
+    turns = TurnFormat.of(tokenizer)
+    system, ask, answer, again = "You are careful.", "What is 2+3?", "The answer is 5.", "And 4+4?"
+    chain = _render(tokenizer, [system, ask, answer, again, "It is 8."])
+    cases = {
+        "history_rewritten": [_render(tokenizer, [system, ask, "The answer is 6.", again, "It is 8.", "Next?"], True),
+                              _render(tokenizer, [system, again, answer, ask, "It is 8.", "Next?"], True)],
+        "truncation_compaction": [_render(tokenizer, [system, ask + " " + again, "It is 8."], True)],
+        "new_context": [_render(tokenizer, ["You check arithmetic.", ask], True)],
+    }
+    for kind, prompts in cases.items():
+        for prompt in prompts:
+            assert classify(chain, prompt, turns)[0] == kind, (kind, prompt)
+    if model in ("tiny-calc-llama3", "tiny-calc-mistral"):
+        assert classify(chain, cases["history_rewritten"][0], CHATML)[0] != "history_rewritten"
+    if model == "tiny-calc":
+        assert turns == CHATML
