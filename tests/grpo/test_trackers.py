@@ -37,6 +37,7 @@ def two_steps(lab, tmp_path_factory, shipped_weights):
     return out, history, board.plotted
 
 
+@pytest.mark.ci_required  # `make setup` installs the extra .[trackers]
 def test_tensorboard_event_files_hold_every_step_and_the_reward_histogram(two_steps):
     if "tensorboard" not in INSTALLED:
         pytest.skip("tensorboard is not installed")
@@ -51,6 +52,7 @@ def test_tensorboard_event_files_hold_every_step_and_the_reward_histogram(two_st
     assert "samples" in str(events.Tags()["tensors"]) and "config" in str(events.Tags()["tensors"])
 
 
+@pytest.mark.ci_required  # `make setup` installs the extra .[trackers]
 def test_mlflow_search_runs_reads_the_metrics_back(two_steps):
     if "mlflow" not in INSTALLED:
         pytest.skip("mlflow is not installed")
@@ -69,6 +71,7 @@ def test_mlflow_search_runs_reads_the_metrics_back(two_steps):
     assert {"config.json", "model_card.json", "samples", "rewards"} <= artifacts
 
 
+@pytest.mark.ci_required  # `make setup` installs the extra .[trackers]
 def test_wandb_offline_and_trackio_keep_the_last_steps_metrics(two_steps):
     out, history, _ = two_steps
     if "wandb" in INSTALLED:  # wandb 0.31 has no offline reader (its core is Go): its run file and tables
@@ -97,6 +100,7 @@ def test_report_to_takes_trls_values_and_refuses_others(monkeypatch):
         GRPOConfig(report_to=["tensorboard", "comet"])
 
 
+@pytest.mark.ci_required  # `make setup` installs the extra .[trackers]
 def test_the_dashboard_plots_an_attached_trainers_curves_and_rewards_per_step(two_steps):
     _, history, plotted = two_steps
     assert plotted["loss"] == plotted["reward_mean"] == plotted["staleness"] == 2  # one point per step

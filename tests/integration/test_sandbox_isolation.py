@@ -235,6 +235,7 @@ def test_a_cpu_burner_is_killed_at_its_cpu_limit(lab, code):
     assert took < 30
 
 
+@pytest.mark.ci_required  # CI's machine, like this one, gives sandboxes a memory cgroup
 def test_processes_that_share_out_memory_are_killed_at_the_runs_memory_limit(lab):
     """Four children of 150 MB each stay under the 256 MB address-space limit one by one; together they
     pass the run's memory cgroup, and the kernel's verdict ends the whole run."""
