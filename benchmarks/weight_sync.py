@@ -13,7 +13,8 @@ syncs the engine's logprobs of sampled tokens are compared with the trainer's. T
   `pause="keep"`: the longest stall any call saw over the sync (a gap between two of its deltas, or its wait for a
   first delta beyond the median first-delta time);
 - the engine's resident memory at start and after every sync;
-- tiny-calc (its own Lab): write + preload + pause per sync.
+- tiny-calc (its own Lab): write + preload + pause per sync; and the wall time of a whole `lab.load_weights(sd)`
+  call (no pause) beside a whole `lab.sync_weights(sd)` call, alternating, medians.
 Results → benchmarks/results/weight_sync.json.
 
     python benchmarks/weight_sync.py [--model data/models/smollm2-135m-instruct] [--repeats 5]
@@ -311,8 +312,21 @@ def tiny(args, results: dict) -> None:
     with Lab(args.tiny, port=0, run_name=f"bench-sync-tiny-{int(time.time())}", **engine_args(args)) as lab:
         policy = Policy(args.tiny, GRPOConfig(learning_rate=1e-4))
         nudge(policy, lab.tokenizer)
-        results["tiny_calc"] = side_by_side(lab, policy, max(args.repeats, 10))
+        results["tiny_calc"] = {**side_by_side(lab, policy, max(args.repeats, 10)),
+                                **load_against_sync(lab, policy, max(args.repeats, 10))}
         print("tiny_calc", json.dumps(results["tiny_calc"]), flush=True)
+
+
+def load_against_sync(lab: Lab, policy, repeats: int) -> dict:
+    """Whole calls from a state dict: `load_weights` (no pause) and `sync_weights` (drain), alternating."""
+    weights = policy.state_dict()
+    times: dict[str, list[float]] = {"load_weights_s": [], "sync_weights_s": []}
+    for _ in range(repeats):
+        for key, call in (("load_weights_s", lab.load_weights), ("sync_weights_s", lab.sync_weights)):
+            t0 = time.perf_counter()
+            call(weights)
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def lora(args, results: dict) -> None:

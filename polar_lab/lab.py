@@ -237,13 +237,13 @@ class Lab(LabViews):
     sft_acceptance = _reads(Run.sft_acceptance)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Load new weights into the live engine at once (no pause); returns the new policy version.
+        """Load new weights into the live engine at once (no pause); returns the new policy version. The same path
+        as `sync_weights(state_dict, pause="keep")`: the Lab's shared-memory slot and the standby copy.
 
         Calls in flight continue with the new weights from the next engine step; their tokens record
         which version sampled them. For a clean cut between versions use `sync_weights`.
         """
-        self._check_open()
-        return self.supervisor.load(state_dict)
+        return self.sync_weights(state_dict, pause="keep").policy_version
 
     def sync_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, *, drain_timeout: float = 30.0,
                      pause: str = "drain") -> SyncResult:

@@ -48,7 +48,17 @@ def test_engine_logprobs_match_transformers_fp32(lab, hf_model, prompt_ids, temp
         f"mean |Δ| {sum(diffs) / len(diffs):.2e}, max {max(diffs):.2e}"
 
 
-def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_model, prompt_ids):
+def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_model, prompt_ids, monkeypatch):
+    """...through sync_weights' own path without its pause: the Lab's reused shared-memory slot, not a new file."""
+    from polar_lab import lab as lab_module
+
+    real, synced = lab_module.sync_weights, []
+
+    def spy(*args, **kwargs):
+        synced.append(real(*args, **kwargs))
+        return synced[-1]
+
+    monkeypatch.setattr(lab_module, "sync_weights", spy)
     spec = SamplingSpec(max_tokens=8, temperature=1.0, seed=0)
     before = lab.engine.submit(prompt_ids, spec).result()
     version = lab.policy_version
@@ -56,6 +66,7 @@ def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_mode
     zeroed = {k: torch.zeros_like(v) for k, v in original.items()}
     try:
         assert lab.load_weights(zeroed) == version + 1
+        assert [(r.path, r.policy_version) for r in synced] == [("shared-memory", version + 1)]
         flat = lab.engine.submit(prompt_ids, spec).result()
         uniform = -math.log(hf_model.config.vocab_size)
         assert all(abs(lp - uniform) < 1e-4 for lp in flat.output_logprobs), flat.output_logprobs
