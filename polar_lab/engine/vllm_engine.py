@@ -220,6 +220,10 @@ class VLLMEngine(WeightCalls, OneProcess):
             except OSError:
                 pass
 
+    def abandon(self, reason: str) -> None:
+        """End this engine now, e.g. its weights are no longer one version's: its owner restarts it (supervisor)."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         """Give up on a live engine: kill our own process; the reader thread then fails what waits."""
         self._failure = self._failure or reason

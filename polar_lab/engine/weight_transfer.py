@@ -16,8 +16,13 @@ Backends, chosen by `EngineConfig.weights_transport`:
             glue (the client that forwards the calls to the engine process, the source, bucketing, names, dtypes,
             ordering, versions) is tested where no GPU is. Not a fast path: on CPU the slots are (engine/weights.py).
 Not run on a GPU yet (scripts/check_cuda_trainer.py carries the check). One trainer process: the policy's rank 0 must
-be the process that holds the Lab (`Policy`, not `DistributedPolicy`'s rank processes), and an engine restarted
-after a death has no group: its weights come back by a file sync.
+be the process that holds the Lab (`Policy`, not `DistributedPolicy`'s rank processes: GRPOTrainer refuses the
+pair up front), and an engine restarted after a death has no group: its weights come back by a file sync.
+Before each update the engine checks the names (a name the served model has no parameter for is refused, as a file
+load refuses it). A transfer that fails mid-way may have loaded some layers and not others: the engine is ended rather
+than serve that, and the Lab restarts it at the version it served before, from its kept copy (the model folder at
+version 0, else the last weights synced through a file); with no copy kept it answers 503 until
+`lab.restart_engine(weights)`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from polar_lab.engine.weights import wire_dtype
+from polar_lab.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +262,20 @@ class WeightTransfer:
         self._version: int | None = None
 
     def send(self, version: int | None = None) -> int:
-        """One update; the engine then serves `version` (default: its current one + 1), which is returned."""
+        """One update; the engine then serves `version` (default: its current one + 1), which is returned. Names the
+        engine has no parameter for are refused before anything moves; a failure once tensors move ends the engine
+        (see the module's doc) and is raised."""
         self._version = self.engine.policy_version + 1 if version is None else version
+        self.engine.transfer("check_names", {"names": [name for name, _, _ in self.source.layout]})
         if self._trainer is None:
             self._trainer = self._open()
-        self._trainer.send_weights()
+        try:
+            self._trainer.send_weights()
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the engine's weights are now a mix of two versions
+            self._trainer = None
+            self.engine.abandon(f"a weight transfer failed mid-way ({exc!r}): its weights may mix two versions")
+            raise EngineError(f"the weight transfer failed mid-way ({exc!r}); the engine was ended rather than serve "
+                              f"a half-applied model") from exc
         return self.engine.policy_version
 
     def _open(self):

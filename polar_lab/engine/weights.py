@@ -312,11 +312,15 @@ def unplaced_names(worker, path: str) -> list[str]:
     Qwen3.5's in_proj_qkv/z into in_proj_qkvz and in_proj_b/a into in_proj_ba) lead to one of its parameters."""
     from safetensors import safe_open
 
+    with safe_open(str(path), framework="pt") as f:
+        return unplaced_of(worker, list(f.keys()))
+
+
+def unplaced_of(worker, names: list[str]) -> list[str]:
+    """`unplaced_names` for tensor names (a weight transfer's, before anything moves)."""
     model = worker.model_runner.model
     # an engine serving LoRA wraps its layers: the base weight is `<layer>.base_layer.weight`
     params = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters(remove_duplicate=False)}
-    with safe_open(str(path), framework="pt") as f:
-        names = list(f.keys())
     return [name for name in names if engine_target(model, name)[0] not in params]
 
 

@@ -283,9 +283,16 @@ class Worker(AdapterServing):
 
     def transfer(self, method: str, payload: dict | None, version: int | None) -> int | str:
         """One call of vLLM's weight-transfer API (engine/weight_transfer.py `call`); after `finish_weight_update`
-        the new weights serve as `version`. The version served, or why the call failed."""
+        the new weights serve as `version`. "check_names" (ours, before an update): refused if the served model has
+        no parameter for some of `payload["names"]`, as a file load is. The version served, or why the call failed."""
         from polar_lab.engine.weight_transfer import call
+        from polar_lab.engine.weights import unplaced_of
 
+        if method == "check_names":
+            unplaced = self.llm.collective_rpc(unplaced_of, args=(payload["names"],))[0]
+            return (f"weight transfer refused: the served model has no parameter for {len(unplaced)} of the "
+                    f"trainer's tensors, e.g. {unplaced[:3]} (vLLM would pass over them in silence)"
+                    if unplaced else self.version)
         failed = call(self.llm, method, payload)
         return failed or (self.loaded(version) if method == "finish_weight_update" else self.version)
 

@@ -73,6 +73,7 @@ class GRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
         check_lora_engine(config, lab.config.engine.max_lora_rank)
+        check_transfer(config, lab.config.engine.weights_transport)
         engine = lab.config.engine
         self.policy = make_policy(lab.model_path, config, engine_gpus(engine, visible_gpus()),
                                   ray_address=engine.ray_address if engine.cluster == "ray" else False)
@@ -354,7 +355,20 @@ def check_run(lab_config: LabConfig, config: GRPOConfig) -> None:
     gpus = check_engine_layout(lab_config.engine)
     get_harness(config.harness, config.harness_options)  # a preset's options, a 'module:function' that imports
     check_lora_engine(config, lab_config.engine.max_lora_rank)
+    check_transfer(config, lab_config.engine.weights_transport)
     check_policy(lab_config.engine.model, config, gpus)
+
+
+def check_transfer(config: GRPOConfig, transport: str) -> None:
+    """vLLM's weight-transfer API takes weights from one process, the one holding the Lab: a trainer of several
+    ranks (DDP or FSDP) has no such process holding every tensor. Say so before anything starts."""
+    from polar_lab.engine.weight_transfer import TRANSFER_BACKENDS
+
+    if transport in TRANSFER_BACKENDS and (config.world_size > 1 or config.strategy != "ddp"
+                                           or config.trainer_devices is not None):
+        raise ConfigError(f"weights_transport={transport!r} sends from a trainer in the Lab's process (world_size=1, "
+                          f"strategy ddp); with {config.world_size} ranks ({config.strategy}) use "
+                          f"weights_transport='memory', which FSDP's ranks write into directly")
 
 
 def check_lora_engine(config: GRPOConfig, engine_rank: int | None) -> None:

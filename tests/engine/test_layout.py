@@ -72,4 +72,8 @@ def test_a_lab_or_a_run_with_an_impossible_layout_starts_nothing(model_path, tmp
         check_run(lab_config, GRPOConfig(device="cuda", trainer_devices=["cuda:1"]))
     with pytest.raises(ConfigError, match="Target modules"):
         check_run(lab_config, GRPOConfig(peft_config={"r": 8, "target_modules": ["c_attn"]}, lora_sync="merged"))
+    transfer = LabConfig.from_dict({"engine": {"model": model_path, "weights_transport": "gloo"}})
+    with pytest.raises(ConfigError, match="use weights_transport='memory'"):  # vLLM's API takes one process's tensors
+        check_run(transfer, GRPOConfig(world_size=2, strategy="fsdp"))
+    check_run(transfer, GRPOConfig())  # one rank in the Lab's process: the transfer's own case
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no engine, no rank started

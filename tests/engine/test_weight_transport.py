@@ -127,3 +127,55 @@ def test_weights_through_vllms_transfer_api_serve_bit_for_bit_what_a_file_serves
     from polar_lab.grpo.policy import outgoing_weights
 
     assert isinstance(outgoing_weights(lab, policy, GRPOConfig()), WeightTransfer)  # what a trainer's sync sends here
+
+
+def _transfer_of(lab, weights, source_class=None, **kw):
+    from polar_lab.engine.weight_transfer import PolicySource, WeightTransfer
+
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
+    source = (source_class or PolicySource)(layout, lambda: iter(weights.items()), lab.engine.weights_dtype)
+    return WeightTransfer("gloo", source, lab.engine, bucket_bytes=256 * 1024, **kw)
+
+
+def test_a_transfer_naming_a_tensor_the_engine_has_no_parameter_for_is_refused_before_anything_moves(
+        gloo_lab, prompt_ids, shipped_weights):
+    """vLLM's load passes over an unknown name in silence; the transfer is refused as a file load is."""
+    from polar_lab.errors import EngineError
+
+    lab = gloo_lab
+    version, served, restarts = lab.policy_version, _sample(lab, prompt_ids), len(lab.engine_restarts)
+    renamed = {("model.layers.0.mlp.gate_projection.weight" if k.endswith("mlp.gate_proj.weight") and ".0." in k
+                else k): v for k, v in _moved(shipped_weights, 8).items()}
+    with pytest.raises(EngineError, match="no parameter for 1 of the trainer's tensors"):
+        lab.sync_weights(_transfer_of(lab, renamed))
+    assert lab.engine.alive and len(lab.engine_restarts) == restarts
+    assert lab.policy_version == version and _sample(lab, prompt_ids) == served
+
+
+def test_a_transfer_that_fails_midway_ends_the_engine_and_the_lab_restarts_it_at_the_version_it_served(
+        gloo_lab, prompt_ids, shipped_weights):
+    """Half the buckets have crossed when the trainer's source fails: some layers hold new weights. The engine is
+    ended rather than serve that mix; the Lab starts another from its kept copy (the last weights synced through a
+    file), at the old version, sampling what it sampled before."""
+    import time
+
+    from polar_lab.engine.weight_transfer import PolicySource
+    from polar_lab.errors import EngineError
+
+    class FailsHalfway(PolicySource):
+        def __iter__(self):
+            for i, pair in enumerate(super().__iter__()):
+                if i == len(self.layout) // 2:
+                    raise RuntimeError("rank lost mid-gather")
+                yield pair
+
+    lab = gloo_lab
+    lab.sync_weights(_moved(shipped_weights, 9))  # through the slot: the engine keeps a copy of these
+    version, served, restarts = lab.policy_version, _sample(lab, prompt_ids), len(lab.engine_restarts)
+    with pytest.raises(EngineError, match="mid-way"):
+        lab.sync_weights(_transfer_of(lab, _moved(shipped_weights, 10), FailsHalfway))
+    deadline = time.monotonic() + 120
+    while not (len(lab.engine_restarts) == restarts + 1 and lab.engine.alive):
+        assert time.monotonic() < deadline, "the Lab did not restart its engine"
+        time.sleep(0.1)
+    assert lab.policy_version == version and _sample(lab, prompt_ids) == served
