@@ -367,33 +367,41 @@ def run(mutant: Mutant) -> tuple[str, float, str]:
                             f"--junitxml={report}", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
         finally:
             path.write_text(original)
-        verdict, evidence = judge(report, mutant.file)
+        verdict, evidence = judge(report, mutant.file, mutant.tests)
     return verdict, time.monotonic() - t0, evidence
 
 
-def judge(report: Path, mutated_file: str) -> tuple[str, str]:
-    """("killed" | "survived" | "unclear", the evidence) from a run's JUnit XML."""
+def judge(report: Path, mutated_file: str, tests: list[str]) -> tuple[str, str]:
+    """("killed" | "survived" | "unclear", the evidence) from a run's JUnit XML. Killed only by one of `tests` (a file,
+    a test, or one parametrisation) failing on an assertion — the failure's own message, not any "assert" in its
+    traceback — or on an error raised in the mutated file; a failure of any other test proves nothing."""
     if not report.exists():
         return "unclear", "pytest wrote no report (it did not run the tests)"
-    cases = list(ET.parse(report).getroot().iter("testcase"))
+    cases = [case for case in ET.parse(report).getroot().iter("testcase") if _named(case, tests)]
     for case in cases:
         for kind in ("failure", "error"):
             node = case.find(kind)
             if node is None:
                 continue
-            text = f"{node.get('message', '')}\n{node.text or ''}"
+            message, text = node.get("message", ""), f"{node.get('message', '')}\n{node.text or ''}"
             if "Timeout >" in text or "Timeout (>" in text or "from pytest-timeout" in text:
                 return "unclear", f"{case.get('name')}: the runner's timeout"
             # pytest.raises that saw nothing raised is an assertion too ("Failed: DID NOT RAISE")
-            if kind == "failure" and ("AssertionError" in text or "assert " in text or "DID NOT RAISE" in text
-                                      or mutated_file in text):
-                return "killed", f"{case.get('name')}: {node.get('message', '')[:140]}"
+            if kind == "failure" and (message.startswith(("assert", "AssertionError")) or "DID NOT RAISE" in message):
+                return "killed", f"{case.get('name')}: {message[:140]}"
             if mutated_file in text:
                 return "killed", f"{case.get('name')}: an error raised in {mutated_file}"
-            return "unclear", f"{case.get('name')}: {kind} not from the mutation: {node.get('message', '')[:120]}"
+            return "unclear", f"{case.get('name')}: {kind} not from the mutation: {message[:120]}"
     if not cases:
-        return "unclear", "no test ran"
+        return "unclear", "none of the named tests ran"
     return "survived", f"{len(cases)} tests passed"
+
+
+def _named(case: ET.Element, tests: list[str]) -> bool:
+    """The JUnit test case is one of `tests`, or in one of them (a file, or a test's parametrisations)."""
+    path = case.get("classname", "").replace(".", "/") + ".py"
+    node = f"{path}::{case.get('name', '')}"
+    return any(node == t or node.startswith((t + "::", t + "[")) for t in tests)
 
 
 def main(argv: list[str]) -> int:
