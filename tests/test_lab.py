@@ -263,3 +263,21 @@ def test_engine_settings_given_as_engine_are_the_engines_settings_and_anything_e
             Lab(model_path, engine=wrong, port=0)
     with pytest.raises(TypeError, match="once"):
         Lab(model_path, config=LabConfig(), engine=settings, port=0)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s_and_a_busy_one_is_not(tokenizer, model_path,
+                                                                                         tmp_path):
+    """ProxyConfig.keep_alive_s is uvicorn's idle timeout: a connection idle past it is closed by the server, one
+    reused within it serves its next request."""
+    import time
+
+    with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), keep_alive_s=1) as lab:
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{lab.port}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", lab.port), timeout=10) as conn:
+            conn.sendall(request)
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
+            conn.sendall(request)  # within the timeout: served
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(2.0)
+            assert conn.recv(65536) == b""  # past it: the server closed the connection

@@ -66,7 +66,8 @@ class ProxyServer:
             self.service = CallService(engine, renderer, self.registry, store, cfg,
                                        parser=OutputParser(tokenizer, tool, reasoning))
             self._server = uvicorn.Server(uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level,
-                                                         lifespan="off", timeout_keep_alive=30, access_log=False))
+                                                         lifespan="off", timeout_keep_alive=cfg.keep_alive_s,
+                                                         access_log=False))
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="polar-lab-loop", daemon=True)
             self._thread.start()
