@@ -55,7 +55,8 @@ def run_seed(config_path: str, seed: int, args) -> dict:
         t1 = time.perf_counter()
         metrics = trainer.train(progress=False)
         train_s = time.perf_counter() - t1
-        after = trainer.evaluate(progress=False)
+        last = trainer.evaluations[-1]
+        after = last if last["step"] == len(trainer.history) else trainer.evaluate(progress=False)  # once per step
         after_shape = sessions_shape(trainer.last_eval_groups)
         curve = [{"step": e["step"], "eval_reward": e["eval_reward"]} for e in trainer.evaluations]
         rewards = [round(float(r), 4) for r in metrics["reward_mean"]]
