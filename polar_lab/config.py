@@ -297,7 +297,7 @@ def make_config(model: str | None, config: LabConfig | None, overrides: dict[str
 
 def engine_settings(model: str | None, config: LabConfig | None, engine: Any) -> tuple[LabConfig | None, Any]:
     """`Lab(model, engine=EngineConfig(...))`: settings for the engine the Lab builds, not an engine — moved into the
-    config. Anything else that is not an engine is a TypeError that says what to write."""
+    config. A dict, a string or a path where the engine goes is a TypeError that says what to write."""
     if isinstance(engine, EngineConfig):
         if config is not None:
             raise TypeError("Lab(config=..., engine=EngineConfig(...)): give the engine's settings once, as "
@@ -305,7 +305,7 @@ def engine_settings(model: str | None, config: LabConfig | None, engine: Any) ->
         if model is not None and engine.model not in (DEFAULT_MODEL, str(model)):
             raise TypeError(f"Lab({model!r}, engine=EngineConfig(model={engine.model!r})): two models; name one")
         return LabConfig(engine=engine), None
-    if engine is not None and not callable(getattr(engine, "submit", None)):
+    if isinstance(engine, (dict, str, Path)):  # settings or a model, where an engine goes
         raise TypeError(f"Lab(engine=...) takes an engine (VLLMEngine, ScriptedEngine...) or an EngineConfig, not "
                         f"{type(engine).__name__}; engine settings by name go as keywords: "
                         f"Lab(model, max_model_len=..., dtype=...)")

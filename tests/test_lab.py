@@ -273,11 +273,23 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s_and_a_busy_o
 
     with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), keep_alive_s=1) as lab:
         request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{lab.port}\r\n\r\n".encode()
+
+        def response(conn) -> bytes:  # a whole response: its head, then Content-Length bytes of body
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            return head
+
         with socket.create_connection(("127.0.0.1", lab.port), timeout=10) as conn:
             conn.sendall(request)
-            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+            assert response(conn).startswith(b"HTTP/1.1 200")
             time.sleep(0.3)
             conn.sendall(request)  # within the timeout: served
-            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+            assert response(conn).startswith(b"HTTP/1.1 200")
             time.sleep(2.0)
             assert conn.recv(65536) == b""  # past it: the server closed the connection

@@ -123,9 +123,8 @@ class EngineSupervisor:
         try:
             return load_into(self.engine, state_dict)
         except EngineError:
-            # a transfer reaches only its own engine: the heal (`exited`) restarts at what that one served before
             if self.engine.alive or not self._budget_left() or isinstance(state_dict, WeightTransfer):
-                raise
+                raise  # a transfer reaches only its own engine: the heal (`exited`) restarts at what it served
         version = self.engine.policy_version + 1
         log.warning("the engine died during a weight load; starting a new one with those weights")
         with self._paused(drain_timeout=30.0):
