@@ -38,14 +38,23 @@ def test_plain_generate_content_records_ids_that_decode_to_the_text(lab, tokeniz
 
 
 def test_streaming_yields_the_recorded_answer(lab):
-    s = lab.session()
-    client = _client(s)
-    chunks = list(client.models.generate_content_stream(model="tiny-calc", contents="What is 2+3?", config=_config()))
-    (call,) = session_calls(lab, s)
-    streamed = "".join(p.text or "" for c in chunks for p in c.candidates[0].content.parts or [])
-    assert len(chunks) > 2, "the answer came in one piece, not as it was sampled"
-    assert streamed == "".join(p.get("text", "") for p in call.response["candidates"][0]["content"]["parts"])
-    assert chunks[-1].candidates[0].finish_reason is not None
+    """Each stream's text is its record's; the answer comes as it was sampled, in pieces — in one of three tries: the
+    proxy sends what has arrived when it writes, so on a loaded machine a short answer sampled in a few milliseconds
+    can leave as one event."""
+    pieces = []
+    for _ in range(3):
+        s = lab.session()
+        client = _client(s)
+        chunks = list(client.models.generate_content_stream(model="tiny-calc", contents="What is 2+3?",
+                                                            config=_config()))
+        (call,) = session_calls(lab, s)
+        streamed = "".join(p.text or "" for c in chunks for p in c.candidates[0].content.parts or [])
+        assert streamed == "".join(p.get("text", "") for p in call.response["candidates"][0]["content"]["parts"])
+        assert chunks[-1].candidates[0].finish_reason is not None
+        pieces.append(len(chunks))
+        if len(chunks) > 2:
+            break
+    assert max(pieces) > 2, f"the answer came in one piece, not as it was sampled: {pieces} chunks"
 
 
 def test_function_call_then_response_continues_one_exact_chain(lab):
