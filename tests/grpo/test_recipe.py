@@ -1,7 +1,7 @@
-"""The paper's recipe (configs/polar_qwen35_4b.yaml) runs 2 steps on the CPU with the model, the tasks and the
-hardware overridden: the Qwen3.5-format tiny model, the SWE-style repo tasks, no GPUs, small groups. Everything
-else is the file's own: Codex unmodified in the sandbox, repo_tests, prefix_merging, async GRPO, FSDP ranks.
-Its engine is the recipe's own (`train_from_config` builds the Lab from the file, as the CLI does)."""
+"""The paper's recipe: configs/polar_qwen35_4b.yaml is read as written (the paper's groups, rate, async FSDP over GPUs 4-7 beside a
+4-GPU engine), and configs/polar_recipe_cpu.yaml — the same loop at CPU size: the hybrid Qwen3.5 fixture, the shipped
+SWE set, Codex and Claude Code unmodified in the sandbox, repo_tests, prefix_merging, sync GRPO over two FSDP ranks —
+runs 2 steps. Its engine is the recipe's own (`train_from_config` builds the Lab from the file, as the CLI does)."""
 
 import json
 from pathlib import Path
