@@ -1,7 +1,8 @@
-"""The paper's recipe: configs/polar_qwen35_4b.yaml is read as written (the paper's groups, rate, async FSDP over GPUs 4-7 beside a
-4-GPU engine), and configs/polar_recipe_cpu.yaml — the same loop at CPU size: the hybrid Qwen3.5 fixture, the shipped
-SWE set, Codex and Claude Code unmodified in the sandbox, repo_tests, prefix_merging, sync GRPO over two FSDP ranks —
-runs 2 steps. Its engine is the recipe's own (`train_from_config` builds the Lab from the file, as the CLI does)."""
+"""The paper's recipe: configs/polar_qwen35_4b.yaml is read as written (the paper's groups and rate, async FSDP over
+GPUs 4-7 beside a 4-GPU engine), and configs/polar_recipe_cpu.yaml — the same loop at CPU size: the hybrid Qwen3.5
+fixture, the shipped SWE set, Codex and Claude Code unmodified in the sandbox, repo_tests, prefix_merging, sync GRPO
+over two FSDP ranks — runs 2 steps. Its engine is the recipe's own (`train_from_config` builds the Lab from the file,
+as the CLI does)."""
 
 import json
 from pathlib import Path
