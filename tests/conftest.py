@@ -102,6 +102,20 @@ def browser() -> str | None:
     return None
 
 
+AGENT_BINARIES = {"codex": "codex", "claude_code": "claude", "qwen_code": "qwen", "pi": "pi"}  # preset → npm binary
+
+
+def agent_installed(name: str) -> bool:
+    """An npm agent (its binary's name, or a preset's: AGENT_BINARIES) is installed (`make agents`); else its tests
+    skip — a skip that CI fails where they are `ci_required`."""
+    from polar_lab.harness.presets import agents_bin
+
+    try:
+        return Path(agents_bin(AGENT_BINARIES.get(name, name))).exists()
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

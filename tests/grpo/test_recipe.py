@@ -11,20 +11,14 @@ import pytest
 import yaml
 
 from polar_lab.grpo.run import load_train_config, train_from_config
-from polar_lab.harness.presets import agents_bin
 from polar_lab.rewards.code import repo_tests
 from polar_lab.rewards.registry import register
+from tests.conftest import agent_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "polar_qwen35_4b.yaml"
 CPU_RECIPE = ROOT / "configs" / "polar_recipe_cpu.yaml"
 
-
-def _installed(name: str) -> bool:
-    try:
-        return Path(agents_bin(name)).exists()
-    except FileNotFoundError:  # not installed: its test skips, the file still collects
-        return False
 
 
 def test_the_recipe_file_is_the_papers_setup():
@@ -44,7 +38,7 @@ def _repo_tests_then_brevity(task: dict, result: dict) -> dict[str, float]:
 
 
 @pytest.mark.ci_required
-@pytest.mark.skipif(not (_installed("codex") and _installed("claude")),
+@pytest.mark.skipif(not (agent_installed("codex") and agent_installed("claude")),
                     reason="run `make agents` (npm) to install Codex CLI and Claude Code")
 def test_the_cpu_recipe_runs_the_papers_loop_for_two_steps(tmp_path):
     """configs/polar_recipe_cpu.yaml (where it writes moved): the hybrid Qwen3.5 fixture behind Codex and Claude Code

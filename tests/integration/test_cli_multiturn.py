@@ -18,19 +18,12 @@ import pytest
 from polar_lab.harness import presets
 from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.report import chain_breaks
-from tests.conftest import session_calls
+from tests.conftest import agent_installed, session_calls
 
 MODEL = "data/models/tiny-agent"
 CLIS = ["codex", "claude_code", "qwen_code", "pi"]
 pytestmark = pytest.mark.ci_required  # the CLIs are installed by `make agents` in CI
 
-
-def _installed(cli: str) -> bool:
-    try:
-        presets.agents_bin({"codex": "codex", "claude_code": "claude", "qwen_code": "qwen", "pi": "pi"}[cli])
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def harness(cli: str):
@@ -60,7 +53,7 @@ def long_session(lab, cli: str, max_calls: int = 12):
 
 @pytest.mark.parametrize("cli", CLIS)
 def test_a_multi_turn_session_behind_each_cli_is_one_chain_or_classified_breaks_and_replays_exactly(cli, agent_lab):
-    if not _installed(cli):
+    if not agent_installed(cli):
         pytest.skip("run `make agents`")
     from transformers import AutoTokenizer
 

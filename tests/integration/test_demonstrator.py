@@ -13,20 +13,13 @@ from transformers import AutoTokenizer
 from polar_lab.harness import presets
 from polar_lab.harness.demonstrator import Demonstrator, Fix, Mistakes, read_prompt, wrong
 from polar_lab.tasks import load_tasks
-from tests.conftest import session_calls
+from tests.conftest import agent_installed, session_calls
 
 QWEN35 = "data/models/tiny-calc-qwen35-hybrid"
 CLIS = ["codex", "claude_code", "qwen_code", "pi"]
 SHELL = {"codex": "exec_command", "claude_code": "Bash", "qwen_code": "run_shell_command", "pi": "bash"}
 pytestmark = pytest.mark.ci_required  # the CLIs are installed by `make agents` in CI
 
-
-def _installed(cli: str) -> bool:
-    try:
-        presets.agents_bin({"codex": "codex", "claude_code": "claude", "qwen_code": "qwen", "pi": "pi"}[cli])
-        return True
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,7 @@ def _called_tools(calls) -> list[str]:
 @pytest.mark.parametrize("cli", CLIS)
 def test_arithmetic_through_each_cli_shell_tool_is_two_calls_in_one_chain_and_answers_what_it_printed(
         cli, tokenizer, tmp_path):
-    if not _installed(cli):
+    if not agent_installed(cli):
         pytest.skip("run `make agents`")
     tasks = load_tasks("data/tasks/calc_test.jsonl", 2)
     with _lab(tokenizer, tmp_path, Demonstrator(tasks), cli) as lab:
@@ -70,7 +63,7 @@ def test_arithmetic_through_each_cli_shell_tool_is_two_calls_in_one_chain_and_an
 def test_a_swe_instance_is_read_edited_tested_and_fixed_in_five_calls(cli, tokenizer, tmp_path):
     """Claude Code echoes its Edit call back with `replace_all: false` added: the history no longer holds what was
     sampled, so the chain breaks there, and the proxy says why (`render.edited`)."""
-    if not _installed(cli):
+    if not agent_installed(cli):
         pytest.skip("run `make agents`")
     task = load_tasks("data/tasks/swe_mini.jsonl", 1)
     with _lab(tokenizer, tmp_path, Demonstrator(task, key="prompt"), cli) as lab:

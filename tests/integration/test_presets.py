@@ -1,24 +1,16 @@
 """Real agent programs, unmodified, against a Lab session."""
 
-import os
 import time
 
 import pytest
 
 from polar_lab.tasks import load_tasks
-from polar_lab.harness.presets import (agents_bin, claude_code, codex, gemini_cli, install_root, mini_swe_agent,
+from polar_lab.harness.presets import (claude_code, codex, gemini_cli, mini_swe_agent,
                                       openai_agents_calculator, opencode, pi, qwen_code)
-from tests.conftest import running, session_calls
+from tests.conftest import agent_installed, processes_of, session_calls
 
 
 pytestmark = pytest.mark.ci_required  # every agent preset is an ecosystem promise: CI installs them all (make agents)
-
-
-def _installed(name):
-    try:
-        return bool(agents_bin(name))
-    except FileNotFoundError:
-        return False
 
 
 def test_mini_swe_agent_runs_and_every_call_is_recorded_with_exact_ids(lab, tokenizer):
@@ -56,7 +48,7 @@ def _rerun_exactly(lab, harness, calls):
     assert lab.engine.steps == steps
 
 
-@pytest.mark.skipif(not _installed("claude"), reason="run `make agents` (npm) to install Claude Code")
+@pytest.mark.skipif(not agent_installed("claude"), reason="run `make agents` (npm) to install Claude Code")
 def test_claude_code_runs_unmodified_over_the_anthropic_surface_and_reruns_exactly_from_its_record(lab):
     calls = _run_agent(lab, claude_code())
     assert all(c.api == "anthropic.messages" and c.request["stream"] is True for c in calls)
@@ -64,7 +56,7 @@ def test_claude_code_runs_unmodified_over_the_anthropic_surface_and_reruns_exact
     _rerun_exactly(lab, claude_code(), calls)
 
 
-@pytest.mark.skipif(not _installed("codex"), reason="run `make agents` (npm) to install Codex CLI")
+@pytest.mark.skipif(not agent_installed("codex"), reason="run `make agents` (npm) to install Codex CLI")
 def test_codex_runs_unmodified_over_the_responses_surface_and_reruns_exactly_from_its_record(lab):
     calls = _run_agent(lab, codex())
     assert all(c.api == "openai.responses" and c.request["stream"] is True for c in calls)
@@ -83,7 +75,7 @@ def test_claude_code_and_codex_are_sent_tokens_while_they_are_sampled(lab, name,
     test_streaming.py show a client receives what the proxy hands over, as it is handed over). A proxy that replays
     a finished generation hands it over after all of it. Longer than the SDK tests' 64 tokens: these agents' prompts
     are thousands of tokens (Codex's first token ~0.9 s here), and the claim is about the generation after it."""
-    if not _installed(name):
+    if not agent_installed(name):
         pytest.skip("run `make agents` (npm) to install the CLI agents")
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), preset(), num_generations=1, deadline_s=120,
                        progress=False, sampling={"ignore_eos": True, "max_tokens": TOKENS})
@@ -110,7 +102,7 @@ def test_openai_agents_sdk_runs_unmodified_over_the_responses_surface(lab):
     assert tool_results, "the SDK never executed a calculator call"
 
 
-@pytest.mark.skipif(not _installed("claude"), reason="run `make agents` (npm) to install Claude Code")
+@pytest.mark.skipif(not agent_installed("claude"), reason="run `make agents` (npm) to install Claude Code")
 def test_an_agent_prompt_over_the_context_gets_the_provider_error_not_a_hang(lab):
     huge = {"id": "huge", "question": "add these numbers: " + "7 " * 40000}  # > 32k tokens
     t0 = time.monotonic()
@@ -126,30 +118,25 @@ NEW_PRESETS = [("qwen", qwen_code, "openai.chat"), ("gemini", gemini_cli, "googl
                ("pi", pi, "openai.chat"), ("opencode", opencode, "openai.chat")]
 
 
-def _agent_processes(executable):
-    """Live processes whose command line runs something from the agent's install folder."""
-    root = install_root(executable).encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if root in fh.read() and running(int(entry)):
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
+def _agent_processes():
+    """Live processes of this worker's sandbox users: the agents it ran, and nothing another worker runs beside it
+    (every npm agent shares one install folder, so a command-line match would see the other worker's CLIs)."""
+    from polar_lab.sandbox import isolation
+
+    return processes_of(isolation.pool())
 
 
 @pytest.mark.parametrize("binary, preset, api", NEW_PRESETS, ids=[p[0] for p in NEW_PRESETS])
 def test_each_new_preset_runs_unmodified_and_its_process_tree_is_gone_after_the_deadline(lab, binary, preset, api):
-    if not _installed(binary):
+    if not agent_installed(binary):
         pytest.skip(f"run `make agents` (npm) to install {binary}")
+    assert lab.sandbox_level == "isolated"  # its runs are this worker's sandbox users' processes, seen below
     calls = _run_agent(lab, preset())
     assert {c.api for c in calls} == {api} and len(calls[0].prompt_ids) > 1000  # its own prompt, tools and all
     (g,) = lab.rollout(load_tasks("data/tasks/calc_test.jsonl", 1), preset(), num_generations=1, deadline_s=0.5,
                        progress=False)
     assert g.sessions[0].status == "timeout"  # cut off mid-run ...
     deadline = time.monotonic() + 10  # SIGKILLed processes leave the table once the kernel has torn them down
-    while _agent_processes(agents_bin(binary)) and time.monotonic() < deadline:
+    while _agent_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _agent_processes(agents_bin(binary)) == []  # ... and nothing of it is left
+    assert _agent_processes() == []  # ... and nothing of it is left
