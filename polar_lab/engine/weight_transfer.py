@@ -18,7 +18,7 @@ Backends, chosen by `EngineConfig.weights_transport`:
 Not run on a GPU yet (scripts/check_cuda_trainer.py carries the check). One trainer process: the policy's rank 0 must
 be the process that holds the Lab (`Policy`, not `DistributedPolicy`'s rank processes: GRPOTrainer refuses the
 pair up front), and an engine restarted after a death has no group: its weights come back by a file sync.
-Before each update the engine checks the names (a name the served model has no parameter for is refused, as a file
+Before the first update the engine checks the names (a name the served model has no parameter for is refused, as a file
 load refuses it). A transfer that fails mid-way may have loaded some layers and not others: the engine is ended rather
 than serve that, and the Lab restarts it at the version it served before, from its kept copy (the model folder at
 version 0, else the last weights synced through a file); with no copy kept it answers 503 until
@@ -263,11 +263,11 @@ class WeightTransfer:
 
     def send(self, version: int | None = None) -> int:
         """One update; the engine then serves `version` (default: its current one + 1), which is returned. Names the
-        engine has no parameter for are refused before anything moves; a failure once tensors move ends the engine
+        engine has no parameter for are refused before the group opens; a failure once tensors move ends the engine
         (see the module's doc) and is raised."""
         self._version = self.engine.policy_version + 1 if version is None else version
-        self.engine.transfer("check_names", {"names": [name for name, _, _ in self.source.layout]})
-        if self._trainer is None:
+        if self._trainer is None:  # the names are the source's, fixed: checked once, before the group opens
+            self.engine.transfer("check_names", {"names": [name for name, _, _ in self.source.layout]})
             self._trainer = self._open()
         try:
             self._trainer.send_weights()

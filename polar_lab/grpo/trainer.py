@@ -328,7 +328,7 @@ def make_policy(model_path: str, config: GRPOConfig, engine_gpus: list[int] | tu
             check_targets(model_path, config.peft_config)
         return DistributedPolicy(model_path, config, ray_address=ray_address)
     devices = check_policy(model_path, config, engine_gpus)
-    if config.world_size == 1 and config.trainer_devices is None and config.strategy == "ddp":
+    if in_process(config):
         return Policy(model_path, config, device=devices[0])
     return DistributedPolicy(model_path, config, devices=devices)
 
@@ -359,13 +359,17 @@ def check_run(lab_config: LabConfig, config: GRPOConfig) -> None:
     check_policy(lab_config.engine.model, config, gpus)
 
 
+def in_process(config: GRPOConfig) -> bool:
+    """The policy trains in the Lab's own process (`Policy`), not in rank processes (`DistributedPolicy`)."""
+    return config.world_size == 1 and config.trainer_devices is None and config.strategy == "ddp"
+
+
 def check_transfer(config: GRPOConfig, transport: str) -> None:
     """vLLM's weight-transfer API takes weights from one process, the one holding the Lab: a trainer of several
     ranks (DDP or FSDP) has no such process holding every tensor. Say so before anything starts."""
     from polar_lab.engine.weight_transfer import TRANSFER_BACKENDS
 
-    if transport in TRANSFER_BACKENDS and (config.world_size > 1 or config.strategy != "ddp"
-                                           or config.trainer_devices is not None):
+    if transport in TRANSFER_BACKENDS and not in_process(config):
         raise ConfigError(f"weights_transport={transport!r} sends from a trainer in the Lab's process (world_size=1, "
                           f"strategy ddp); with {config.world_size} ranks ({config.strategy}) use "
                           f"weights_transport='memory', which FSDP's ranks write into directly")
