@@ -37,10 +37,11 @@ def test_two_ranks_make_the_same_update_as_one(lab, model_path, train_tasks):
     assert same_loss(two.loss, one.loss)
     assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
     for name in after_one:
-        step = (after_one[name] - start[name]).abs().max()
-        gap = (after_one[name] - after_two[name]).abs().max()
-        # Adam's first step moves every weight by ~lr; the ranks' float sums differ only in rounding
-        assert gap <= 0.05 * step + 1e-7, f"{name}: 1 vs 2 ranks differ by {gap:.2e}, the step is {step:.2e}"
+        step = (after_one[name] - start[name]).norm()
+        gap = (after_one[name] - after_two[name]).norm()
+        # Adam's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps, the ranks' float sums,
+        # which differ only in rounding, move that one weight by a few % of lr, so the whole tensor's step is compared
+        assert gap <= 1e-3 * step + 1e-7, f"{name}: 1 vs 2 ranks differ by {gap:.2e}, the step is {step:.2e}"
 
 
 def _sample(length: int, name: str) -> Sample:
