@@ -197,7 +197,9 @@ class ProxyConfig:
                                             "loop; larger ones in a worker thread so they never stall it")
     continuity: str = _f("splice", "how an echoed assistant turn the proxy produced goes back into the prompt: "
                                    "'splice' (its sampled ids) or 'template' (re-rendered by the chat template)")
-    keep_alive_s: int = _f(30, "how long an idle keep-alive connection stays open (uvicorn's timeout_keep_alive)")
+    keep_alive_s: int = _f(300, "how long an idle keep-alive connection stays open (uvicorn's timeout_keep_alive; "
+                                "longer than clients keep theirs, so the proxy is not the side that closes first: "
+                                "proxy/keepalive.py)")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level")
     engine_wait_s: float = _f(900.0, "how long a call that meets a dead engine waits for its replacement before "
                                      "it gets a 503")

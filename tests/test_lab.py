@@ -293,3 +293,32 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s_and_a_busy_o
             assert response(conn).startswith(b"HTTP/1.1 200")
             time.sleep(2.0)
             assert conn.recv(65536) == b""  # past it: the server closed the connection
+
+
+def test_a_request_that_arrives_as_the_idle_timer_fires_is_served_not_reset(tokenizer, model_path, tmp_path):
+    """A client reuses a connection just as the proxy's keep-alive timer fires: the request is in the socket, not yet
+    read. Closing then would reset the connection (the client's httpx.ReadError, a call the proxy never saw); the
+    proxy's timer sees the waiting bytes and serves the request (proxy/keepalive.py). The timing is forced: the
+    proxy's loop is kept busy across the timer's deadline, and the request is sent while it is."""
+    import time
+
+    import httpx
+
+    with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), keep_alive_s=1) as lab:
+        url = f"{lab.url}/health"
+        with httpx.Client() as client:  # its idle expiry (5 s) outlasts the proxy's 1 s: it reuses the connection
+            assert client.get(url).status_code == 200
+            (protocol,) = lab.server._server.server_state.connections
+            deadline = time.monotonic() + 5
+            while protocol.timeout_keep_alive_task is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # armed on the loop's thread once the response is written
+            when = protocol.timeout_keep_alive_task.when()  # loop time (monotonic) at which the timer fires
+
+            def busy_across_the_deadline():
+                lab.server.loop.call_at(when - 0.3, time.sleep, 0.4)  # busy from when-0.3 to when+0.1, so this
+                lab.server.loop.call_at(when - 1e-4, time.sleep, 0.6)  # and the timer are due in one iteration
+
+            lab.server.loop.call_soon_threadsafe(busy_across_the_deadline)
+            time.sleep(max(0.0, when + 0.35 - time.monotonic()))  # sent while the loop sleeps, before the timer runs
+            assert client.get(url).status_code == 200
+            assert len(lab.server._server.server_state.connections) == 1  # the same connection served it

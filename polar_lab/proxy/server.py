@@ -30,6 +30,7 @@ from polar_lab.engine.process_env import socket_dir
 from polar_lab.errors import LabError
 from polar_lab.proxy.app import create_app
 from polar_lab.proxy.formats import resolve_parsers, tool_format
+from polar_lab.proxy.keepalive import KeepAliveProtocol
 from polar_lab.proxy.parse import OutputParser
 from polar_lab.proxy.pause import PAUSED, PauseState
 from polar_lab.proxy.render import Renderer
@@ -67,7 +68,7 @@ class ProxyServer:
                                        parser=OutputParser(tokenizer, tool, reasoning))
             self._server = uvicorn.Server(uvicorn.Config(create_app(self.service), log_level=cfg.uvicorn_log_level,
                                                          lifespan="off", timeout_keep_alive=cfg.keep_alive_s,
-                                                         access_log=False))
+                                                         http=KeepAliveProtocol, access_log=False))
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="polar-lab-loop", daemon=True)
             self._thread.start()
