@@ -111,7 +111,7 @@ $(VF_STAMP):
 # skip with the reason instead of failing `make test`.
 envs:
 	@$(MAKE) --no-print-directory nemo-gym verifiers \
-		|| echo "NeMo Gym / verifiers could not be installed: their tests will skip (docs/ecosystem.md)"
+		|| echo "NeMo Gym / verifiers could not be installed: their tests will skip (docs/harnesses.md)"
 
 demo: setup malloc
 	$(BIN)/polar-lab demo

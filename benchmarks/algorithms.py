@@ -1,5 +1,5 @@
-"""The algorithms side by side (issue 43): the same tasks, the same budget, several seeds each — held-out gain and
-seconds per step for grpo, dr_grpo, dapo, GSPO, CISPO, IcePop, dynamic sampling and on-policy distillation.
+"""The algorithms side by side: the same tasks, the same budget, several seeds each — held-out gain and seconds per
+step for grpo, dr_grpo, dapo, GSPO, CISPO, IcePop, dynamic sampling and on-policy distillation, on the tiny model.
 
 One Lab on the shipped tiny model; each (method, seed) starts from the shipped weights: evaluate (eval_seed fixed),
 `--steps` sync steps, evaluate again. Methods are GRPOConfig overrides on one base (lr, tasks, group size):
@@ -24,14 +24,13 @@ sampling keeps. That is what this toy measures; it says so rather than crown a w
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
 
 from learning_rate import shipped_weights  # benchmarks/ is on the path when run
+from result import save
 
 METHODS = {
     "grpo": {"loss_type": "grpo"},
@@ -94,11 +93,16 @@ def main() -> None:
                            "gain_min": min(gains), "gain_max": max(gains), "step_s": statistics.mean(steps)}
         s = summary[method]
         print(f"{method:>13} {s['gain_mean']:>+9.3f} {s['gain_sd']:>7.3f} {s['step_s']:>7.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
-                               "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs, "summary": summary},
-                              indent=2))
+    save("algorithms", {f"gain, {m}": f"{s['gain_mean']:+.3f} ± {s['gain_sd']:.3f}" for m, s in summary.items()},
+         tables=[{"title": "Held-out gain per method (mean, sd, min, max over seeds) and seconds per step",
+                  "columns": ["method", "gain mean", "sd", "min", "max", "s/step"],
+                  "rows": [[m, round(s["gain_mean"], 3), round(s["gain_sd"], 3), round(s["gain_min"], 3),
+                            round(s["gain_max"], 3), round(s["step_s"], 1)] for m, s in summary.items()]}],
+         notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × 8 runs, "
+                f"lr {args.lr:g}, {args.eval_limit} held-out tasks"],
+         title="The algorithms side by side",
+         raw={"model": args.model, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
+              "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs, "summary": summary}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Learning behind an unmodified CLI: GRPO on the tiny-agent fixture behind Codex (or another preset), held-out pass
-rate before and after, with the curve of evaluations in between, per seed.
+"""Learning behind an unmodified CLI: GRPO on the tiny-agent fixture behind Codex (or another preset) — held-out pass
+rate before and after, the evaluations in between, and the time per step, per seed.
 
     python benchmarks/cli_learning.py [--config configs/tiny_agent_codex.yaml] [--seeds 0] [--steps 8]
         [--eval-every 2] [--eval-limit 60] [--tasks ...] [--eval-tasks ...] [--harness codex]
@@ -7,7 +7,7 @@ rate before and after, with the curve of evaluations in between, per seed.
 
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
 evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. Prints the curve and writes it,
-with wall times and calls and chains per session before and after, to `--out`.
+with wall times and calls and chains per session before and after, to `--out` (benchmarks/result.py's shape).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
 
 from polar_lab.grpo.run import load_train_config
+
+from result import save
 
 
 def sessions_shape(groups) -> dict:
@@ -69,6 +70,19 @@ def run_seed(config_path: str, seed: int, args) -> dict:
     return row
 
 
+def figures(rows: list[dict]) -> dict:
+    """Per seed: held-out pass rate before and after, every evaluation, training seconds, the spread of step times."""
+    out = {}
+    for r in rows:
+        seed = r["seed"]
+        out |= {f"held-out pass rate, seed {seed}: before → after": f"{r['before']:.3f} → {r['after']:.3f}",
+                f"evaluations, seed {seed} (step: pass rate)": ", ".join(f"{c['step']}: {c['eval_reward']:.3f}"
+                                                                          for c in r["curve"]),
+                f"training, seed {seed} (s)": r["train_s"],
+                f"step time, seed {seed} (s)": f"{min(r['step_s'])}–{max(r['step_s'])}"}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny_agent_codex.yaml")
@@ -85,9 +99,12 @@ def main() -> None:
     for r in rows:
         print(f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f} ({r['gain']:+.3f}) in {r['train_s']} s of "
               f"training ({r['total_s']} s in all); curve {[round(c['eval_reward'], 3) for c in r['curve']]}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
-                                          "eval_limit": args.eval_limit, "runs": rows}, indent=2) + "\n")
+    save("cli_learning", figures(rows),
+         notes=[f"{args.steps} steps of {args.config}, evaluated every {args.eval_every} steps on {args.eval_limit} "
+                "held-out tasks"],
+         title="Learning behind an unmodified CLI",
+         raw={"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
+              "eval_limit": args.eval_limit, "runs": rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ of the calculator agent under "splice" and "template" continuity, and engine vs 
 
 For each fixture, one Lab (real vLLM on CPU) runs the calculator agent (an OpenAI-SDK loop that echoes calls
 without their thought) on `--tasks` test tasks, `--runs` seeded runs each, once per continuity policy; the same
-seeds in both (one per run), so both policies see the same first turns. Prints one JSON line per family and a markdown table.
+seeds in both (one per run), so both policies see the same first turns. Prints one JSON line per family and a
+markdown table; writes benchmarks/results/families.json.
 
     python benchmarks/families.py [--tasks 20] [--runs 2] [--models tiny-calc tiny-calc-qwen35 ...]
 """
@@ -19,6 +20,8 @@ from polar_lab import Lab
 from polar_lab.harness.calculator import calculator_agent
 from polar_lab.tasks import load_tasks
 from polar_lab.trajectory.fidelity import fidelity
+
+from result import save
 
 MODELS = ["tiny-calc", "tiny-calc-qwen35", "tiny-calc-llama3", "tiny-calc-mistral"]
 
@@ -61,17 +64,19 @@ def measure(model: str, tasks: list[dict], runs: int) -> dict:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| model | parsers (auto) | first turns that are calls | splice: chains / sessions, breaks "
-             "| template: chains / sessions, breaks | engine vs trainer mean / max abs diff |",
-             "|---|---|---|---|---|---|"]
+COLUMNS = ["model", "parsers (auto)", "first turns that are calls", "splice: chains / sessions, breaks",
+           "template: chains / sessions, breaks", "engine vs trainer mean / max abs diff"]
+
+
+def table(rows: list[dict]) -> list[list[str]]:
+    out = []
     for r in rows:
         sp, tp = r["splice"], r["template"]
-        lines.append(f"| `{r['model']}` | `{r['tool_parser']}`, `{r['reasoning_parser']}` | "
-                     f"{sp['first_turn_calls']:.0%} | {sp['chains']} / {sp['sessions']}, {sp['breaks'] or 'none'} | "
-                     f"{tp['chains']} / {tp['sessions']}, {tp['breaks'] or 'none'} | "
-                     f"{r['fidelity_mean_abs_diff']:.1e} / {r['fidelity_max_abs_diff']:.1e} |")
-    return "\n".join(lines)
+        out.append([f"`{r['model']}`", f"`{r['tool_parser']}`, `{r['reasoning_parser']}`",
+                    f"{sp['first_turn_calls']:.0%}", f"{sp['chains']} / {sp['sessions']}, {sp['breaks'] or 'none'}",
+                    f"{tp['chains']} / {tp['sessions']}, {tp['breaks'] or 'none'}",
+                    f"{r['fidelity_mean_abs_diff']:.1e} / {r['fidelity_max_abs_diff']:.1e}"])
+    return out
 
 
 def main() -> None:
@@ -88,7 +93,16 @@ def main() -> None:
             continue
         rows.append(measure(model, tasks, args.runs))
         print(json.dumps(rows[-1]), flush=True)
-    print(table(rows))
+    print("\n".join(["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+                    + ["| " + " | ".join(row) + " |" for row in table(rows)]))
+    calls = min(r["splice"]["first_turn_calls"] for r in rows)
+    mean, most = (max(r[f"fidelity_{k}_abs_diff"] for r in rows) for k in ("mean", "max"))
+    save("families", {"fixtures": len(rows), "first turns that are calls, lowest": f"{calls:.0%}",
+                      "engine vs trainer mean / max abs diff, largest": f"{mean:.1e} / {most:.1e}"},
+         tables=[{"title": f"Per fixture, {args.tasks} tasks × {args.runs} runs per policy", "columns": COLUMNS,
+                  "rows": table(rows)}],
+         title="Model families through the proxy",
+         raw={"tasks": args.tasks, "runs": args.runs, "rows": rows})
 
 
 if __name__ == "__main__":

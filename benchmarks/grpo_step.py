@@ -1,4 +1,5 @@
-"""GRPO step costs on one Lab: seconds per step and engine busy fraction, sync vs async; weight sync time.
+"""GRPO step costs on one Lab: seconds per step (rollout, update, sync) and the engine's busy fraction, sync vs async
+mode, per trainer layout; and the time of a weight sync on an idle proxy.
 
 One process, one real vLLM engine, the calculator harness, the shipped tiny model (or --model):
   1. weight sync: `lab.sync_weights(state_dict)` repeated on an idle proxy (drain + load + resume);
@@ -6,9 +7,8 @@ One process, one real vLLM engine, the calculator harness, the shipped tiny mode
   3. async mode: the same number of steps with rollouts running while the trainer steps
      (max_staleness 1), starting again from the shipped weights.
 Steps 2 and 3 run once per trainer layout (`--layouts`, STRATEGY:RANKS; ddp:1 trains in this process, the
-others in rank processes over gloo) — issue 20's "GRPO s/step ddp vs fsdp" as whole steps, rollouts and
-sync included. Engine busy fraction = time inside vLLM steps / wall time of the step. Results →
-benchmarks/results/.
+others in rank processes over gloo): "GRPO s/step ddp vs fsdp" as whole steps, rollouts and sync included.
+Engine busy fraction = time inside vLLM steps / wall time of the step. Results → benchmarks/results/grpo_step.json.
 
     python benchmarks/grpo_step.py [--model data/models/tiny-calc] [--steps 8] [--tasks-per-step 16]
     python benchmarks/grpo_step.py --tasks-per-step 8 --steps 4 --layouts ddp:1 ddp:2 fsdp:2
@@ -17,13 +17,13 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
 from polar_lab.grpo.config import STRATEGIES
+
+from result import save
 
 COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "engine_busy_frac", "sampled_tokens_per_s", "reward_mean",
            "staleness_max"]
@@ -96,12 +96,16 @@ def main() -> None:
     print(f"weight sync (idle proxy, median of {args.sync_repeats}): total {sync['sync_s'] * 1e3:.1f} ms = "
           f"drain {sync['drain_s'] * 1e3:.1f} ms + load into vLLM {sync['load_s'] * 1e3:.1f} ms")
     print(f"{'layout mode':<14} " + " ".join(f"{c:>20}" for c in COLUMNS))
-    for row in results["rows"]:
-        name = f"{row['strategy']}:{row['ranks']} {row['mode']}"
+    names = [f"{row['strategy']}:{row['ranks']} {row['mode']}" for row in results["rows"]]
+    for name, row in zip(names, results["rows"]):
         print(f"{name:<14} " + " ".join(f"{row[c]:>20.3f}" for c in COLUMNS))
-    out = Path("benchmarks/results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grpo_step.json").write_text(json.dumps(results, indent=2))
+    save("grpo_step", {"weight sync, idle proxy (ms)": round(sync["sync_s"] * 1e3, 1),
+                       **{f"s/step, {name}": round(row["step_s"], 2) for name, row in zip(names, results["rows"])}},
+         tables=[{"title": f"Means over {args.steps} steps after a warm-up, {results['runs_per_step']} runs a step",
+                  "columns": ["layout, mode", *COLUMNS],
+                  "rows": [[name, *(round(row[c], 3) for c in COLUMNS)] for name, row in zip(names, results["rows"])]}],
+         title="GRPO step costs, sync vs async",
+         raw=results)
 
 
 if __name__ == "__main__":

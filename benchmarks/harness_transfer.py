@@ -1,5 +1,5 @@
-"""Harness transfer (issue 44): train the same policy behind harness A, evaluate it behind harness B — the matrix of
-held-out gains, with seeds and spread. Polar's own results say the harness dominates the gain; this measures it.
+"""Harness transfer: train the same policy behind harness A, evaluate it behind harness B — the matrix of held-out
+gains, with seeds and spread. Polar's own results say the harness dominates the gain; this measures it.
 
 Harnesses (polar_lab/harness/registry.py), the calculator task through each: `calculator` (OpenAI chat SDK),
 `calculator_anthropic` (Anthropic Messages' tool_use loop), `calculator_google` (google-genai's functionCall loop) and
@@ -17,7 +17,6 @@ weights, trains `--steps` sync steps behind A, then is evaluated behind every B:
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -94,6 +93,7 @@ def plot(runs: pd.DataFrame, path: str | Path | None = None):
 
 def main() -> None:
     from learning_rate import shipped_weights  # benchmarks/ is on the path when run
+    from result import save
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -116,10 +116,23 @@ def main() -> None:
         print(f"\n{len(seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval {args.eval_limit} "
               f"tasks, {time.perf_counter() - t0:.0f} s in all\n")
         print(summary(runs).to_string())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "steps": args.steps, "seeds": seeds,
-                                          "tasks_per_step": args.tasks_per_step, "eval_limit": args.eval_limit,
-                                          "lr": args.lr, "runs": runs.to_dict("records")}, indent=2))
+    cells, elapsed = summary(runs), round(time.perf_counter() - t0)
+    before = runs.drop_duplicates("eval").set_index("eval")["before"]
+
+    def cell(a: str, b: str) -> str:
+        return f"{cells.loc[(a, b), 'mean']:+.3f} ± {cells.loc[(a, b), 'std']:.3f}"
+
+    save("harness_transfer", {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
+                              "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in harnesses),
+                              "wall, all runs (s)": elapsed},
+         tables=[{"title": "Gain (mean ± sd over seeds): trained behind ↓ / evaluated behind →",
+                  "columns": ["trained behind", *harnesses],
+                  "rows": [[a, *(cell(a, b) for b in harnesses)] for a in harnesses]}],
+         notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × 8 runs, "
+                f"lr {args.lr:g}, {args.eval_limit} held-out tasks"],
+         title="Harness transfer",
+         raw={"model": args.model, "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,
+              "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs.to_dict("records")}, out=args.out)
     plot(runs, args.plot)
 
 

@@ -1,10 +1,12 @@
-"""Engine vs trainer logprobs on Qwen3.5's hybrid architecture (issue 41): how far are the engine's logprobs from what
-the trainer computes? The CPU engine serves a hybrid in fp32 (its DeltaNet layers through engine/gdn_fp32.py) or in
-bf16 (through vLLM's own CPU kernels, which take nothing else); both are measured, one Lab each.
+"""Engine vs trainer logprobs on Qwen3.5's hybrid architecture: how far are the engine's logprobs from the trainer's,
+with the CPU engine serving the hybrid in fp32 and in bf16, and the trainer scoring the same tokens four ways?
+
+The CPU engine serves a hybrid in fp32 (its DeltaNet layers through engine/gdn_fp32.py) or in bf16 (through vLLM's
+own CPU kernels, which take nothing else); both are measured, one Lab each.
 
 Per engine dtype, one Lab on the hybrid fixture; `--sessions` calculator-style chats of three turns each at T=0.7
 (seeded); every sampled token of each session's one chain is rescored by the trainer four ways:
-  fp32                 the trainer's default (fp32 weights and compute) — the issue's reference
+  fp32                 the trainer's default (fp32 weights and compute) — the reference
   fp32, bf16 weights   fp32 compute on the weights rounded to bf16, as the engine holds them
   bf16 autocast        GRPOConfig(dtype="bfloat16"): fp32 master weights, bf16 matmuls
   bf16 model           weights and compute in bf16
@@ -26,6 +28,8 @@ from transformers import AutoModelForCausalLM
 
 from polar_lab import Lab
 from polar_lab.grpo.loss import token_logprobs
+
+from result import save
 
 QUESTIONS = ["What is 2+3?", "What is 17*4?", "Compute 120-45.", "What is (8+9)*3?", "What is 250+175?",
              "Compute 13*13.", "What is 99-27?", "What is 6*(7+5)?"]
@@ -98,6 +102,18 @@ def main() -> None:
     print("\n| engine | trainer | tokens | mean \\|Δ\\| | max \\|Δ\\| | TIS mean |\n|---|---|---|---|---|---|")
     for (dtype, name), r in rows.items():
         print(f"| {dtype} | {name} | {r['tokens']} | {r['mean']:.2e} | {r['max']:.2e} | {r['tis_mean']:.4f} |")
+    against_fp32 = {dtype: r for (dtype, name), r in rows.items() if name == "fp32"}  # the trainer's default
+    save("hybrid_fidelity",
+         {f"{dtype} engine vs fp32 trainer: mean / max |Δ|, TIS mean": f"{r['mean']:.2e} / {r['max']:.2e}, "
+          f"{r['tis_mean']:.4f}" for dtype, r in against_fp32.items()},
+         tables=[{"title": f"{args.sessions} three-turn sessions at T=0.7 per engine dtype, every sampled token",
+                  "columns": ["engine", "trainer", "tokens", "mean |Δ|", "max |Δ|", "TIS mean"],
+                  "rows": [[dtype, name, r["tokens"], f"{r['mean']:.2e}", f"{r['max']:.2e}", f"{r['tis_mean']:.4f}"]
+                           for (dtype, name), r in rows.items()]}],
+         notes=["Goal against the fp32 trainer: mean |Δ| ≤ 2e-3, max ≤ 1e-2"],
+         title="Engine vs trainer logprobs on Qwen3.5's hybrid architecture",
+         raw={"model": args.model, "sessions": args.sessions,
+              "rows": [{"engine": dtype, "way": name, **r} for (dtype, name), r in rows.items()]})
 
 
 if __name__ == "__main__":

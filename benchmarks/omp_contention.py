@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from result import save
+
 LOOP = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
@@ -53,12 +55,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; {args.steps} steps of a (16, 256) batch on {args.model}")
     print(f"{'policy':<10}{'copies':>7}{'threads':>9}{'wall per copy (s)':>20}")
+    results = []
     for policy in (None, "PASSIVE"):
         for copies in (1, 2):
             start = time.perf_counter()
             runs = trial(args.model, args.steps, policy, copies)
             walls = ", ".join(f"{wall:.1f}" for wall, _ in runs)
             print(f"{policy or 'default':<10}{copies:>7}{runs[0][1]:>9}{walls:>20}   ({time.perf_counter() - start:.0f} s)")
+            results.append({"policy": policy or "unset (libgomp spins)", "copies": copies, "walls": walls})
+    save("omp_contention", {f"{r['policy']}, {r['copies']} at once, each (s)": r["walls"] for r in results},
+         notes=[f"{args.steps} steps of a (16, 256) batch on {args.model}, {os.cpu_count()} cores"],
+         title="OpenMP's wait policy: a spinning pool starves its neighbours",
+         raw={"steps": args.steps, "model": args.model, "runs": results})
 
 
 if __name__ == "__main__":

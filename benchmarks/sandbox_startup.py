@@ -1,4 +1,5 @@
-"""What the isolated sandbox costs each run (issue 19): start-up at the "isolated" level against "process".
+"""What the isolated sandbox costs each run: start-up at the "isolated" level (bwrap's namespaces, mounts, seccomp,
+a leased uid) against "process", for a bare run, each preset's program and a whole calculator-CLI run.
 
 Three measures, each at both levels, the levels interleaved so machine drift hits both alike:
 1. a bare run (`true`): the sandbox's own cost — cgroups, prlimit, and for "isolated" bwrap, setpriv, the
@@ -24,6 +25,8 @@ from polar_lab import Lab, sandbox
 from polar_lab.harness.command import Command
 from polar_lab.harness.presets import agents_bin, install_root
 from polar_lab.tasks import load_tasks
+
+from result import save
 
 LEVELS = ("process", "isolated")
 
@@ -56,9 +59,11 @@ def time_program(argv: list[str], readonly: list[str], memory_mb: int, level: st
     return took
 
 
-def report(name: str, times: dict[str, list[float]]) -> None:
+def report(name: str, times: dict[str, list[float]]) -> list:
+    """Print the medians at both levels and the difference; the same as a table row."""
     p, i = (statistics.median(times[level]) * 1000 for level in LEVELS)
     print(f"{name:34s} process {p:8.1f} ms   isolated {i:8.1f} ms   added {i - p:+7.1f} ms")
+    return [name, round(p, 1), round(i, 1), f"{i - p:+.1f}"]
 
 
 def main() -> None:
@@ -66,13 +71,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     print(f"isolated level here: {sandbox.unavailable() or 'available'}; repeats: {args.repeats}")
+    rows = []
     for name, (argv, readonly, memory_mb) in programs().items():
         times = {level: [] for level in LEVELS}
         time_program(argv, readonly, memory_mb, "isolated")  # warm the page cache for both
         for _ in range(args.repeats):
             for level in LEVELS:
                 times[level].append(time_program(argv, readonly, memory_mb, level))
-        report(name, times)
+        rows.append(report(name, times))
     with tempfile.TemporaryDirectory() as runs, Lab(port=0, runs_dir=runs) as lab:
         task = load_tasks("data/tasks/calc_test.jsonl", 1)
         times = {level: [] for level in LEVELS}
@@ -84,7 +90,11 @@ def main() -> None:
                 (g,) = lab.rollout(task, cli, num_generations=1, progress=False, sampling={"seed": 0})
                 times[level].append(time.perf_counter() - t0)
                 assert g.sessions[0].status == "closed", g.sessions[0].info
-        report("calc CLI run, 2 model calls", times)
+        rows.append(report("calc CLI run, 2 model calls", times))
+    save("sandbox_startup", {f"added by isolation, {row[0]} (ms)": row[3] for row in (rows[0], rows[-1])},
+         tables=[{"title": f"Median of {args.repeats} runs per level, the levels interleaved",
+                  "columns": ["run", "process (ms)", "isolated (ms)", "added (ms)"], "rows": rows}],
+         title="The isolated sandbox's start-up cost", raw={"repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

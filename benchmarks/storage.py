@@ -1,11 +1,11 @@
-"""Bytes on disk for one long session: its calls.jsonl, the same records written whole (the format before
-store/delta.py), and its one merged chain (the trajectory training reads), as JSON and as Parquet.
+"""Bytes on disk for one long session: its calls.jsonl, the same records written whole (without store/delta.py's
+references to the previous call), and its one merged chain (the trajectory training reads), as JSON and as Parquet.
 
-Also the file gzipped (stdlib), to see whether a compressed format would pay. A 100-turn session through the real proxy over HTTP (render, record, the run store); each turn adds a ~640-token
-user message, so the context reaches ~64k tokens by turn 100. The engine is the scripted one (engine/fake.py), with
-a 128k-token context the tiny model does not have: what is measured is the record format, and a reply's size is
-all the engine contributes (a fixed short answer, as in benchmarks/trajectory_cost.py). Goal (issue 17): the
-session's bytes <= 2x its merged chain's record.
+Also the file gzipped (stdlib), to see whether a compressed format would pay. A 100-turn session through the real
+proxy over HTTP (render, record, the run store); each turn adds a ~640-token user message, so the context reaches
+~64k tokens by turn 100. The engine is the scripted one (engine/fake.py), with a 128k-token context the tiny model
+does not have: what is measured is the record format, and a reply's size is all the engine contributes (a fixed
+short answer, as in benchmarks/trajectory_cost.py). Goal: the session's bytes <= 2x its merged chain's record.
 
     python benchmarks/storage.py [--turns 100]
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from polar_lab.engine import ScriptedEngine
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 from polar_lab.store import load_calls
 from polar_lab.trajectory import prefix_merging, to_parquet
+
+from result import save
 
 FILLER = ("The log shows the build step ran, the tests were collected, and three of them failed with "
           "an assertion about the parser's handling of nested brackets in the input file. ")
@@ -79,9 +80,14 @@ def main() -> None:
           f"compresses less)")
     print(f"records written whole      {whole / 1e6:8.2f} MB  = {result['whole_ratio_to_chain_json']:.2f}x")
     print(f"merged chain, JSON         {chain_json / 1e6:8.2f} MB   (Parquet {chain_parquet / 1e6:.2f} MB)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    ratio = result["ratio_to_chain_json"]
+    path = save("storage", {"calls.jsonl (MB)": round(on_disk / 1e6, 2), "÷ the merged chain as JSON": round(ratio, 2),
+                            "records written whole (MB)": round(whole / 1e6, 1),
+                            "merged chain, JSON / Parquet (MB)": f"{chain_json / 1e6:.2f} / {chain_parquet / 1e6:.2f}"},
+                notes=[f"{args.turns} turns, context {result['context_tokens']} tokens; goal ≤ 2× the merged chain: "
+                       f"{'met' if ratio <= 2 else 'missed'} ({ratio:.2f}×)"],
+                title="Bytes on disk for one long session", raw=result, out=args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ vLLM's OpenAI server (`vllm serve`) on the same model, engine arguments and requ
 Every generation is MAX_TOKENS long (ignore_eos), plain text (no tools are offered, so nothing is held back as a
 possible call). Time to first token (TTFT) is from
 sending the request to the first token delta; the inter-token gap is between consecutive token deltas of one
-stream. Goals (issue 17): proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the
-engine's.
+stream. Goals: proxy TTFT p50 <= the engine's + 5 ms and <= vllm serve's; gap p50 within 10% of the engine's.
 
 The engine runs in each layout given (`--cpu-bind`, default both): unbound (torch's threads on every core, the
 default) and "auto" (bound to all cores but the last, as `vllm serve` lays out its own CPU engine); each row records
@@ -26,9 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,6 +36,7 @@ from polar_lab import Lab, SamplingSpec
 sys.path.insert(0, str(Path(__file__).parent))
 from proxy_latency import against_vllm_serve  # noqa: E402 - the peer server is shared with that benchmark
 from client_process import run_client  # noqa: E402
+from result import save  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 # tiny-calc ends its turn within a few tokens; past its end-of-turn token (ignore_eos) it samples special tokens,
@@ -140,6 +137,29 @@ def engine_cpus(pid: int) -> str:
         return next(line for line in fh if line.startswith("Cpus_allowed_list:")).split()[1]
 
 
+def headline(rows: list[dict]) -> tuple[dict, list[dict]]:
+    """The result file's figures (each layout's ratios at the lowest concurrency, where the goals are) and its table."""
+    def layout(row: dict) -> str:  # the engine's layout, and its thread settings where they are not the defaults
+        settings = {"small batch": (row["cpu_small_batch"], 2), "small prefill": (row["cpu_small_prefill"], 128)}
+        return ", ".join([row["cpu_bind"], *(f"{k} {v}" for k, (v, default) in settings.items() if v != default)])
+
+    def pair(row: dict, prefix: str) -> str | None:
+        return f"{row[f'{prefix}_ttft_p50_ms']:.2f} / {row[f'{prefix}_gap_p50_ms']:.2f}" \
+            if f"{prefix}_ttft_p50_ms" in row else None
+
+    lowest = min(row["concurrency"] for row in rows)
+    figures = {}
+    for row in (r for r in rows if r["concurrency"] == lowest):
+        peer = f"{row['proxy_ttft_over_vllm_serve_p50']:.2f}" if "proxy_ttft_over_vllm_serve_p50" in row else "–"
+        figures[f"{layout(row)}: gap ÷ engine's / TTFT added (ms) / TTFT ÷ `vllm serve`'s"] = \
+            f"{row['proxy_gap_over_engine_p50']:.2f} / {row['proxy_ttft_added_p50_ms']:.2f} / {peer}"
+    columns = ["layout", "concurrency", "engine TTFT / gap p50 (ms)", "proxy TTFT / gap p50 (ms)",
+               "`vllm serve` TTFT / gap p50 (ms)", "proxy gap ÷ engine's"]
+    table = [[layout(row), row["concurrency"], pair(row, "engine"), pair(row, "proxy"), pair(row, "vllm_serve"),
+              round(row["proxy_gap_over_engine_p50"], 2)] for row in rows]
+    return figures, [{"title": "p50 per layout and concurrency", "columns": columns, "rows": table}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
@@ -175,11 +195,11 @@ def main() -> None:
                 against_vllm_serve(lab, rows, measure_vllm_serve(), check=None)  # streams ask for text only
     for row in rows:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-              "model": args.model, "max_tokens": MAX_TOKENS, "tcmalloc": not args.no_tcmalloc, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result = {"model": args.model, "max_tokens": MAX_TOKENS, "tcmalloc": not args.no_tcmalloc, "rows": rows}
+    figures, tables = headline(rows)
+    path = save("stream_latency", figures, title="Streaming: time to first token and the gap between tokens",
+                tables=tables, raw=result, out=args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

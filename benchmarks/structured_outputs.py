@@ -1,5 +1,5 @@
-"""Structured outputs and forced tool calls on the real engine (issue 18): how often each SDK path gets a valid
-answer, and what the grammar costs per call.
+"""Structured outputs and forced tool calls on the real engine: how often each SDK path gets a schema-valid answer,
+and what the grammar costs per call and per sampled token.
 
 Validity: seeded tries through each official SDK (chat.completions.parse, responses.parse, Anthropic
 output_config, google-genai response_schema, JSON mode, a named forced call on Chat, `any` on Anthropic, two
@@ -18,7 +18,6 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -29,6 +28,8 @@ from pydantic import BaseModel
 
 from polar_lab import Lab
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
+
+from result import save
 
 QUESTION = "What is 12*7? Answer with the value and a short explanation."
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather for a city.", "parameters": {
@@ -169,8 +170,15 @@ def main() -> None:
     print("cost per call, concurrency 1, max_tokens 64:")
     for name, value in costs.items():
         print(f"  {name:26s} {value:8.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tries": args.tries, "valid": valid, "cost": costs}, indent=2))
+    save("structured_outputs",
+         {"ms per sampled token, free / JSON schema / forced call": " / ".join(
+             f"{costs[f'{name} ms/token']:.1f}" for name in ("free", "json_schema", "forced call")),
+          "a new schema / the same again (ms)": f"{costs['new schema first call ms']:.0f} / "
+                                                f"{costs['same schema again ms']:.0f}"},
+         tables=[{"title": f"Schema-valid answers of {args.tries} (seeded)", "columns": ["path", "valid"],
+                  "rows": [[name, f"{n} / {args.tries}"] for name, n in valid.items()]}],
+         title="Structured outputs and forced calls", raw={"tries": args.tries, "valid": valid, "cost": costs},
+         out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,21 @@
-"""On-policy TIS weight under a harness's own top_p / top_k (issue 43): with sampling_support="replay" the engine
-samples within the harness's support and the trainer renormalises over the same support; how close is the TIS weight
-exp(log π_old − log μ) to 1?
+"""On-policy TIS weight under a harness's own top_p / top_k: with sampling_support="replay" (the engine samples within
+the harness's support, the trainer renormalises over it), how close is exp(log π_old − log μ) to 1, and without?
 
 One Lab on the shipped tiny model; `--sessions` three-turn chats whose every request sends top_p 0.9 and top_k 20
-(the issue's setting) at T=1 (seeded); every sampled token is rescored by the trainer's own chunked logprob path
+at T=1 (seeded); every sampled token is rescored by the trainer's own chunked logprob path
 (Policy.logprobs, as a step computes π_old) two ways:
   replay      within each token's recorded support (trajectory/support.py) — what training does
   no replay   over the whole vocabulary — what a trainer that ignores the support computes
 Printed per way: the mean TIS weight, its max |w − 1|, and the mean |Δ logprob| over all sampled tokens.
 Goal: replay's mean within 1e-3 of 1.
 
-    python benchmarks/support_replay.py [--model data/models/tiny-calc] [--sessions 16] [--out FILE.json]
+    python benchmarks/support_replay.py [--model data/models/tiny-calc] [--sessions 16] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
@@ -28,6 +26,8 @@ from polar_lab.grpo.batch import _sample
 from polar_lab.grpo.policy import Policy
 
 from hybrid_fidelity import chains  # the same seeded three-turn chats (benchmarks/ is on the path when run)
+from result import save
+
 
 def weights(policy: Policy, trajectories: list, *, replay: bool) -> torch.Tensor:
     """log π_old − log μ of every sampled token."""
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
     parser.add_argument("--sessions", type=int, default=16)
-    parser.add_argument("--out", help="also write the figures as JSON here")
+    parser.add_argument("--out", default="benchmarks/results/support_replay.json")
     args = parser.parse_args()
     t0 = time.perf_counter()
     with Lab(args.model, port=0, run_name=f"support-replay-{int(time.time())}") as lab:
@@ -55,9 +55,16 @@ def main() -> None:
               f"mean |Δ logprob| {delta.abs().mean():.2e}")
     goal = abs(rows["replay"]["tis_weight_mean"] - 1) <= 1e-3
     print(f"goal (replay mean within 1e-3 of 1): {'met' if goal else 'MISSED'}; {time.perf_counter() - t0:.0f} s")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "sessions": args.sessions, **rows}, f, indent=2)
+    def both(key: str, spec: str) -> str:  # replay / no replay
+        return f"{rows['replay'][key]:{spec}} / {rows['no replay'][key]:{spec}}"
+
+    save("support_replay", {"sampled tokens": rows["replay"]["tokens"],
+                            "TIS weight mean, replay / whole vocabulary": both("tis_weight_mean", ".6f"),
+                            "max |w − 1|, replay / whole vocabulary": both("tis_weight_max_dev", ".2e"),
+                            "mean |Δ logprob|, replay / whole vocabulary": both("mean_abs_delta", ".1e")},
+         notes=[f"Goal (replay's mean within 1e-3 of 1): {'met' if goal else 'missed'}"],
+         title="A harness's own top_p, replayed by the trainer",
+         raw={"model": args.model, "sessions": args.sessions, **rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ the model is loaded (and sharded), runs one GRPO update — the first, so Adam's
 then reads each rank's peak: `held` is what a rank holds before the update (the interpreter and libraries
 too, ~0.4–0.5 GiB), `step` what the update added on top. The plan's figures for the same parts: parameters
 (held) and the update's peak — the larger of (held gradients + activations + logits + a gathered unit) and
-(gradients + Adam). A second update gives the time per update. Results → benchmarks/results/.
+(gradients + Adam). A second update gives the time per update. Results → benchmarks/results/trainer_memory.json.
 
     python benchmarks/trainer_memory.py [--model data/models/smollm2-135m-instruct] [--samples 8] [--tokens 256]
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig
@@ -25,6 +24,8 @@ from polar_lab.grpo import GRPOConfig
 from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.distributed import DistributedPolicy
 from polar_lab.grpo.memory import ModelShape, plan
+
+from result import save
 
 MIB = 1024 ** 2
 CONFIGS = [("ddp", 1, False, False), ("ddp", 2, False, False), ("fsdp", 1, False, False), ("fsdp", 2, False, False),
@@ -84,10 +85,17 @@ def main() -> None:
                "plan_step_mib": step_parts / MIB, "update_s": update_s}
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    out = Path("benchmarks/results/trainer_memory.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "samples": args.samples, "tokens": args.tokens, "rows": rows},
-                              indent=2))
+    def name(row: dict) -> str:
+        return f"{row['strategy']} × {row['ranks']}" + (", checkpointing" if row["checkpointing"] else "")
+
+    save("trainer_memory", {f"step peak, {name(r)} (MiB)": round(r["step_mib"]) for r in rows},
+         tables=[{"title": f"One GRPO update of {args.samples} sequences × {args.tokens} tokens per configuration",
+                  "columns": ["configuration", "held (MiB)", "plan: parameters (MiB)", "step (MiB)",
+                              "plan: step peak (MiB)", "update (s)"],
+                  "rows": [[name(r), round(r["held_mib"]), round(r["plan_params_mib"]), round(r["step_mib"]),
+                            round(r["plan_step_mib"]), round(r["update_s"], 1)] for r in rows]}],
+         title="Trainer memory and time per rank, ddp vs fsdp",
+         raw={"model": args.model, "samples": args.samples, "tokens": args.tokens, "rows": rows})
 
 
 if __name__ == "__main__":

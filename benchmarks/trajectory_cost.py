@@ -1,4 +1,5 @@
-"""Trajectory costs: render+tokenise time per turn, and per_request vs prefix_merging sizes.
+"""Trajectory costs: the proxy's render + tokenise time per call as a session grows to 100 turns (~64k tokens), and
+the samples and tokens of the per_request and prefix_merging builders on a real 10-turn session.
 
 Part 1 (renderer only, the proxy's exact code path, no engine): a 100-turn session whose history grows
 to ~64k tokens. Each turn adds a ~640-token user message; the "model output" is a fixed reply encoded
@@ -15,15 +16,15 @@ rebuilt with both builders after 2, 4, ..., 10 turns: samples, tokens, trained t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 from polar_lab.proxy.render import Renderer, Tip
+
+from result import save
 
 FILLER = ("The log shows the build step ran, the tests were collected, and three of them failed with "
           "an assertion about the parser's handling of nested brackets in the input file. ")
@@ -92,7 +93,7 @@ def main() -> None:
     print(f"render+tokenise: turn 1 {render['turn1_ms']:.2f} ms, turn {args.turns} {render['last_turn_ms']:.2f} ms "
           f"(ratio {render['ratio']:.2f}, history {render['history_tokens']} tokens); full re-tokenisation at "
           f"turn {args.turns}: {render['last_turn_full_retokenise_ms']:.1f} ms")
-    result = {"render": render}
+    result, tables = {"render": render}, []
     if not args.skip_engine:
         rows = builder_sizes(args.model, args.builder_turns)
         result["builders"] = rows
@@ -103,9 +104,19 @@ def main() -> None:
         last = rows[-1]
         print(f"samples per_request/prefix_merging at {last['turns']} turns: "
               f"{last['per_request_samples'] / last['prefix_merging_samples']:.1f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+        tables.append({"title": f"Builders on one {args.builder_turns}-turn session: samples / tokens",
+                       "columns": ["turns", "per_request", "prefix_merging", "trained tokens (both)"],
+                       "rows": [[r["turns"], f"{r['per_request_samples']} / {r['per_request_tokens']}",
+                                 f"{r['prefix_merging_samples']} / {r['prefix_merging_tokens']}",
+                                 r["prefix_merging_trained_tokens"]] for r in rows]})
+    final = f"turn {args.turns}"
+    figures = {"render + tokenise, turn 1 (ms)": round(render["turn1_ms"], 2),
+               f"{final} (ms)": round(render["last_turn_ms"], 2), f"{final} ÷ turn 1": round(render["ratio"], 2),
+               f"whole-text tokenisation at {final} (ms)": round(render["last_turn_full_retokenise_ms"], 1)}
+    path = save("trajectory_cost", figures, title="Trajectory costs", tables=tables, raw=result, out=args.out,
+                notes=[f"history {render['history_tokens']} tokens at {final}; goal: {final} ≤ 2× turn 1 "
+                       f"({'met' if render['ratio'] <= 2 else 'missed'})"])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

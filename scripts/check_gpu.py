@@ -1,6 +1,6 @@
-"""The GPU check for the paper's setup: one script, one table, about 5 minutes on one H200.
+"""The GPU check for the paper's setup: one script, one table, a few minutes on one H100 or H200.
 
-    python scripts/check_gpu.py [--json PATH]      # on a GPU machine (docs/recipe-polar.md: how to read each row)
+    python scripts/check_gpu.py [--json PATH]      # on a GPU machine (docs/scale.md: how to read each row)
     python scripts/check_gpu.py --cpu-rehearsal    # developers: the same code on CPU, small sizes, no 4B model
 
 On a machine without CUDA it refuses in one line and exits 2. Otherwise every row prints as it finishes (PASS, FAIL or

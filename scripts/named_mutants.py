@@ -1,8 +1,8 @@
-"""Named mutants: the broken builds that once passed the suite (issue 14), each applied to the source for a
-moment to show that the test named for it now fails. `make mutants` runs mutmut's generated mutants; these are
+"""Named mutants: hand-written broken builds, each applied to the source for a moment to show that the test named
+for it fails. `make mutants` runs mutmut's generated mutants; these are
 the hand-written ones it cannot generate (a record moved after the response, a deadline deleted...).
 
-    .venv/bin/python scripts/named_mutants.py            # all of them (~5 min on 2 cores)
+    .venv/bin/python scripts/named_mutants.py            # all of them (~30 min on 2 cores)
     .venv/bin/python scripts/named_mutants.py versions   # the ones whose name contains "versions"
 
 Each mutant edits files in place and restores them in a `finally`, so do not run it beside other work on the

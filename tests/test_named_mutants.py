@@ -1,7 +1,6 @@
 """scripts/named_mutants.py stays runnable: each hand-written mutant's edits apply to today's code exactly once, the
 mutated file still compiles, and each test it names exists. Nothing else runs the script between mutation passes,
-and a refactor under a mutant made it stale unseen: on 2026-12-06, 15 of its 77 mutants no longer matched the code,
-and the script refused to run any of them."""
+so without this a refactor under a mutant leaves it stale unseen, and the script refuses to run any of them."""
 
 import importlib.util
 import re

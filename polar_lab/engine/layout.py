@@ -5,7 +5,7 @@
     colocate      GRPOConfig.colocate=True lets trainer ranks share the engine's GPUs (on a 1-GPU machine they
                   always do; lower the engine's gpu_memory_utilization so both fit)
 
-The layouts for 1, 2, 4 and 8 GPUs are in docs/grpo.md. On a machine without GPUs the engine runs on the CPU
+The layouts for 1, 2, 4 and 8 GPUs are in docs/scale.md. On a machine without GPUs the engine runs on the CPU
 in one process (tensor_parallel_size 1) and trainer ranks are CPU processes.
 """
 

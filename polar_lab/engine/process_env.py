@@ -96,10 +96,10 @@ def bind_threads(env: dict[str, str], config: EngineConfig, on_gpu: bool, allowe
     core and the first NUMA node only — on a machine without SMT and with one node, as here, the two agree). Our engine
     runs the model in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where vLLM binds nothing. Bound, a stream's
     tokens keep the engine's pace; unbound, the engine computes on every core — faster batches and weight loads.
-    The trade, measured: docs/benchmarks.md, "The engine's cores". Like vLLM, a binding replaces OMP_NUM_THREADS,
-    OMP_PLACES and OMP_PROC_BIND. `allowed`: the CPUs this process may use (default: its affinity). Left unbound: a
-    GPU engine, and under "auto" a machine with no CPU to spare. (EngineConfig refuses a binding with several local
-    replicas, which would share the cores, and with Ray, which places its own.)"""
+    The trade is measured by benchmarks/stream_latency.py (docs/benchmarks.md). Like vLLM, a binding replaces
+    OMP_NUM_THREADS, OMP_PLACES and OMP_PROC_BIND. `allowed`: the CPUs this process may use (default: its
+    affinity). Left unbound: a GPU engine, and under "auto" a machine with no CPU to spare. (EngineConfig refuses a
+    binding with several local replicas, which would share the cores, and with Ray, which places its own.)"""
     if on_gpu or config.cpu_bind == "nobind" or sys.platform != "linux":
         return
     if config.cpu_bind == "auto":

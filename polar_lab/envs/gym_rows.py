@@ -1,4 +1,4 @@
-"""polar_lab → NeMo RL: chains as NeMo Gym rollout rows (docs/ecosystem.md).
+"""polar_lab → NeMo RL: chains as NeMo Gym rollout rows (docs/harnesses.md).
 
 `gym_rows(lab_or_run)` turns each `prefix_merging` chain into the row NeMo RL trains on: `responses_create_params`
 (the chain's first request: its messages and tools), `response.output` (per call, the new input items — tool

@@ -1,4 +1,4 @@
-"""NeMo Gym, both ways (docs/ecosystem.md).
+"""NeMo Gym, both ways (docs/harnesses.md).
 
 NeMo Gym (0.7) is a set of HTTP servers: *resources servers* (an environment: `/seed_session`, one route per
 tool, `/verify` → `reward` and `mask_sample`), *model servers* (`vllm_model`: the Responses API in front of an

@@ -1,4 +1,4 @@
-"""A verifiers environment's rollouts as `lab.rollout` runs (docs/ecosystem.md).
+"""A verifiers environment's rollouts as `lab.rollout` runs (docs/harnesses.md).
 
 verifiers (0.4, `verifiers.v1`): an environment is a taskset (tasks and their rewards), a harness (the program
 that talks to the model: by default its `null` harness, a chat-and-tools loop) and a runtime (where the harness

@@ -1,8 +1,7 @@
-"""Trainer ranks as worker processes started from the kernel, each in a fresh interpreter.
+"""Trainer ranks as worker processes started from the kernel.
 
 Why processes: a notebook re-runs cells, and a kernel that joined a torch.distributed group cannot join
-another (one default group per process); the ranks also keep CUDA and OpenMP state out of the kernel.
-(Until the engine moved to its own process, vLLM held the kernel's group, which forced this.) Each rank
+another (one default group per process); the ranks also keep CUDA and OpenMP state out of the kernel. Each rank
 is a process forked from Python's forkserver (or `spawn`ed; `rank_context`) running
 `Policy`, which wraps its model in DistributedDataParallel or shards it with FSDP2 (`strategy`; gloo on
 CPU, nccl on GPU). The kernel talks to each rank
@@ -19,9 +18,10 @@ model (logprobs, weights for the engine, checkpoints) run on every rank together
 GPU placement (one node, engine/layout.py): the engine uses its `gpus` (default the first
 `tensor_parallel_size`); trainer rank r uses `trainer_devices[r]`, by default the GPUs after the engine's;
 sharing the engine's GPUs needs `colocate=True`, or a machine with one GPU (then lower the engine's
-`gpu_memory_utilization`); one rank per GPU (NCCL). Weights reach the engine as a safetensors file in /dev/shm that rank 0 writes tensor by tensor (gathered
-from the shards one at a time with FSDP), and the engine maps; CUDA IPC / NCCL through vLLM's weight
-transfer is not built (no GPU to verify it here: docs/grpo.md).
+`gpu_memory_utilization`); one rank per GPU (NCCL). Weights reach the engine through shared memory that rank 0
+writes tensor by tensor (gathered from the shards one at a time with FSDP); vLLM's own NCCL / CUDA-IPC weight
+transfer (`weights_transport`, engine/weight_transfer.py) takes one trainer rank and has not run on a GPU yet
+(docs/scale.md).
 """
 
 from __future__ import annotations

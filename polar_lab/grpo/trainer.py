@@ -187,8 +187,8 @@ class GRPOTrainer:
         if gap > self.config.fidelity_warn_nats:
             warn_at_caller(f"engine and trainer disagree on an on-policy batch: mean |log pi_old - log mu| = "
                           f"{gap:.3f} nats > fidelity_warn_nats={self.config.fidelity_warn_nats}. Check that the "
-                          f"engine samples the full distribution at the training temperature (no top_p/top_k), "
-                          f"in the trainer's dtype and chat template")
+                          f"trainer scores over the engine's sampling support (sampling_support='replay'), at the training "
+                          f"temperature, in the engine's dtype and chat template")
 
     def train(self, num_steps: int | None = None, *, progress: bool = True) -> pd.DataFrame:
         """Run `num_steps` steps (default config.max_steps); evaluates every eval_steps; checkpoints every

@@ -148,7 +148,7 @@ def qwen_code(*, model: str = "tiny-calc", task_field: str = "question", max_out
     registry) keeps the first prompt at ~12k tokens of tiny-calc's tokenizer with 6 tools (`run_shell_command`,
     `read_file`, `edit`...); without it ~21k. `max_output_tokens` (QWEN_CODE_MAX_OUTPUT_TOKENS): its default, 32,000,
     does not fit beside that prompt in a 32k context. Its settings file turns usage statistics and the memory
-    sub-agent off (docs/presets.md). `workspace`: the task field holding a repository to start in.
+    sub-agent off (docs/harnesses.md). `workspace`: the task field holding a repository to start in.
     `run_commands` (the default): `--approval-mode yolo` — headless, it leaves out the shell and edit tools unless
     they need no approval — and so it refuses to run outside the isolated sandbox, which is the boundary. `--bare`
     ignores the settings file, so its usage statistics are on: it too runs only in the isolated sandbox, which has

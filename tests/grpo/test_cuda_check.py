@@ -1,5 +1,5 @@
 """The accelerator check scripts stay runnable: CI runs check_cuda_trainer.py's CPU form and sees check_gpu.py refuse;
-a GPU machine runs both (docs/recipe-polar.md reads check_gpu.py's table)."""
+a GPU machine runs both (docs/scale.md reads check_gpu.py's table)."""
 
 import subprocess
 import sys

@@ -227,7 +227,7 @@ def test_bf16_mixed_precision_keeps_the_temperature_the_engine_sampled_at(model_
     """The GPU's FSDP2 policy (bf16 parameters), applied on one CPU rank: the temperature reaches the head as the fp32
     0.7 it was given, not bf16's 0.69921875 (FSDP2 casts a root's floating inputs by default). The on-policy TIS
     weight of the bf16 trainer against fp32 logprobs at T=0.7 is printed: on tiny-calc it is bf16's parameter
-    rounding that moves it (1.002–1.016 over three seeds; the temperature was 2–5e-4 of that, docs/grpo.md), so it
+    rounding that moves it (1.002–1.016 over three seeds; the temperature was 2–5e-4 of that, docs/training.md), so it
     is held only to a sanity bound here."""
     import subprocess
     import sys

@@ -59,7 +59,7 @@ def test_a_step_trains_syncs_and_logs(lab, model_path, restore_weights, tmp_path
 
 def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path):
     # one run at a time: CPU kernels' sums depend on which requests share an engine step, so concurrent runs
-    # are not bit-reproducible (docs/grpo.md); alone, each seeded run is
+    # are not bit-reproducible (docs/training.md); alone, each seeded run is
     trainer = GRPOTrainer(lab, GRPOConfig(output_dir=str(tmp_path), eval_limit=12, concurrency=1))
     try:
         first = trainer.evaluate()
