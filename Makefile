@@ -127,7 +127,7 @@ test: setup malloc agents sandbox-tools browser envs smollm2
 # Mutation testing (docs/testing.md): mutmut's generated mutants over the core modules listed in
 # pyproject.toml [tool.mutmut] (hours from scratch on 2 cores: a surviving render or history mutant runs the
 # rollout tests too, ~30 s; scripts/mutants_scope.py narrows them, docs/testing.md says how; results are cached in
-# mutants/, so a rerun checks only what changed), then the hand-written named mutants of issue 14. Not part of
+# mutants/, so a rerun checks only what changed), then the hand-written named mutants (scripts/named_mutants.py). Not part of
 # `make test`.
 # mutmut is pinned: scripts/mutants_report.py reads its result files (mutants/*.py.meta).
 # OMP_NUM_THREADS=1: mutmut forks its own process for each mutant, and a fork of a process whose OpenMP pool has

@@ -1,7 +1,6 @@
 """Trajectories survive pandas, Parquet and datasets round trips exactly."""
 
-from polar_lab.trajectory import from_dataset, read_parquet, to_dataset, to_frame
-from polar_lab.trajectory.export import from_frame
+from polar_lab.trajectory import from_dataset, from_frame, read_parquet, to_dataset, to_frame
 from polar_lab.types import Trajectory
 
 TRAJS = [
