@@ -1,6 +1,6 @@
-"""The README's first command: `polar-lab demo` runs end to end and writes its run folder (its own process and
-engine, as a newcomer runs it; forked from the suite's forkserver, which the command inherits) — on a machine
-without bubblewrap, as a fresh one is, and prints nothing that looks like a failure."""
+"""The README's first command and its ten-line example, each as a newcomer runs it (its own process and engine,
+forked from the suite's forkserver, which the process inherits): `polar-lab demo` runs end to end and writes its run
+folder on a machine without bubblewrap, as a fresh one is, and prints nothing that looks like a failure."""
 
 import json
 import os
@@ -42,3 +42,17 @@ def test_demo_runs_sessions_and_writes_a_summary_and_alarms_no_one(tmp_path):
         assert "tool_call_parse_rate" in out.stdout
     finally:
         shutil.rmtree(ROOT / "data" / "runs" / run, ignore_errors=True)
+
+
+def test_the_readmes_ten_line_example_runs_as_printed(tmp_path):
+    """The README's example, copied from the page and run as a user runs it: a fresh Python process (its own Lab and
+    engine, forked from the suite's forkserver), the model by its relative path, the run folder under ./data/runs."""
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "models").symlink_to(ROOT / "data" / "models")
+    out = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = (tmp_path / "data" / "runs").iterdir()
+    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 1 and calls[0]["output_ids"] and "call_id" in out.stdout  # the printed calls table
