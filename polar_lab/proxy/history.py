@@ -40,11 +40,13 @@ _PROBE_TOOL = {"type": "function", "function": {
 
 
 def _probe_conversations() -> list[list[dict[str, Any]]]:
-    """Conversations with every shape of message a template treats differently; requests end after users/tools."""
+    """Conversations with every shape of message a template treats differently; requests end after users/tools.
+    `user` is a question and `said` an answer (`thought`: with a thought), numbered by their place, so no two read
+    alike: a template that quotes one message in another (the first question, in later ones) shows only when they
+    differ."""
     system = {"role": "system", "content": "You are a careful assistant."}
-    user = [{"role": "user", "content": f"Question {i}: what is {i}*7?"} for i in range(4)]
-    said = [{"role": "assistant", "content": f"It is {7 * i}."} for i in range(4)]
-    thought = {"role": "assistant", "content": "It is 14.", "reasoning_content": "Two sevens."}
+    user, said, thought = object(), object(), object()  # `thought`: an answer with its thought
+    reasoning = "Two sevens."
 
     def call(i):
         return {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
@@ -53,18 +55,24 @@ def _probe_conversations() -> list[list[dict[str, Any]]]:
     def result(i):
         return {"role": "tool", "tool_call_id": f"c{i}", "content": str(7 * i)}
 
-    return [
-        [system, user[0], said[0], user[1], said[1], user[2]],
-        [user[0], said[0], user[1]],
-        [system, user[0], call(0), result(0), said[0], user[1], call(1), result(1), said[1], user[2]],
-        [system, user[0], {**call(0), "tool_calls": call(0)["tool_calls"] + call(1)["tool_calls"]}, result(0),
-         result(1), said[0], user[1]],
-        [system, user[0], thought, user[1], said[1], user[2]],
-        [system, user[0], said[0], {"role": "system", "content": "Be brief."}, user[1], said[1], user[2]],
-        [system, user[0], call(0), result(0), thought, user[1], call(1), result(1), said[1], user[2]],
-        [system, user[0], {**call(0), "reasoning_content": "Use the tool."}, result(0), said[0], user[1]],
-        [system, user[0], {"role": "assistant", "content": "<think>\nSeven.\n</think>\n\nIt is 7."}, user[1]],
-    ]
+    def numbered(conversation):
+        return [{"role": "user", "content": f"Question {i}: what is {i}*7?"} if m is user else
+                {"role": "assistant", "content": f"It is {i}*7."} if m is said else
+                {"role": "assistant", "content": f"It is {i}*7.", "reasoning_content": reasoning} if m is thought else m
+                for i, m in enumerate(conversation)]
+
+    return [numbered(c) for c in [
+        [system, user, said, user, said, user],
+        [user, said, user],
+        [system, user, call(0), result(0), said, user, call(1), result(1), said, user],
+        [system, user, {**call(0), "tool_calls": call(0)["tool_calls"] + call(1)["tool_calls"]}, result(0),
+         result(1), said, user],
+        [system, user, thought, user, said, user],
+        [system, user, said, {"role": "system", "content": "Be brief."}, user, said, user],
+        [system, user, call(0), result(0), thought, user, call(1), result(1), said, user],
+        [system, user, {**call(0), "reasoning_content": reasoning}, result(0), said, user],
+        [system, user, {**call(0), "content": "<think>\nSeven.\n</think>\n\n"}, result(0), said, user],
+    ]]
 
 
 def _has_thoughts(messages: list[dict[str, Any]]) -> bool:

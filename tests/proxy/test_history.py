@@ -157,35 +157,93 @@ def test_a_retried_request_renders_as_before_and_a_dropped_session_gives_back_it
 # A real template hides most mistakes of the incremental path (a wrong argument often renders the same text); these
 # show each input — the template's name, the tools, the thinking switch, each message's neighbour — so a mistake in
 # what reaches a render changes the text. Each named template breaks incremental rendering in one way, or not at all.
+# They are strict, as real templates are: a malformed message or call, a result that answers no call, a call of a
+# tool not given, a generation-prompt switch that is not a bool are refused.
+
+# each question (tool result) shows the first one's text, as a task reminder: not incremental, and only a corpus whose
+# questions (results) differ shows it — a stand-in's first question is a later one
+QUOTES_FIRST = {"first-question": "user", "first-result": "tool"}
+# which messages show their neighbour under a template that does so only with thoughts, or only with the thinking
+# switch not off: the first message alone stands in for the history only where none does
+NEIGHBOURS = {"thought-after-role": lambda m, thinking: bool(m.get("reasoning_content")),
+              "thinking-after-role": lambda m, thinking: thinking is not False}
+
+
 def toy(messages, tools, chat_template, *, generation_prompt=True, thinking=None):
+    if not isinstance(generation_prompt, bool):  # read strictly, as `add_generation_prompt is false` does
+        raise RequestError(f"generation_prompt={generation_prompt!r}")
     name = chat_template or "plain"
     declared = {t["function"]["name"] for t in tools}
     system = messages[0]["role"] == "system"
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     nothink = "/nothink" if thinking is False else ""
-    out = [f"[{name}|{','.join(sorted(declared))}|{thinking}]"]
+    out, unanswered = [f"[{name}|{','.join(sorted(declared))}|{thinking}]"], None
     for i, m in enumerate(messages):
         if m["role"] not in ("system", "user", "assistant", "tool") or "content" not in m:
             raise RequestError(f"a malformed message: {m}")  # a strict template
         tag = m["role"] + ("+sys" if system and m["role"] == "user" else "")  # the first message read by later ones
-        if name == "after-role":  # each message shows its neighbour: only the two-message stand-in keeps it
-            tag += f"<{messages[i - 1]['role'] if i else ''}"
+        if name == "after-role" or NEIGHBOURS.get(name, lambda m, thinking: False)(m, thinking):
+            tag += f"<{messages[i - 1]['role'] if i else ''}"  # the message's neighbour: kept by the two-message stand-in
+        if name == "alternating" and i and m["role"] == messages[i - 1]["role"] == "user":  # Gemma's, Mistral's
+            raise RequestError("two user messages in a row")  # no stand-in may put two in a row where none were
+        if name == "lone-message" and len(messages) == 1:  # a conversation of one message rendered apart
+            tag += "+only"  # not incremental: a history of one message is extended at the probe's first end
         if name == "final-user" and i == len(messages) - 1 and m["role"] == "user":  # the question being asked
             tag += "!"  # not incremental: probed only where requests end (after a user or tool message), it shows
+        if m["role"] == "tool":  # strict, as Mistral's: a result answers a call of the assistant turn before it
+            if unanswered is not None:  # (a stand-in may open with a result: its call is in the history)
+                if m.get("tool_call_id") not in unanswered:
+                    raise RequestError(f"a result that answers no call: {m}")
+                unanswered.remove(m["tool_call_id"])
+            tag += f"#{m.get('tool_call_id')}"
+        calls = m.get("tool_calls") or []
+        if m["role"] == "assistant":
+            unanswered = [_strict_call(c, declared) for c in calls]
         thought = m.get("reasoning_content")
-        if thought and not (name == "hide-thoughts" and i < last_user):  # not incremental once there are thoughts
+        if thought and not _hidden(name, messages, i, last_user):  # not incremental once there are thoughts
             out.append(f"<think>{thought}</think>")
-        calls = "".join(f"{c['function']['name']}{'' if c['function']['name'] in declared else '?'}"
-                        f"({c['function']['arguments']})" for c in m.get("tool_calls") or [])
-        out.append(f"<{tag}>{m['content'] or ''}{calls}")
+        text = m["content"] or ""
+        if name == "hide-text-thoughts" and i < last_user and text.startswith("<think>"):
+            text = text.partition("</think>")[2].lstrip("\n")  # a thought the model wrote in its reply, hidden
+        called = "".join(f"{c['function']['name']}{'' if c['function']['name'] in declared else '?'}"
+                         f"({c['function']['arguments']})#{c['id']}" for c in calls)
+        if QUOTES_FIRST.get(name) == m["role"]:
+            text = next(q["content"] for q in messages if q["role"] == m["role"]) + "/" + text
+        out.append(f"<{tag}>{text}{called}")
     if generation_prompt:  # "prompt-by-role": not a fixed suffix, so not incremental
         out.append(f"<gen{nothink}{':' + messages[-1]['role'] if name == 'prompt-by-role' else ''}>")
     return "".join(out)
 
 
+def _strict_call(call, declared):
+    """A call's id, for a template that reads every key of it and refuses a tool it was not given."""
+    if call.get("type") != "function" or not {"id", "function"} <= call.keys() \
+            or not {"name", "arguments"} <= call["function"].keys():
+        raise RequestError(f"a malformed call: {call}")
+    if declared and call["function"]["name"] not in declared:
+        raise RequestError(f"a call of a tool not given: {call}")
+    return call["id"]
+
+
+def _hidden(name, messages, i, last_user):
+    """Whether the toy template hides message i's thought (its field): a thought hidden once the conversation goes on
+    past it makes a template not incremental for conversations with thoughts."""
+    calls = bool(messages[i].get("tool_calls"))
+    answered = any(m["role"] == "assistant" and not m.get("tool_calls") for m in messages[i + 1:])
+    later = any(m["role"] == "assistant" for m in messages[i + 1:])
+    return (name == "hide-thoughts" and i < last_user  # Qwen3's: every turn's thought before the last question
+            or name == "latest-answer-thought" and not calls and later  # an answer's, once another turn follows
+            or name == "hide-call-thoughts" and calls and answered)  # gpt-oss's: a call's, once an answer follows
+
+
 # name → what the probe must find, without and with thoughts: (generation prompt, first message alone stands in) or None
 TOYS = {"plain": (("<gen/nothink>", True),) * 2, "after-role": (("<gen/nothink>", False),) * 2,
-        "final-user": (None, None), "hide-thoughts": (("<gen/nothink>", True), None), "prompt-by-role": (None, None)}
+        "final-user": (None, None), "hide-thoughts": (("<gen/nothink>", True), None), "prompt-by-role": (None, None),
+        "latest-answer-thought": (("<gen/nothink>", True), None), "hide-call-thoughts": (("<gen/nothink>", True), None),
+        "hide-text-thoughts": (("<gen/nothink>", True), None), "first-question": (None, None),
+        "first-result": (None, None), "lone-message": (None, None),
+        "thought-after-role": (("<gen/nothink>", True), ("<gen/nothink>", False)),
+        "thinking-after-role": (("<gen/nothink>", True),) * 2, "alternating": (("<gen/nothink>", True),) * 2}
 
 
 @pytest.mark.parametrize("name", list(TOYS))
@@ -252,3 +310,27 @@ def test_the_checked_templates_are_bounded_oldest_out():
     for name in names:
         assert history.checked(name, None, False) == ("<gen>", True)
     assert list(history._checked) == [(name, None, False) for name in names[1:]]  # 64 kept: the first one is out
+
+
+def test_the_history_keeps_the_newest_4096_sessions_by_default():
+    history = TemplateHistory(toy)
+    for n in range(4097):
+        history.render(f"s{n}", [{"role": "user", "content": "a"}], [], None, None)
+    assert len(history._previous) == 4096 and "s0" not in history._previous and "s1" in history._previous
+
+
+def test_a_session_whose_stand_in_changes_when_a_thought_arrives_renders_as_whole():
+    """Under a template where a message with a thought shows its neighbour, the first message alone stands in until
+    a thought comes; then the two-message stand-in does, and the text kept for the first message alone is not
+    reused for it."""
+    messages = [SYSTEM, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "reasoning_content": "e"},
+                {"role": "user", "content": "f"}]
+    history = TemplateHistory(toy)
+    for n in (2, 4, 6):
+        info = {}
+        got = history.render("s", messages[:n], [], "thought-after-role", False, info)
+        assert got == toy(messages[:n], [], "thought-after-role", thinking=False), n
+        assert ("template" in info) == (n > 2), n
+    assert history._previous["s"].head == toy(messages[:1], [], "thought-after-role", generation_prompt=False,
+                                              thinking=False)  # kept from the second request

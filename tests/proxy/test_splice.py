@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from polar_lab.harness.calculator import CALC_TOOL, SYSTEM_PROMPT
 from polar_lab.proxy.formats import FORMATS
 from polar_lab.proxy.render import Renderer, Tip
-from polar_lab.proxy.splice import Turn, TurnLedger, edits, pick, probe_glue
+from polar_lab.proxy.splice import Glue, Turn, TurnLedger, edits, pick, probe_glue, sentinel, splice
 from tests.timing import returns
 
 QWEN35 = Path("data/models/tiny-calc-qwen35")
@@ -158,6 +158,9 @@ def test_turns_are_found_by_issued_ids_in_any_apis_prefix_else_by_history_else_b
     edited = {**anthropic_echo, "tool_calls": [{**anthropic_echo["tool_calls"][0], "function": {
         "name": "calculator", "arguments": '{"expression": "2"}'}}]}
     assert ledger.find("s", edited, "?") == [call]  # by its id alone: neither content nor history fits
+    # a client that converts ids by putting its API's prefix over ours (toolu_call_abc): still the issued id
+    reprefixed = {**edited, "tool_calls": [{**edited["tool_calls"][0], "id": "toolu_call_abc"}]}
+    assert ledger.find("s", reprefixed, "?") == [call]
     assert ledger.find("s", _echo(call, with_ids=False), "?") == [call]  # Google without ids: content, calls
     assert ledger.find("s", {"role": "assistant", "content": "It is 1."}, "?") == [text]
     # an edited text turn has nothing of its own left: it is known by the history it answered
@@ -411,8 +414,6 @@ def test_a_spliced_prompt_reads_as_the_templates_text_whatever_ended_the_turn(to
 
 
 def test_splice_needs_the_templates_header_before_and_its_trailer_after_each_turn(tokenizer):
-    from polar_lab.proxy.splice import sentinel, splice
-
     r = Renderer(tokenizer)
     glue, turn = r.glue(), _turn(r, [6, 6], content="A.", stop=False)
     whole = "x" + glue.header + sentinel(0) + glue.trailer + "y"
@@ -426,3 +427,92 @@ def test_a_thought_is_compared_without_its_surrounding_newlines_only(tokenizer):
     turn = _turn(r, [1, 2], content="It is 1.", reasoning="X marks it. ")
     assert edits(turn, _echo(turn, reasoning_content="\nX marks it. \n")) is None
     assert edits(turn, _echo(turn, reasoning_content="X marks it.")) == "reasoning"  # a space is not a newline
+
+
+# ---- the glue probe and the splicer on toy templates whose text shows what they were given -----------------------------
+def _strict(messages, prompt):
+    """A strict template: it refuses a role or key it does not know (as Mistral's and Llama's raise), and reads the
+    generation-prompt switch as a bool (`add_generation_prompt is false`)."""
+    if not isinstance(prompt, bool):
+        raise TypeError(f"add_generation_prompt={prompt!r}")
+    out = []
+    for m in messages:
+        if m.keys() != {"role", "content"} or m["role"] not in ("system", "user", "assistant"):
+            raise ValueError(f"a message this template does not know: {m}")
+        out.append(f"<{m['role']}>{m['content']}</{m['role']}>")
+    return "".join(out) + ("<assistant><think>" if prompt is True else "")
+
+
+def test_the_glue_is_probed_with_plain_well_formed_messages_and_a_bool_switch():
+    """The probe's own messages are ones a strict template takes: a template that refuses them could not be
+    spliced at all. Its glue is found, and the opening is what the prompt adds after the header."""
+    assert probe_glue(_strict) == Glue(header="<assistant>", trailer="</assistant>", opening="<think>")
+
+
+def test_turns_rendered_out_of_their_order_are_not_spliced():
+    """Each spliced turn has a sentinel of its own: a template that renders the turns in another order (here: the
+    later one first) gets no ids put in the wrong place, however alike the turns' places look."""
+    glue = Glue(header="<a>", trailer="</a>", opening="")
+    first, second = (Turn(call_id=f"t{n}", opening="", ids=(n,), text=str(n), stop="", content=str(n), reasoning=None,
+                          tool_calls=()) for n in (1, 2))
+    in_order = "<a>" + sentinel(0) + "</a><a>" + sentinel(1) + "</a>"
+    assert splice(in_order, {0: first, 1: second}, glue) == ["<a>", first, "</a><a>", second, "</a>"]
+    reversed_ = "<a>" + sentinel(1) + "</a><a>" + sentinel(0) + "</a>"
+    assert splice(reversed_, {0: first, 1: second}, glue) is None
+
+
+def test_a_template_with_no_glue_splices_turns_side_by_side():
+    """A template that writes messages with nothing around them (a base model's plain concatenation): two turns
+    in a row meet at one point, and both are spliced."""
+    glue = Glue(header="", trailer="", opening="")
+    first, second = (Turn(call_id=f"t{n}", opening="", ids=(n,), text=str(n), stop="", content=str(n), reasoning=None,
+                          tool_calls=()) for n in (1, 2))
+    assert splice(sentinel(0) + sentinel(1), {0: first, 1: second}, glue) == ["", first, "", second, ""]
+
+
+def test_a_thought_of_newlines_alone_is_no_thought(tokenizer):
+    """An echoed thought that is only newlines says nothing: not an edit of a turn that had no thought."""
+    turn = _turn(Renderer(tokenizer), [1, 2], content="It is 1.")
+    assert edits(turn, _echo(turn, reasoning_content="\n\n")) is None
+
+
+def test_messages_holding_values_json_has_no_type_for_are_digested_by_their_text():
+    """A message may carry a value orjson cannot write (an SDK's object): it is digested by its text, not refused,
+    and two such values differ as their texts do."""
+    from polar_lab.proxy.splice import HistoryDigests, history_keys
+
+    class Value:
+        def __init__(self, text):
+            self.text = text
+
+        def __str__(self):
+            return self.text
+
+    a, b = ([{"role": "user", "content": "a", "extra": Value(t)}] for t in ("x", "y"))
+    assert history_keys(a) != history_keys(b) and history_keys(a) == history_keys(a)
+    digests = HistoryDigests()
+    assert digests.keys("s", a) == history_keys(a) and digests.keys("s", a + b) == history_keys(a + b)
+
+
+def test_the_default_bounds_are_the_documented_ones(tokenizer):
+    """HistoryDigests and TurnLedger keep, by default, the newest 4096 sessions and 16384 keys a session."""
+    from polar_lab.proxy.splice import HistoryDigests
+
+    digests = HistoryDigests()
+    for n in range(4097):
+        digests.keys(f"s{n}", [])
+    assert len(digests._last) == 4096 and "s0" not in digests._last and "s1" in digests._last
+    r = Renderer(tokenizer)
+    ledger = TurnLedger()
+    turn = _turn(r, [6], content="A.")
+    for n in range(4097):
+        ledger.add(f"s{n}", turn, history="h")
+    assert len(ledger._turns) == 4096 and "s0" not in ledger._turns
+    ledger = TurnLedger()
+    for n in range(8192):  # two keys each: its content (shared) and its history
+        ledger.add("s", turn, history=f"h{n}")
+    assert len(ledger._turns["s"]) == 8193 and ledger.find("s", {"content": "A."}, "h0")
+    for n in range(8192, 16384):
+        ledger.add("s", turn, history=f"h{n}")
+    assert len(ledger._turns["s"]) == 16384  # the oldest history key is out
+    assert "history:h0" not in ledger._turns["s"] and "history:h1" in ledger._turns["s"]
