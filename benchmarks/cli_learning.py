@@ -71,15 +71,23 @@ def run_seed(config_path: str, seed: int, args) -> dict:
 
 
 def figures(rows: list[dict]) -> dict:
-    """Per seed: held-out pass rate before and after, every evaluation, training seconds, the spread of step times."""
+    """Per seed: held-out pass rate before and after, every evaluation, training seconds, the spread of step times,
+    and the held-out sessions' shape before and after (calls and chains per session, failed runs)."""
     out = {}
     for r in rows:
-        seed = r["seed"]
+        seed, before, after = r["seed"], r["before_sessions"], r["after_sessions"]
         out |= {f"held-out pass rate, seed {seed}: before → after": f"{r['before']:.3f} → {r['after']:.3f}",
                 f"evaluations, seed {seed} (step: pass rate)": ", ".join(f"{c['step']}: {c['eval_reward']:.3f}"
                                                                           for c in r["curve"]),
                 f"training, seed {seed} (s)": r["train_s"],
-                f"step time, seed {seed} (s)": f"{min(r['step_s'])}–{max(r['step_s'])}"}
+                f"step time, seed {seed} (s)": f"{min(r['step_s'])}–{max(r['step_s'])}",
+                f"calls per session, seed {seed}: median / mean, before → after":
+                    f"{before['calls_p50']:g} / {before['calls_mean']:g} → "
+                    f"{after['calls_p50']:g} / {after['calls_mean']:g}",
+                f"chains per session, seed {seed}: before → after":
+                    f"{before['chains_mean']:g} → {after['chains_mean']:g}",
+                f"failed held-out runs, seed {seed}: before → after":
+                    f"{before['failed']} → {after['failed']} of {r['eval_runs']}"}
     return out
 
 
