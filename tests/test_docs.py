@@ -4,6 +4,7 @@ and a benchmarks page that is exactly what `python benchmarks/report.py` renders
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -167,3 +168,25 @@ def test_the_benchmarks_page_is_what_the_committed_results_render():
                                          ("this session's make test runs", True), ("each session's key", False)])
 def test_the_story_check_reads_work_sessions_not_lab_sessions(text, story):
     assert bool(STORY_IN_DOCS.search(text)) is story
+
+
+def test_a_benchmarks_result_file_holds_machine_date_command_and_renders_as_a_section(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import report
+        import result
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "storage.py"), "--turns", "3"])
+    monkeypatch.chdir(ROOT)
+    path = result.save("storage", {"calls.jsonl (MB)": 0.8, "rows": 1234}, title="Storage",
+                       tables=[{"title": "t", "columns": ["a", "b"], "rows": [[1, 2.5]]}], notes=["a note"],
+                       out=tmp_path / "storage.json")
+    saved = json.loads(path.read_text())
+    assert saved["command"] == "python benchmarks/storage.py --turns 3" and saved["machine"]["cores"] >= 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", saved["date"])
+    text = "\n".join(report.section(path))
+    assert text.startswith("## Storage — `benchmarks/storage.py`") and "`python benchmarks/storage.py --turns 3`" in text
+    assert "| 0.8 | 1,234 |" in text and "| 1 | 2.5 |" in text and "- a note" in text
+    with pytest.raises(AssertionError, match="ragged"):
+        result.save("x", {}, tables=[{"title": "t", "columns": ["a"], "rows": [[1, 2]]}], out=tmp_path / "x.json")
