@@ -265,6 +265,20 @@ def test_engine_settings_given_as_engine_are_the_engines_settings_and_anything_e
         Lab(model_path, config=LabConfig(), engine=settings, port=0)
 
 
+def _health(conn: socket.socket, port: int) -> bytes:
+    """GET /health over `conn`; the head of the whole response (its head, then Content-Length bytes of body)."""
+    conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s_and_a_busy_one_is_not(tokenizer, model_path,
                                                                                          tmp_path):
     """ProxyConfig.keep_alive_s is uvicorn's idle timeout: a connection idle past it is closed by the server, one
@@ -272,25 +286,10 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_s_and_a_busy_o
     import time
 
     with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path), keep_alive_s=1) as lab:
-        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{lab.port}\r\n\r\n".encode()
-
-        def response(conn) -> bytes:  # a whole response: its head, then Content-Length bytes of body
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            while len(body) < length:
-                body += conn.recv(65536)
-            return head
-
         with socket.create_connection(("127.0.0.1", lab.port), timeout=10) as conn:
-            conn.sendall(request)
-            assert response(conn).startswith(b"HTTP/1.1 200")
+            assert _health(conn, lab.port).startswith(b"HTTP/1.1 200")
             time.sleep(0.3)
-            conn.sendall(request)  # within the timeout: served
-            assert response(conn).startswith(b"HTTP/1.1 200")
+            assert _health(conn, lab.port).startswith(b"HTTP/1.1 200")  # within the timeout: served
             time.sleep(2.0)
             assert conn.recv(65536) == b""  # past it: the server closed the connection
 
@@ -322,3 +321,30 @@ def test_a_request_that_arrives_as_the_idle_timer_fires_is_served_not_reset(toke
             time.sleep(max(0.0, when + 0.35 - time.monotonic()))  # sent while the loop sleeps, before the timer runs
             assert client.get(url).status_code == 200
             assert len(lab.server._server.server_state.connections) == 1  # the same connection served it
+
+
+def test_a_connection_the_client_resets_cancels_its_idle_timer_and_the_default_outlasts_clients_idle_pools(
+        tokenizer, model_path, tmp_path):
+    """A client that resets its connection (a killed harness) leaves no armed idle timer holding the connection's state
+    until it fires (uvicorn cancels it on a clean close only); and the default idle timeout is longer than common
+    clients keep an idle connection (httpx and Node 5 s, Go and Rust's hyper 90 s), so the proxy never closes first."""
+    import struct
+    import time
+
+    from polar_lab.config import ProxyConfig
+
+    assert ProxyConfig().keep_alive_s > 90
+    with Lab(port=0, engine=_scripted(tokenizer, model_path), runs_dir=str(tmp_path)) as lab:
+        conn = socket.create_connection(("127.0.0.1", lab.port), timeout=10)
+        assert _health(conn, lab.port).startswith(b"HTTP/1.1 200")
+        (protocol,) = lab.server._server.server_state.connections
+        deadline = time.monotonic() + 5
+        while protocol.timeout_keep_alive_task is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert protocol.timeout_keep_alive_task is not None  # armed: the connection is idle
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # with SO_LINGER 0: a reset, not a FIN
+        while protocol in lab.server._server.server_state.connections and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert protocol not in lab.server._server.server_state.connections
+        assert protocol.timeout_keep_alive_task is None
