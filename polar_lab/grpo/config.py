@@ -131,6 +131,10 @@ class GRPOConfig:
                                    "(W + scale*B*A synced as full weights, for an engine without LoRA)")
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in backward instead of keeping "
                                              "them (TRL's name): less memory, ~1/3 more compute")
+    shared_prefix_min_tokens: int | None = _f(1024, "an update whose samples all begin with at least this many "
+                                                    "equal untrained tokens (a harness's system prompt and tools) "
+                                                    "runs them once, with exact gradients (grpo/prefix.py); one "
+                                                    "process without gradient checkpointing only. None: never")
 
     # ---- async rollouts --------------------------------------------------------------------------
     async_mode: bool = _f(False, "keep rollouts running while the trainer steps (else: rollout, train, sync)")
@@ -184,6 +188,8 @@ class GRPOConfig:
         _check(self.stale_groups in ("drop", "rerun"), f"stale_groups must be drop or rerun, got {self.stale_groups!r}")
         _check(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), "
                                           f"got {self.num_generations}")
+        _check(self.shared_prefix_min_tokens is None or self.shared_prefix_min_tokens >= 1,
+               f"shared_prefix_min_tokens must be >= 1 or None, got {self.shared_prefix_min_tokens}")
         _check(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
                f"micro_batch_tokens must be >= 1 or None, got {self.micro_batch_tokens}")
         _check(self.max_refill_rounds >= 0, f"max_refill_rounds must be >= 0, got {self.max_refill_rounds}")

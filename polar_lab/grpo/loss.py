@@ -82,10 +82,16 @@ class TokenLogprobs(torch.nn.Module):
             return logp
         decoder = self.model.get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        batch, width = input_ids.shape[0], input_ids.shape[1] - 1
-        hidden = hidden[:, :-1].reshape(batch * width, -1)  # (B·(T-1), H)
-        targets = input_ids[:, 1:].reshape(-1)  # (B·(T-1),)
-        temps = temperatures.repeat_interleave(width)  # (B·(T-1),)
+        return self.head(hidden[:, :-1], input_ids[:, 1:], temperatures, support)
+
+    def head(self, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+             support: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, W, H) hidden states → (B, W) logprobs of `targets` (B, W) at each row's temperature, within `support`
+        (B, W, 3), through the lm_head `chunk` positions at a time (recomputed in backward)."""
+        batch, width = targets.shape
+        hidden = hidden.reshape(batch * width, -1)  # (B·W, H)
+        targets = targets.reshape(-1)  # (B·W,)
+        temps = temperatures.repeat_interleave(width)  # (B·W,)
         supports = support.reshape(batch * width, 3) if support is not None else None
         parts, cuts = [], []
         for start in range(0, hidden.shape[0], self.chunk):
@@ -99,7 +105,7 @@ class TokenLogprobs(torch.nn.Module):
             parts.append(logp)
             cuts.append(cut)
         self.outside_support += int(sum(cuts))
-        return torch.cat(parts).view(batch, width).clone()  # (B, T-1); not a view (FSDP2 hooks the output)
+        return torch.cat(parts).view(batch, width).clone()  # not a view (FSDP2 hooks the output)
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
                        support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

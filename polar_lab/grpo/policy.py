@@ -25,6 +25,8 @@ from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batch_groups, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
+from polar_lab.grpo.prefix import SharedPrefix, shared_prefix_length
+from polar_lab.grpo.prefix import supported as prefix_supported
 from polar_lab.grpo.scorers import FrozenScorers, disable_dropout
 from polar_lab.grpo.xray import token_rows
 
@@ -83,6 +85,7 @@ class Policy:
                                        num_warmup_steps=round(config.warmup_ratio * total), num_training_steps=total)
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps = 0
+        self._shares_prefix: bool | None = None  # whether updates may share a prefix (`_shared_prefix`)
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
@@ -93,11 +96,12 @@ class Policy:
         self._logprobs_model.outside_support = 0
         for iteration in range(self.config.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
+            shared = self._shared_prefix(samples)  # None, or the samples' common prompt, run once with gradients
             for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
-                    logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
-                                            mb.get("support"))
+                    logp = shared.logprobs(mb) if shared else \
+                        self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"], mb.get("support"))
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config, teacher,
                                               xray=self.config.xray_steps > 0 and iteration == 0 and i < len(groups))
@@ -109,6 +113,10 @@ class Policy:
                     totals.outside_support = float(self._logprobs_model.outside_support)
                 else:
                     totals.clipped += float(stats["clipped"])  # ratios move away from 1 only after a step
+            if shared:
+                with self._autocast():
+                    shared.backward()
+                totals.shared_prefix_tokens = shared.length
             totals.grad_norm = self._clip_and_step()
             totals.skipped += not math.isfinite(totals.grad_norm)
         totals.iterations = self.config.num_iterations
@@ -258,6 +266,18 @@ class Policy:
                                            mb.get("support"))
             return (old, *self.scorers.score(mb))
 
+    def _shared_prefix(self, samples: list[Sample]) -> SharedPrefix | None:
+        """The update's shared prefix (grpo/prefix.py), run forward now, when the policy can share one and the samples
+        begin with `shared_prefix_min_tokens` equal untrained tokens or more."""
+        if self._shares_prefix is None:  # decided once: the model and the placement do not change
+            self._shares_prefix = self.world_size == 1 and not self.sharded and not self.config.gradient_checkpointing \
+                and self._logprobs_model.chunked and prefix_supported(self.model)
+        length = shared_prefix_length(samples, self.config.shared_prefix_min_tokens) if self._shares_prefix else 0
+        if not length:
+            return None
+        with self._autocast():
+            return SharedPrefix(self._logprobs_model, samples[0].input_ids[:length + 1].to(self.device))
+
     def _autocast(self):
         enabled = self._autocast_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self._autocast_dtype, enabled=enabled)
@@ -304,6 +324,7 @@ class UpdateStats:
     grad_norm: float = float("nan")  # before clipping; the same on every rank after the all-reduce
     iterations: int = 1  # passes over the batch (GRPOConfig.num_iterations)
     skipped: int = 0  # of those passes, the ones whose optimiser step was skipped (non-finite gradient norm)
+    shared_prefix_tokens: int = 0  # leading tokens the update ran once for every sample (grpo/prefix.py); 0: none
     xray: list[dict] = field(default_factory=list)  # per sample, the loss's per-token tensors (grpo/xray.py)
 
     @property
@@ -340,6 +361,7 @@ class UpdateStats:
             "distill_kl": self.distill_kl_sum / tokens,
             "logprob_abs_diff_mean": float("nan") if empty else float(self.log_is.abs().mean()),
             "skipped_steps": self.skipped, "outside_support_tokens": self.outside_support,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
         }
 
 
