@@ -91,6 +91,16 @@ def figures(rows: list[dict]) -> dict:
     return out
 
 
+def goal_notes(rows: list[dict]) -> list[str]:
+    """The issue's goal, per seed: +0.25 held-out within 20 minutes of training (evaluations between steps included)."""
+    out = []
+    for r in rows:
+        met = r["gain"] >= 0.25 and r["train_s"] <= 1200
+        out.append(f"seed {r['seed']}: goal +0.25 within 20 min {'met' if met else 'missed'}: {r['gain']:+.3f} in "
+                   f"{r['train_s']} s of training")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny_agent_codex.yaml")
@@ -109,7 +119,7 @@ def main() -> None:
               f"training ({r['total_s']} s in all); curve {[round(c['eval_reward'], 3) for c in r['curve']]}")
     save("cli_learning", figures(rows),
          notes=[f"{args.steps} steps of {args.config}, evaluated every {args.eval_every} steps on {args.eval_limit} "
-                "held-out tasks"],
+                "held-out tasks", *goal_notes(rows)],
          title="Learning behind an unmodified CLI",
          raw={"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
               "eval_limit": args.eval_limit, "runs": rows}, out=args.out)
