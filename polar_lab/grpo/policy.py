@@ -25,8 +25,7 @@ from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batch_groups, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
-from polar_lab.grpo.prefix import SharedPrefix, shared_prefix_length
-from polar_lab.grpo.prefix import supported as prefix_supported
+from polar_lab.grpo.prefix import SharedPrefix, shared_prefix_length, supported_by
 from polar_lab.grpo.scorers import FrozenScorers, disable_dropout
 from polar_lab.grpo.xray import token_rows
 
@@ -85,7 +84,9 @@ class Policy:
                                        num_warmup_steps=round(config.warmup_ratio * total), num_training_steps=total)
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps = 0
-        self._shares_prefix: bool | None = None  # whether updates may share a prefix (`_shared_prefix`)
+        # whether an update may run its samples' shared prompt once (grpo/prefix.py): one process, a cache it can fill
+        self._shares_prefix = world_size == 1 and not self.sharded and not config.gradient_checkpointing \
+            and self._logprobs_model.chunked and supported_by(self.model)
 
     def update(self, samples: list[Sample]) -> UpdateStats:
         """One GRPO update on `samples`; returns summed statistics (merge ranks with `+`)."""
@@ -100,8 +101,11 @@ class Policy:
             for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
-                    logp = shared.logprobs(mb) if shared else \
-                        self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"], mb.get("support"))
+                    if shared:
+                        logp = shared.logprobs(mb)
+                    else:
+                        logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
+                                                mb.get("support"))
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config, teacher,
                                               xray=self.config.xray_steps > 0 and iteration == 0 and i < len(groups))
@@ -269,9 +273,6 @@ class Policy:
     def _shared_prefix(self, samples: list[Sample]) -> SharedPrefix | None:
         """The update's shared prefix (grpo/prefix.py), run forward now, when the policy can share one and the samples
         begin with `shared_prefix_min_tokens` equal untrained tokens or more."""
-        if self._shares_prefix is None:  # decided once: the model and the placement do not change
-            self._shares_prefix = self.world_size == 1 and not self.sharded and not self.config.gradient_checkpointing \
-                and self._logprobs_model.chunked and prefix_supported(self.model)
         length = shared_prefix_length(samples, self.config.shared_prefix_min_tokens) if self._shares_prefix else 0
         if not length:
             return None

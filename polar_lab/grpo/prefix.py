@@ -60,10 +60,20 @@ def shared_prefix_length(samples: list[Sample], min_tokens: int | None) -> int:
     return length if length >= max(min_tokens, 1) else 0
 
 
-def supported(model: torch.nn.Module) -> bool:
-    """Whether `model`'s cache is made only of layers this module knows how to fill and read."""
-    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from the forward's own largest position
 
+
+def supported_by(model: torch.nn.Module) -> bool:
+    """Whether `model`'s cache is made only of layers this module knows how to fill and read, and its rotary
+    embedding rotates a position the same whatever else is in the forward."""
+    try:
+        from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+    except ImportError:  # another transformers: the plain path
+        return False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in POSITION_DEPENDENT_ROPE:
+        return False
     return all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in _new_cache(model.config).layers)
 
 
@@ -78,8 +88,8 @@ class SharedPrefix:
         cache = _new_cache(scorer.model.config)
         hidden = self._decoder(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
         self._hidden = hidden.detach()  # (1, P, H): the prefix targets' logprobs, never trained
-        self._states = _states(cache)  # tensors that carry the prefix's graph
-        self._leaves = [s.detach().requires_grad_() for s in self._states]
+        self._states = _states(cache)  # tensors that carry the prefix's graph (LoRA: not all of them)
+        self._leaves = [s.detach().requires_grad_(s.requires_grad) for s in self._states]
         self._rows: dict[float, torch.Tensor] = {}
 
     def logprobs(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -101,7 +111,8 @@ class SharedPrefix:
     def backward(self) -> None:
         """The prefix's share of the gradient: its graph, run backward once with what every micro-batch sent to the
         cache leaves. Frees the graph."""
-        pairs = [(s, leaf.grad) for s, leaf in zip(self._states, self._leaves) if leaf.grad is not None]
+        pairs = [(s, leaf.grad) for s, leaf in zip(self._states, self._leaves)
+                 if s.requires_grad and leaf.grad is not None]
         if pairs:
             torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
         self._states, self._leaves = [], []

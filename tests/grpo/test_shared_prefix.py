@@ -54,6 +54,9 @@ CASES = {
     "hybrid": ("data/models/tiny-agent", {}),  # 3 Gated DeltaNet layers (conv + recurrent state), 1 attention
     "attention": (None, {}),  # keys and values only
     "lora": ("data/models/tiny-agent", {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}),
+    # adapters on the attention's q and v only: layer 0's cached keys and every DeltaNet state carry no gradient
+    "lora q, v": ("data/models/tiny-agent", {"peft_config": {"r": 4, "lora_alpha": 8,
+                                                            "target_modules": ["q_proj", "v_proj"]}}),
 }
 
 
@@ -126,4 +129,48 @@ def test_the_shared_paths_logprobs_are_the_whole_sequences():
     real = mb["attention_mask"][:, 1:].bool()
     assert shared.shape == whole.shape
     torch.testing.assert_close(shared[real], whole[real], rtol=0, atol=3e-5)
-    assert torch.equal(shared[:, :length], whole[:, :length])  # the prompt's targets: the same pass, the same sums
+    torch.testing.assert_close(shared[:, :length], whole[:, :length], rtol=0, atol=1e-6)  # the prompt's: one pass
+
+
+def _chain(first_difference: int, first_trained: int, length: int = 400, *, other: bool) -> Sample:
+    ids = torch.arange(length)
+    if other:
+        ids[first_difference:] += 1000  # differs from the reference chain from this token on
+    weights = torch.zeros(length - 1)
+    weights[first_trained:] = 1.0
+    return Sample(ids, weights, 1.0, torch.zeros(length - 1), torch.zeros(length - 1, dtype=torch.long), 1.0)
+
+
+# name: (first token that differs between the two chains, first trained target, P)
+BOUNDARIES = {
+    "chains differ at token 192": (192, 300, 128),  # tokens 0..P must agree: P ≤ 191, rounded down to 128
+    "chains differ at token 193": (193, 300, 192),  # P = 192: token 192 still agrees
+    "trained from target 192": (300, 192, 192),  # targets 0..P-1 untrained: P ≤ 192
+    "trained from target 191": (300, 191, 128),
+}
+
+
+@pytest.mark.parametrize("case", BOUNDARIES)
+def test_the_prefix_stops_before_the_first_difference_and_the_first_trained_target(case):
+    from polar_lab.grpo.prefix import shared_prefix_length
+
+    differ, trained, expected = BOUNDARIES[case]
+    chains = [_chain(differ, trained, other=False), _chain(differ, trained, other=True)]
+    assert shared_prefix_length(chains, 64) == expected
+    assert shared_prefix_length(chains, expected + 1) == 0  # under the minimum: not shared
+
+
+def test_a_rotary_embedding_that_depends_on_the_forwards_length_is_not_shared():
+    """Dynamic NTK and LongRoPE pick their frequencies from the forward's largest position: the prompt alone would be
+    rotated otherwise than inside the whole chain."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from polar_lab.grpo.prefix import supported_by
+
+    def model(rope: dict):
+        return SimpleNamespace(config=Qwen3Config(num_hidden_layers=1, rope_parameters={"rope_theta": 1e4, **rope}))
+
+    assert supported_by(model({"rope_type": "default"}))
+    assert not supported_by(model({"rope_type": "dynamic", "factor": 2.0}))
