@@ -263,7 +263,9 @@ recorded through the four CLIs by the scripted demonstrator (polar_lab/harness/d
 recording {info['record_s']} s, training {info['train_s']} s on 2 CPU cores).
 
 Held-out arithmetic ({info.get('eval', {}).get('limit', '-')} tasks of data/tasks/calc_test.jsonl, one seeded run each at
-temperature 1, real vLLM; `eval.json`):
+temperature 1, real vLLM; `eval.json`). Each call's length is left to the CLI; `GRPOTrainer.evaluate` caps it at the
+run's `max_completion_length` (96 in configs/tiny_agent_codex.yaml), and a Codex run whose answer is cut there exits
+with an error, so behind Codex that evaluation counts failed runs where this one counts none:
 
 | behind | pass rate | calls per session (median) | chains per session | failed runs |
 |---|---|---|---|---|
