@@ -22,6 +22,8 @@ from polar_lab.grpo.run import load_train_config
 
 from result import save
 
+DEFAULT_CONFIG = "configs/tiny_agent_codex.yaml"
+
 
 def sessions_shape(groups) -> dict:
     """Calls and chains per session of an evaluation's groups (medians and means)."""
@@ -103,7 +105,7 @@ def goal_notes(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/tiny_agent_codex.yaml")
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
@@ -120,7 +122,7 @@ def main() -> None:
     save("cli_learning", figures(rows),
          notes=[f"{args.steps} steps of {args.config}, evaluated every {args.eval_every} steps on {args.eval_limit} "
                 "held-out tasks", *goal_notes(rows)],
-         title="Learning behind an unmodified CLI",
+         title="Learning behind an unmodified CLI" + ("" if args.config == DEFAULT_CONFIG else f": {args.config}"),
          raw={"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
               "eval_limit": args.eval_limit, "runs": rows}, out=args.out)
 

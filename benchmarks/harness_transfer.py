@@ -11,34 +11,55 @@ weights, trains `--steps` sync steps behind A, then is evaluated behind every B:
         [--tasks-per-step 8] [--eval-limit 50] [--lr 1e-3] [--out benchmarks/results/harness_transfer.json]
         [--plot benchmarks/results/harness_transfer.png]
 
+The paper's CLIs, behind which the tiny-agent fixture acts, with a `polar-lab train` config's Lab and run settings
+(its harness_options go to every preset; --lr and --tasks-per-step default to the config's):
+
+    python benchmarks/harness_transfer.py --config configs/tiny_agent_codex.yaml \
+        --harnesses codex,claude_code,qwen_code,pi --seeds 0 --steps 6 --eval-limit 40 \
+        --out benchmarks/results/cli_transfer.json --plot benchmarks/results/cli_transfer.png
+
 `transfer_matrix(lab, ...)` is what the test (smallest setting, on the suite's shared engine) and notebook 09 call.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import pandas as pd
 
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
+from polar_lab.harness.registry import get_harness
+
+from cli_learning import sessions_shape  # benchmarks/ is on the path (run as a script, or as the test adds it)
 
 HARNESSES = ["calculator", "calculator_anthropic", "calculator_google", "calc_cli"]
 
 
 def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: list[int], steps: int,
-                    tasks_per_step: int = 8, eval_limit: int = 50, lr: float = 1e-3,
+                    tasks_per_step: int = 8, eval_limit: int = 50, lr: float = 1e-3, base: GRPOConfig | None = None,
                     progress: bool = False) -> pd.DataFrame:
-    """One row per (train harness, seed, eval harness): before, after, gain. `shipped`: the weights every run
-    starts from (synced back at the end)."""
+    """One row per (train harness, seed, eval harness): before, after, gain, and the evaluated sessions' shape
+    before and after (calls and chains per session, failed runs: `sessions_shape`). `shipped`: the weights every run
+    starts from (synced back at the end). `base`: every other setting of the runs (default: GRPOConfig's, 8 runs
+    per task); its harness_options go to every harness, trained or evaluated behind."""
+    base = base or GRPOConfig(num_generations=8)
+
     def config(harness: str, seed: int) -> GRPOConfig:
-        return GRPOConfig(harness=harness, tasks_per_step=tasks_per_step, num_generations=8, learning_rate=lr,
-                          seed=seed, eval_limit=eval_limit, output_dir=str(lab.run_dir / f"transfer-{harness}-{seed}"))
+        return dataclasses.replace(base, harness=harness, tasks_per_step=tasks_per_step, learning_rate=lr, seed=seed,
+                                   eval_limit=eval_limit, output_dir=str(lab.run_dir / f"transfer-{harness}-{seed}"))
+
+    def behind(harness: str):
+        return get_harness(harness, base.harness_options)
 
     lab.sync_weights(shipped)
+    before, shape = {}, {}
     with GRPOTrainer(lab, config(harnesses[0], seeds[0])) as probe:
-        before = {b: probe.evaluate(harness=b, progress=progress)["eval_reward"] for b in harnesses}
+        for b in harnesses:
+            before[b] = probe.evaluate(harness=behind(b), progress=progress)["eval_reward"]
+            shape[b] = sessions_shape(probe.last_eval_groups)
     rows = []
     for a in harnesses:
         for seed in seeds:
@@ -48,9 +69,12 @@ def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: lis
                 trainer.train(steps, progress=progress)
                 train_s = time.perf_counter() - t0
                 for b in harnesses:
-                    after = trainer.evaluate(harness=b, progress=progress)["eval_reward"]
+                    after = trainer.evaluate(harness=behind(b), progress=progress)["eval_reward"]
+                    after_shape = sessions_shape(trainer.last_eval_groups)
                     rows.append({"train": a, "eval": b, "seed": seed, "before": before[b], "after": after,
-                                 "gain": after - before[b], "train_s": train_s})
+                                 "gain": after - before[b], "train_s": train_s,
+                                 **{f"before_{k}": v for k, v in shape[b].items()},
+                                 **{f"after_{k}": v for k, v in after_shape.items()}})
     lab.sync_weights(shipped)
     return pd.DataFrame(rows)
 
@@ -91,25 +115,48 @@ def plot(runs: pd.DataFrame, path: str | Path | None = None):
     return fig
 
 
+def shape_row(runs: pd.DataFrame, harness: str) -> list:
+    """Calls and chains per held-out session and failed runs behind `harness`, before → after training behind it."""
+    own = runs[(runs["train"] == harness) & (runs["eval"] == harness)].mean(numeric_only=True)
+
+    def pair(name: str) -> str:
+        return f"{own[f'before_{name}']:g} → {own[f'after_{name}']:g}"
+
+    return [harness, pair("calls_p50"), pair("calls_mean"), pair("chains_mean"), pair("failed")]
+
+
 def main() -> None:
     from learning_rate import shipped_weights  # benchmarks/ is on the path when run
     from result import save
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
+    parser.add_argument("--config", default=None, help="a `polar-lab train` YAML: its Lab and run settings "
+                                                        "(--model is then ignored)")
     parser.add_argument("--harnesses", default=",".join(HARNESSES))
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--tasks-per-step", type=int, default=8, help="tasks per step (8 runs each)")
+    parser.add_argument("--tasks-per-step", type=int, default=None, help="tasks per step (8, or the config's)")
     parser.add_argument("--eval-limit", type=int, default=50)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (1e-3, or the config's)")
     parser.add_argument("--out", default="benchmarks/results/harness_transfer.json")
     parser.add_argument("--plot", default="benchmarks/results/harness_transfer.png")
     args = parser.parse_args()
     harnesses, seeds = args.harnesses.split(","), [int(x) for x in args.seeds.split(",")]
+    run_name = time.strftime("bench-transfer-%Y%m%d-%H%M%S")
+    if args.config:
+        from polar_lab.grpo.run import load_train_config
+
+        lab_config, base = load_train_config(args.config)
+        lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(lab_config.store, run_name=run_name))
+        lab = Lab(config=lab_config)
+    else:
+        base, lab = GRPOConfig(num_generations=8), Lab(args.model, port=0, run_name=run_name)
+    args.lr = args.lr or (base.learning_rate if args.config else 1e-3)
+    args.tasks_per_step = args.tasks_per_step or (base.tasks_per_step if args.config else 8)
     t0 = time.perf_counter()
-    with Lab(args.model, port=0, run_name=time.strftime("bench-transfer-%Y%m%d-%H%M%S")) as lab:
-        runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=seeds, steps=args.steps,
+    with lab:
+        runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=seeds, steps=args.steps, base=base,
                                tasks_per_step=args.tasks_per_step, eval_limit=args.eval_limit, lr=args.lr)
     with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
         print(runs.to_string(index=False))
@@ -119,19 +166,26 @@ def main() -> None:
     cells, elapsed = summary(runs), round(time.perf_counter() - t0)
     before = runs.drop_duplicates("eval").set_index("eval")["before"]
 
-    def cell(a: str, b: str) -> str:
-        return f"{cells.loc[(a, b), 'mean']:+.3f} ± {cells.loc[(a, b), 'std']:.3f}"
+    def cell(a: str, b: str) -> str:  # one seed has no spread to show
+        spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if len(seeds) > 1 else ""
+        return f"{cells.loc[(a, b), 'mean']:+.3f}{spread}"
 
     save("harness_transfer", {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
                               "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in harnesses),
                               "wall, all runs (s)": elapsed},
-         tables=[{"title": "Gain (mean ± sd over seeds): trained behind ↓ / evaluated behind →",
+         tables=[{"title": f"Gain ({'mean ± sd over seeds' if len(seeds) > 1 else 'one seed'}): trained behind ↓ / "
+                           "evaluated behind →",
                   "columns": ["trained behind", *harnesses],
-                  "rows": [[a, *(cell(a, b) for b in harnesses)] for a in harnesses]}],
-         notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × 8 runs, "
-                f"lr {args.lr:g}, {args.eval_limit} held-out tasks"],
-         title="Harness transfer",
-         raw={"model": args.model, "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,
+                  "rows": [[a, *(cell(a, b) for b in harnesses)] for a in harnesses]},
+                 {"title": "Held-out sessions behind each harness, before → after training behind it (seeds' mean)",
+                  "columns": ["harness", "calls per session: median", "mean", "chains per session", "failed runs"],
+                  "rows": [shape_row(runs, a) for a in harnesses]}],
+         notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × "
+                f"{base.num_generations} runs, lr {args.lr:g}, {args.eval_limit} held-out tasks"
+                + (f"; every other setting from {args.config}" if args.config else "")],
+         title="Harness transfer" + (" behind the CLIs" if args.config else ""),
+         raw={"model": lab_config.engine.model if args.config else args.model, "config": args.config,
+              "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,
               "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs.to_dict("records")}, out=args.out)
     plot(runs, args.plot)
 
