@@ -217,7 +217,7 @@ class GRPOConfig:
                f"temperature 1.0 (got {self.temperature}) or let the trainer score (teacher_scorer='trainer')")
         _check(self.sampling_support in ("replay", "force"),
                f"sampling_support must be replay or force, got {self.sampling_support!r}")
-        self._check_correction()
+        _check_correction(self)
         _check(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.max_reruns >= 0, f"max_reruns must be >= 0, got {self.max_reruns}")
@@ -239,18 +239,6 @@ class GRPOConfig:
         _check(self.trainer_devices is None or len(self.trainer_devices) == self.world_size,
                f"trainer_devices lists {len(self.trainer_devices or [])} devices but world_size is "
                f"{self.world_size}")
-
-    def _check_correction(self) -> None:
-        _check(self.importance_sampling_level in IS_LEVELS,
-               f"importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}")
-        _check(self.vllm_importance_sampling_mode in IS_MODES,
-               f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {self.vllm_importance_sampling_mode!r}")
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        _check(low is None or 0 <= low <= 1, f"vllm_importance_sampling_clip_min must be in [0, 1] or None, got {low}")
-        _check(high is None or high >= 1, f"vllm_importance_sampling_clip_max must be >= 1 or None, got {high}")
-        _check(self.loss_type != "cispo" or self.epsilon_high > 1,
-               f"loss_type='cispo' reads epsilon_high as the cap on the ratio itself (ScaleRL uses 5.0), so it "
-               f"must be > 1; got {self.epsilon_high}")
 
     @property
     def overlong_limit(self) -> int:
@@ -279,6 +267,20 @@ class GRPOConfig:
         data = dataclasses.asdict(dataclasses.replace(self, peft_config=None))
         data["peft_config"] = lora_dict(self.peft_config)  # JSON-able; from_dict turns it back into a LoraConfig
         return data
+
+
+def _check_correction(c: GRPOConfig) -> None:
+    """GRPOConfig's checks of the engine-vs-trainer correction."""
+    _check(c.importance_sampling_level in IS_LEVELS,
+           f"importance_sampling_level must be one of {IS_LEVELS}, got {c.importance_sampling_level!r}")
+    _check(c.vllm_importance_sampling_mode in IS_MODES,
+           f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {c.vllm_importance_sampling_mode!r}")
+    low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    _check(low is None or 0 <= low <= 1, f"vllm_importance_sampling_clip_min must be in [0, 1] or None, got {low}")
+    _check(high is None or high >= 1, f"vllm_importance_sampling_clip_max must be >= 1 or None, got {high}")
+    _check(c.loss_type != "cispo" or c.epsilon_high > 1,
+           f"loss_type='cispo' reads epsilon_high as the cap on the ratio itself (ScaleRL uses 5.0), so it "
+           f"must be > 1; got {c.epsilon_high}")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -25,7 +25,7 @@ from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batch_groups, micro_batches, same_count_on_every_rank
 from polar_lab.grpo.config import GRPOConfig
 from polar_lab.grpo.loss import TokenLogprobs, policy_loss
-from polar_lab.grpo.prefix import SharedPrefix, shared_prefix_length, supported_by
+from polar_lab.grpo.prefix import SharedPrefix, supported_by
 from polar_lab.grpo.scorers import FrozenScorers, disable_dropout
 from polar_lab.grpo.xray import token_rows
 
@@ -101,11 +101,8 @@ class Policy:
             for i, (mb, (old, ref, teacher)) in enumerate(zip(micro, frozen)):
                 last = i == len(micro) - 1
                 with self._no_sync(not last), self._autocast():
-                    if shared:
-                        logp = shared.logprobs(mb)
-                    else:
-                        logp = self.train_model(mb["input_ids"], mb["attention_mask"], mb["temperature"],
-                                                mb.get("support"))
+                    logp = shared.logprobs(mb) if shared else self.train_model(
+                        mb["input_ids"], mb["attention_mask"], mb["temperature"], mb.get("support"))
                     loss, stats = policy_loss(logp, old if old is not None else logp.detach(), mb["behavior"],
                                               ref, mb["advantage"], mb["weights"], self.config, teacher,
                                               xray=self.config.xray_steps > 0 and iteration == 0 and i < len(groups))
@@ -219,18 +216,8 @@ class Policy:
         self.steps = state["steps"]
 
     def memory(self, *, reset_peak: bool = False) -> dict[str, int]:
-        """This process's resident memory now and at its peak (Linux VmRSS / VmHWM), and on GPU the peak
-        allocated by torch, in bytes; `reset_peak` starts a new peak (for the memory benchmark)."""
-        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-        out = {"rss": int(status["VmRSS"].split()[0]) * 1024, "peak": int(status["VmHWM"].split()[0]) * 1024}
-        if self.device.type == "cuda":
-            out["cuda_peak"] = torch.cuda.max_memory_allocated(self.device)
-        if reset_peak:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")  # resets VmHWM to the current resident size
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-        return out
+        """This process's resident memory now and at its peak, and on GPU torch's peak, in bytes (`process_memory`)."""
+        return process_memory(self.device, reset_peak=reset_peak)
 
     def close(self) -> None:
         pass  # nothing outside this process
@@ -271,13 +258,10 @@ class Policy:
             return (old, *self.scorers.score(mb))
 
     def _shared_prefix(self, samples: list[Sample]) -> SharedPrefix | None:
-        """The update's shared prefix (grpo/prefix.py), run forward now, when the policy can share one and the samples
-        begin with `shared_prefix_min_tokens` equal untrained tokens or more."""
-        length = shared_prefix_length(samples, self.config.shared_prefix_min_tokens) if self._shares_prefix else 0
-        if not length:
-            return None
+        """The update's shared prompt, run forward now (grpo/prefix.py), or None."""
         with self._autocast():
-            return SharedPrefix(self._logprobs_model, samples[0].input_ids[:length + 1].to(self.device))
+            return SharedPrefix.of(self._logprobs_model, samples, self.config.shared_prefix_min_tokens,
+                                   self.device) if self._shares_prefix else None
 
     def _autocast(self):
         enabled = self._autocast_dtype != torch.float32
@@ -364,6 +348,21 @@ class UpdateStats:
             "skipped_steps": self.skipped, "outside_support_tokens": self.outside_support,
             "shared_prefix_tokens": self.shared_prefix_tokens,
         }
+
+
+def process_memory(device: torch.device, *, reset_peak: bool = False) -> dict[str, int]:
+    """This process's resident memory now and at its peak (Linux VmRSS / VmHWM), and on GPU the peak allocated by
+    torch, in bytes; `reset_peak` starts a new peak (for the memory benchmark)."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    out = {"rss": int(status["VmRSS"].split()[0]) * 1024, "peak": int(status["VmHWM"].split()[0]) * 1024}
+    if device.type == "cuda":
+        out["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+    if reset_peak:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current resident size
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def outgoing_weights(lab, policy, config: GRPOConfig, *, full: bool = False):

@@ -81,6 +81,13 @@ class SharedPrefix:
     """One update pass's shared prefix: run forward once at construction; `logprobs(mb)` per micro-batch; then
     `backward()` once, after every micro-batch's own backward."""
 
+    @classmethod
+    def of(cls, scorer, samples: list[Sample], min_tokens: int | None, device) -> SharedPrefix | None:
+        """The samples' shared prefix, run forward now, when they begin with `min_tokens` (see
+        `shared_prefix_length`) or more; else None."""
+        length = shared_prefix_length(samples, min_tokens)
+        return cls(scorer, samples[0].input_ids[:length + 1].to(device)) if length else None
+
     def __init__(self, scorer, ids: torch.Tensor):
         """`scorer`: the policy's `TokenLogprobs`; `ids`: (P+1,) the prefix's tokens and the token after it (the
         prefix's last target, the same in every sample), on the model's device."""
