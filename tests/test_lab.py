@@ -1,4 +1,7 @@
-"""Lab lifecycle: idempotent per port, context manager, close frees everything."""
+"""Lab lifecycle: idempotent per port, context manager, close frees everything.
+
+Each test builds a Lab of its own over a ScriptedEngine (no vLLM starts): the ports, threads and proxy connections
+under test must belong to that Lab alone, so none can share the suite's."""
 
 import socket
 import threading
