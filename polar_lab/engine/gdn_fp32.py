@@ -73,8 +73,8 @@ def _forward(layer, meta, mixed_qkv, b, a, out) -> None:
     slots = meta.non_spec_state_indices_tensor[:sequences].long()
     if bool((slots < 0).any()):  # vLLM's padding slot: its C++ kernels skip it, state[-1] would be another's
         raise NotImplementedError(f"the fp32 GDN core got a padding state slot: {slots.tolist()}")
-    # a decode always continues its state; a prefill where vLLM kept one (a prefix-cache hit or a split prefill: by
-    # default a hybrid on CPU runs with neither, engine/worker.py `_prefill_args`, and each prompt starts from zeros)
+    # a decode always continues its state; a prefill where vLLM kept one (a prefix-cache hit, whose state vLLM's
+    # 'align' mode copied into this slot, or a split prefill's earlier chunk); any other starts from zeros
     continues = torch.ones(sequences, dtype=torch.bool)
     if prefills:
         continues[decodes:] = meta.has_initial_state[decodes:sequences]

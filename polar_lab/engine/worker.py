@@ -134,6 +134,10 @@ class Worker(AdapterServing):
             from polar_lab.engine import gdn_fp32
 
             gdn_fp32.install()  # vLLM's CPU linear-attention kernels take bf16 only
+        if not cuda:
+            from polar_lab.engine import cpu_chunks
+
+            cpu_chunks.install()  # a seeded request's split prefill would otherwise kill a CPU engine
         return vllm.LLM(
             model=c.model, runner="generate", dtype=dtype, max_model_len=c.max_model_len,
             enforce_eager=c.enforce_eager, seed=c.seed, max_num_seqs=c.max_num_seqs,
@@ -141,7 +145,7 @@ class Worker(AdapterServing):
             logprobs_mode="processed_logprobs",  # logprobs of the distribution actually sampled from
             # the structural tags the proxy sends (proxy/constraints.py) are xgrammar's; "auto" may pick another
             structured_outputs_config={"backend": "xgrammar"},
-            **_prefill_args(c, cuda), **_reasoning_args(c), **_lora_args(c),
+            **_prefill_args(c), **_reasoning_args(c), **_lora_args(c),
             **_executor_args(c), **_kv_args(c, cuda), **_transfer_args(c),
             # logits in fp32 (vLLM: "required for RL training-inference consistency"): the trainer's are fp32, and a
             # logit a bf16 engine rounds is off by up to |logit| * 2**-9, a logprob by as much. Only the head: vLLM
@@ -345,16 +349,12 @@ class _Pieces:
         return TokenDelta(ids=ids, logprobs=logprobs, text=c.text, version=version)
 
 
-def _prefill_args(c: EngineConfig, cuda: bool) -> dict[str, Any]:
-    """Chunked prefill off on CPU: when vLLM splits a prefill it rewinds the request's RNG with
-    `Generator.set_offset`, which CPU generators do not have, and a seeded request kills the engine
-    ("CPU Generator does not use offset"; seen at 64 concurrent seeded requests). Unsplit prefills need
-    a step budget of a whole context. A hybrid model (linear-attention layers: Qwen3.5) on CPU also runs without
-    prefix caching: with it, vLLM caches the DeltaNet state in 'align' mode, which needs chunked prefill and splits
-    prompts at block boundaries — a seeded Codex session killed the engine that way. Each turn then prefills its
-    whole context (on CPU a hybrid's model is a test fixture; on a GPU both stay on)."""
-    chunked = c.chunked_prefill if c.chunked_prefill is not None else cuda
-    if chunked:
+def _prefill_args(c: EngineConfig) -> dict[str, Any]:
+    """vLLM's own prefill settings unless the config turns chunked prefill off; then each prompt prefills in one step
+    (a step budget of a whole context), and a hybrid model (linear-attention layers: Qwen3.5) runs without prefix
+    caching, since vLLM caches its DeltaNet states only in 'align' mode, which splits prompts at block boundaries.
+    On CPU a seeded request's split prefill needs engine/cpu_chunks.py (installed by `make_llm`)."""
+    if c.chunked_prefill:
         return {}
     max_len = c.max_model_len or _model_config(c.model).max_position_embeddings
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len,

