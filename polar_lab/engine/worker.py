@@ -237,8 +237,10 @@ class Worker(AdapterServing):
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt_ids}, _sampling_params(spec, stream),
-                                        lora_request=self.adapter)
+        # the cache salted with the version: vLLM cannot reset its prefix cache while a call holds blocks (a load with
+        # calls in flight), and a later call must not read KV that earlier weights computed
+        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{self.version}"}
+        self.llm.llm_engine.add_request(rid, prompt, _sampling_params(spec, stream), lora_request=self.adapter)
         if self.adapter is not None:
             self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
@@ -278,7 +280,8 @@ class Worker(AdapterServing):
 
     def loaded(self, version: int | None) -> int:
         """New full weights serve from now on, as `version` (default: the current one + 1)."""
-        self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.llm.llm_engine.reset_prefix_cache()  # frees the old weights' cached blocks (refused while any is held;
+        # `add` salts the cache with the version either way)
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.adapter = None  # these weights are the policy now: no adapter on top of them

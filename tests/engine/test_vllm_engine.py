@@ -78,6 +78,24 @@ def test_load_weights_changes_the_live_engine_and_bumps_the_version(lab, hf_mode
     assert max(abs(a - b) for a, b in zip(after.output_logprobs, before.output_logprobs)) < 1e-4
 
 
+def test_a_call_after_a_live_load_never_reads_the_prefix_cache_of_the_old_weights(lab, hf_model, prompt_ids,
+                                                                                   restore_weights):
+    """`lab.load_weights` (pause="keep") loads while calls run, and vLLM cannot reset its prefix cache while a call
+    holds blocks: it keeps every cached block. A later call whose prompt those blocks cover must still compute it with
+    the new weights (engine/worker.py salts the cache with the policy version), not read the old weights' KV."""
+    spec = SamplingSpec(max_tokens=8, temperature=1.0, seed=0)
+    lab.engine.submit(prompt_ids, spec).result()
+    assert lab.engine.submit(prompt_ids, spec).result().cached_tokens > 0  # the cache serves this prompt
+    running = lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=1500, seed=3, ignore_eos=True))  # ~6 s
+    time.sleep(0.5)  # prefilled, its blocks cached and held
+    version = lab.policy_version
+    assert lab.load_weights({k: v * 1.01 for k, v in hf_model.state_dict().items()}) == version + 1
+    assert not running.done()
+    after = lab.engine.submit(prompt_ids, spec).result()
+    assert after.cached_tokens == 0 and after.output_versions == [version + 1] * len(after.output_ids)
+    assert running.result(timeout=300).output_versions[-1] == version + 1
+
+
 def test_many_concurrent_seeded_requests_are_batched_and_a_split_prefill_samples_as_an_unsplit_one(lab, prompt_ids):
     """64 x ~200 prompt tokens at once exceed vLLM's 4096-token step budget, so some prefills are split across steps.
     Each step of a split prefill samples a token and throws it away; without engine/cpu_chunks.py rewinding the
