@@ -108,6 +108,8 @@ class EngineConfig:
                                           "engine/weight_transfer.py)")
 
     def __post_init__(self) -> None:
+        if self.chunked_prefill is None:  # what config.json files of earlier versions hold for the default
+            self.chunked_prefill = True
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.weights_transport not in ("memory", "file", "nccl", "ipc", "gloo"):

@@ -34,6 +34,15 @@ def test_flat_lab_keywords_land_in_their_section():
         make_config("m", None, {"prot": 1})
 
 
+def test_chunked_prefill_is_on_unless_turned_off_and_a_config_json_of_earlier_versions_keeps_the_default():
+    from polar_lab.engine.worker import _prefill_args
+
+    assert EngineConfig().chunked_prefill is True and _prefill_args(EngineConfig()) == {}
+    assert LabConfig.from_dict({"engine": {"chunked_prefill": None}}).engine.chunked_prefill is True  # null meant default
+    off = _prefill_args(EngineConfig(chunked_prefill=False, max_model_len=4096))
+    assert off == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}  # a whole context per step
+
+
 def test_round_trip_through_dict():
     cfg = LabConfig.from_dict({"engine": {"model": "x"}, "proxy": {"port": 1234}})
     assert LabConfig.from_dict(cfg.to_dict()) == cfg

@@ -238,7 +238,8 @@ class Worker(AdapterServing):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
         # the cache salted with the version: vLLM cannot reset its prefix cache while a call holds blocks (a load with
-        # calls in flight), and a later call must not read KV that earlier weights computed
+        # calls in flight), and a call added after a load must not read KV that earlier weights computed (one added
+        # before it is in flight, and goes on as a call in flight does: docs/scale.md)
         prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{self.version}"}
         self.llm.llm_engine.add_request(rid, prompt, _sampling_params(spec, stream), lora_request=self.adapter)
         if self.adapter is not None:

