@@ -28,8 +28,8 @@ HYBRID_NOTE = """
 - Hybrid: `linear_attention` layers are Gated DeltaNet (conv1d, `A_log`, `dt_bias`, `in_proj_qkv/z/b/a`), the
   `full_attention` layer has Qwen3.5's output gate and a partial rotary factor of 0.25. vLLM's own CPU kernels
   run it in bf16 only; polar_lab's engine serves it in fp32 (its DeltaNet layers through transformers' delta rule,
-  engine/gdn_fp32.py) with unsplit prefills and no prefix caching (docs/design-notes.md). The vLLM check below ran
-  in bf16 with chunked prefill over a whole-context budget; the trainer recomputes in fp32."""
+  engine/gdn_fp32.py), with chunked prefill and vLLM's prefix cache of DeltaNet states (docs/design-notes.md).
+  The vLLM check below ran in bf16 with chunked prefill over a whole-context budget; the trainer recomputes in fp32."""
 
 
 def write_report(out: Path, info: dict, fam, arch: str) -> None:

@@ -237,9 +237,8 @@ class Worker(AdapterServing):
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
-        # the cache salted with the version: vLLM cannot reset its prefix cache while a call holds blocks (a load with
-        # calls in flight), and a call added after a load must not read KV that earlier weights computed (one added
-        # before it is in flight, and goes on as a call in flight does: docs/scale.md)
+        # salted with the version: a load with calls in flight cannot reset vLLM's prefix cache, and no call added
+        # after it may read KV the old weights computed (one added before goes on as a call in flight: docs/scale.md)
         prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{self.version}"}
         self.llm.llm_engine.add_request(rid, prompt, _sampling_params(spec, stream), lora_request=self.adapter)
         if self.adapter is not None:
@@ -281,8 +280,7 @@ class Worker(AdapterServing):
 
     def loaded(self, version: int | None) -> int:
         """New full weights serve from now on, as `version` (default: the current one + 1)."""
-        self.llm.llm_engine.reset_prefix_cache()  # frees the old weights' cached blocks (refused while any is held;
-        # `add` salts the cache with the version either way)
+        self.llm.llm_engine.reset_prefix_cache()  # frees the old weights' blocks (refused while one is held: `add`)
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.adapter = None  # these weights are the policy now: no adapter on top of them
