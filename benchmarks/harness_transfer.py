@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -40,11 +41,12 @@ HARNESSES = ["calculator", "calculator_anthropic", "calculator_google", "calc_cl
 
 def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: list[int], steps: int,
                     tasks_per_step: int = 8, eval_limit: int = 50, lr: float = 1e-3, base: GRPOConfig | None = None,
-                    progress: bool = False) -> pd.DataFrame:
+                    known: pd.DataFrame | None = None, progress: bool = False) -> pd.DataFrame:
     """One row per (train harness, seed, eval harness): before, after, gain, and the evaluated sessions' shape
     before and after (calls and chains per session, failed runs: `sessions_shape`). `shipped`: the weights every run
     starts from (synced back at the end). `base`: every other setting of the runs (default: GRPOConfig's, 8 runs
-    per task); its harness_options go to every harness, trained or evaluated behind."""
+    per task); its harness_options go to every harness, trained or evaluated behind. `known`: the rows of the same
+    matrix for other seeds; they are kept, and their "before" is reused rather than measured again."""
     base = base or GRPOConfig(num_generations=8)
 
     def config(harness: str, seed: int) -> GRPOConfig:
@@ -56,11 +58,17 @@ def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: lis
 
     lab.sync_weights(shipped)
     before, shape = {}, {}
-    with GRPOTrainer(lab, config(harnesses[0], seeds[0])) as probe:
+    if known is not None:
+        first = known.drop_duplicates("eval").set_index("eval")
         for b in harnesses:
-            before[b] = probe.evaluate(harness=behind(b), progress=progress)["eval_reward"]
-            shape[b] = sessions_shape(probe.last_eval_groups)
-    rows = []
+            before[b] = first.loc[b, "before"]
+            shape[b] = {k.removeprefix("before_"): first.loc[b, k] for k in first.columns if k.startswith("before_")}
+    else:
+        with GRPOTrainer(lab, config(harnesses[0], seeds[0])) as probe:
+            for b in harnesses:
+                before[b] = probe.evaluate(harness=behind(b), progress=progress)["eval_reward"]
+                shape[b] = sessions_shape(probe.last_eval_groups)
+    rows = [] if known is None else known.to_dict("records")
     for a in harnesses:
         for seed in seeds:
             lab.sync_weights(shipped)
@@ -139,6 +147,8 @@ def main() -> None:
     parser.add_argument("--tasks-per-step", type=int, default=None, help="tasks per step (8, or the config's)")
     parser.add_argument("--eval-limit", type=int, default=50)
     parser.add_argument("--lr", type=float, default=None, help="learning rate (1e-3, or the config's)")
+    parser.add_argument("--merge", default=None, help="a result file of the same matrix for other seeds: its runs "
+                                                       "are kept and its 'before' reused")
     parser.add_argument("--out", default="benchmarks/results/harness_transfer.json")
     parser.add_argument("--plot", default="benchmarks/results/harness_transfer.png")
     args = parser.parse_args()
@@ -154,16 +164,30 @@ def main() -> None:
         base, lab = GRPOConfig(num_generations=8), Lab(args.model, port=0, run_name=run_name)
     args.lr = args.lr or (base.learning_rate if args.config else 1e-3)
     args.tasks_per_step = args.tasks_per_step or (base.tasks_per_step if args.config else 8)
+    known, earlier_s, notes = None, 0, []
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        settings = {k: earlier["raw"][k] for k in ("config", "steps", "tasks_per_step", "eval_limit", "lr")}
+        asked = {"config": args.config, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
+                 "eval_limit": args.eval_limit, "lr": args.lr}
+        if settings != asked or set(earlier["raw"]["seeds"]) & set(seeds):
+            raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {settings}, seeds "
+                             f"{earlier['raw']['seeds']}")
+        known, earlier_s = pd.DataFrame(earlier["raw"]["runs"]), earlier["figures"]["wall, all runs (s)"]
+        notes = [f"seeds {earlier['raw']['seeds']} and the 'before' column: {earlier['command']}, {earlier['date']}"]
+        seeds = earlier["raw"]["seeds"] + seeds
     t0 = time.perf_counter()
     with lab:
-        runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=seeds, steps=args.steps, base=base,
-                               tasks_per_step=args.tasks_per_step, eval_limit=args.eval_limit, lr=args.lr)
+        runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=[s for s in seeds if known is None or
+                                                                            s not in set(known["seed"])],
+                               steps=args.steps, base=base, tasks_per_step=args.tasks_per_step,
+                               eval_limit=args.eval_limit, lr=args.lr, known=known)
     with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
         print(runs.to_string(index=False))
         print(f"\n{len(seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval {args.eval_limit} "
               f"tasks, {time.perf_counter() - t0:.0f} s in all\n")
         print(summary(runs).to_string())
-    cells, elapsed = summary(runs), round(time.perf_counter() - t0)
+    cells, elapsed = summary(runs), round(time.perf_counter() - t0) + earlier_s
     before = runs.drop_duplicates("eval").set_index("eval")["before"]
 
     def cell(a: str, b: str) -> str:  # one seed has no spread to show
@@ -182,7 +206,7 @@ def main() -> None:
                   "rows": [shape_row(runs, a) for a in harnesses]}],
          notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × "
                 f"{base.num_generations} runs, lr {args.lr:g}, {args.eval_limit} held-out tasks"
-                + (f"; every other setting from {args.config}" if args.config else "")],
+                + (f"; every other setting from {args.config}" if args.config else ""), *notes],
          title="Harness transfer" + (" behind the CLIs" if args.config else ""),
          raw={"model": lab_config.engine.model if args.config else args.model, "config": args.config,
               "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,

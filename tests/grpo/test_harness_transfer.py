@@ -12,7 +12,8 @@ from harness_transfer import plot, summary, transfer_matrix  # noqa: E402
 HARNESSES = ["calculator", "calculator_anthropic"]
 
 
-def test_the_transfer_matrix_trains_behind_each_harness_and_evaluates_behind_every_one(lab, shipped_weights):
+def test_the_transfer_matrix_trains_behind_each_harness_and_evaluates_behind_every_one(lab, shipped_weights,
+                                                                                       monkeypatch):
     earlier = {c.session_id for c in lab.call_records()}  # the shared Lab's other tests' sessions
     runs = transfer_matrix(lab, shipped_weights, HARNESSES, seeds=[1], steps=1, tasks_per_step=2, eval_limit=4)
     assert sorted(zip(runs["train"], runs["eval"])) == sorted((a, b) for a in HARNESSES for b in HARNESSES)
@@ -28,6 +29,16 @@ def test_the_transfer_matrix_trains_behind_each_harness_and_evaluates_behind_eve
     cells = summary(runs)
     assert len(cells) == 4 and (cells["seeds"] == 1).all()
     assert len(plot(runs).axes[0].texts) == 4  # every cell annotated with its mean ± spread
+
+    # another seed added to the same matrix (`--merge`): its rows kept, its "before" reused, not measured again
+    from polar_lab import GRPOTrainer
+
+    evaluated, evaluate = [], GRPOTrainer.evaluate
+    monkeypatch.setattr(GRPOTrainer, "evaluate", lambda *a, **k: evaluated.append(1) or evaluate(*a, **k))
+    more = transfer_matrix(lab, shipped_weights, HARNESSES, seeds=[2], steps=1, tasks_per_step=2, eval_limit=4,
+                           known=runs)
+    assert len(evaluated) == 4 and more.iloc[:4].equals(runs) and sorted(set(more["seed"])) == [1, 2]
+    assert (more.groupby("eval")["before"].nunique() == 1).all() and (summary(more)["seeds"] == 2).all()
 
 
 def test_the_google_calculator_agent_runs_its_own_function_call_loop_as_one_chain_per_run(lab):
