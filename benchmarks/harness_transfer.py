@@ -128,7 +128,7 @@ def shape_row(runs: pd.DataFrame, harness: str) -> list:
     own = runs[(runs["train"] == harness) & (runs["eval"] == harness)].mean(numeric_only=True)
 
     def pair(name: str) -> str:
-        return f"{own[f'before_{name}']:g} → {own[f'after_{name}']:g}"
+        return f"{own[f'before_{name}']:.3g} → {own[f'after_{name}']:.3g}"
 
     return [harness, pair("calls_p50"), pair("calls_mean"), pair("chains_mean"), pair("failed")]
 
@@ -192,7 +192,7 @@ def main() -> None:
 
     def cell(a: str, b: str) -> str:  # one seed has no spread to show
         spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if len(seeds) > 1 else ""
-        return f"{cells.loc[(a, b), 'mean']:+.3f}{spread}"
+        return f"{round(cells.loc[(a, b), 'mean'], 3) + 0.0:+.3f}{spread}"  # + 0.0: no '-0.000'
 
     save("harness_transfer", {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
                               "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in harnesses),
