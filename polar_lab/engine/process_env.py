@@ -1,9 +1,9 @@
 """A local engine process's environment: vLLM's settings, its memory allocator, and the cores its threads run on.
 
 `engine_env(config, gpus)` builds it for `VLLMEngine.launch` (engine/vllm_engine.py); nothing here starts anything.
-What the user has set in the kernel's environment wins over ENV_DEFAULTS and over TCMalloc (an allocator already in
-LD_PRELOAD); an explicit `cpu_bind` replaces OpenMP's variables, as vLLM's binding does. (Ray replica actors build
-their own environment: engine/ray_replicas.py.)
+What the user has set in the kernel's environment wins over ENV_DEFAULTS (not over ENV_FIXED) and over TCMalloc (an
+allocator already in LD_PRELOAD); an explicit `cpu_bind` replaces OpenMP's variables, as vLLM's binding does. (Ray
+replica actors build their own environment: engine/ray_replicas.py.)
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ import sys
 
 from polar_lab.config import EngineConfig, parse_cores
 
+# What the engine process needs whatever the user has set: vLLM's engine core inside the worker, not a third process.
+# The worker reads its scheduler, patches its CPU model runner (engine/cpu_chunks.py) and salts its prefix cache there.
+ENV_FIXED = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 # What the engine process needs in its environment; anything the user has set wins.
 ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core inside the worker, not a third process
+    **ENV_FIXED,
     "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
     "TOKENIZERS_PARALLELISM": "false",
@@ -38,7 +42,7 @@ _OWN_PRELOADS = ("tcmalloc", "jemalloc", "mimalloc", "libasan")
 def engine_env(config: EngineConfig, gpus: list[int]) -> dict[str, str]:
     """The environment of a local engine process serving `config` on `gpus` (none: on CPU), before the
     per-process entries its launcher adds (CUDA_VISIBLE_DEVICES, TMPDIR)."""
-    env = {**ENV_DEFAULTS, **os.environ}
+    env = {**ENV_DEFAULTS, **os.environ, **ENV_FIXED}
     env.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
     preload_allocator(env, config, on_gpu=bool(gpus))
     bind_threads(env, config, on_gpu=bool(gpus))

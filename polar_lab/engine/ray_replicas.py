@@ -46,7 +46,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from polar_lab.config import EngineConfig
 from polar_lab.engine.process import EngineProcess
 from polar_lab.engine.replicas import ReplicaSet
-from polar_lab.engine.process_env import ENV_DEFAULTS
+from polar_lab.engine.process_env import ENV_DEFAULTS, ENV_FIXED
 from polar_lab.engine.vllm_engine import VLLMEngine
 from polar_lab.engine.weights import is_slot
 from polar_lab.errors import EngineError
@@ -434,7 +434,7 @@ class RayReplicas:
         threads = config.replica_cpus if not gpu else 1
         env = {**ENV_DEFAULTS, "VLLM_LOGGING_LEVEL": config.vllm_log_level,  # the KV cache size: EngineConfig's
                "OMP_NUM_THREADS": str(threads),  # Ray would set it to the bundle's CPUs; say it ourselves
-               **(env or {})}
+               **(env or {}), **ENV_FIXED}
         self.actors = [
             Host.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                          num_cpus=0 if gpu else config.replica_cpus, num_gpus=bundle.get("GPU", 0),

@@ -17,7 +17,7 @@ The count is set with `torch._C.set_num_threads`: vLLM's CPU worker replaces `to
 protect its own thread binding, which this process does not use unless `cpu_bind` asks (then the thread count is
 the binding's, and a bound engine with one core never switches). It is set only when it changes. Threads started
 later (the standby's loader) take the count last set; the loader sets its own (engine/standby.py). What a step has
-left to prefill is read from vLLM's scheduler before each step (Worker.prefill_left), so a request that waits for
+left to prefill is read from vLLM's scheduler before each step (worker.prefill_left), so a request that waits for
 memory, is preempted or is prefilled in chunks counts until its prompt is computed; an engine whose scheduler is not
 in its process keeps every thread for every step.
 """
@@ -49,7 +49,7 @@ class StepThreads:
 
     def wanted(self, running: int, prefill_tokens: int) -> int:
         """Threads for a step of `running` requests whose prompts have `prefill_tokens` left to prefill (an upper
-        bound of what the step computes: Worker.prefill_left)."""
+        bound of what the step computes: worker.prefill_left)."""
         if self.small_batch == 0 or running > self.small_batch or prefill_tokens > self.small_prefill:
             return self.every
         return 1

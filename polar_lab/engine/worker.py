@@ -81,6 +81,12 @@ def _torchvision_stand_in() -> None:
 _torchvision_stand_in()
 
 
+def prefill_left(scheduler) -> int:
+    """Prompt tokens vLLM's scheduler has still to prefill: a new request's whole prompt (its prefix-cache hits are
+    known only once it is scheduled), the rest of one prefilled in chunks, all of a preempted one's."""
+    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.requests.values())
+
+
 class Worker(AdapterServing):
     """One vLLM engine and the bookkeeping between it and the socket."""
 
@@ -88,6 +94,7 @@ class Worker(AdapterServing):
         self.conn = conn
         self.config = config
         self.version = 0
+        self.loads = 0  # full-weight loads so far: the prefix cache's salt (a version number may be given twice)
         self.busy_s = 0.0  # wall time inside vLLM steps, reported with every result
         self.steps = 0
         self.live: set[str] = set()  # request ids vLLM is working on
@@ -178,7 +185,7 @@ class Worker(AdapterServing):
                     return
                 busy = engine.has_unfinished_requests()
             if self.threads is not None:
-                self.threads.before_step(len(self.live), self.prefill_left())
+                self.threads.before_step(len(self.live), prefill_left(self.scheduler))
             t0 = time.perf_counter()
             outputs = engine.step()
             self.busy_s += time.perf_counter() - t0
@@ -237,20 +244,15 @@ class Worker(AdapterServing):
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"expected a SamplingSpec, got {type(spec).__name__}")
         spec.check()  # unpickling skipped __post_init__
-        # salted with the version: a load with calls in flight cannot reset vLLM's prefix cache, and no call added
-        # after it may read KV the old weights computed (one added before goes on as a call in flight: docs/scale.md)
-        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{self.version}"}
+        # salted per load: a load with calls in flight cannot reset vLLM's prefix cache, and no call added after it
+        # may read KV the old weights computed (one added before goes on as a call in flight: docs/scale.md)
+        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"w{self.loads}"}
         self.llm.llm_engine.add_request(rid, prompt, _sampling_params(spec, stream), lora_request=self.adapter)
         if self.adapter is not None:
             self.adapter_of[rid] = (self.adapter.lora_int_id, self.version)
         self.live.add(rid)
         if stream:
             self.streams[rid] = _Pieces()
-
-    def prefill_left(self) -> int:
-        """Prompt tokens the scheduler's requests have still to prefill: a new request's whole prompt (its prefix-cache
-        hits are known only once it is scheduled), the rest of one prefilled in chunks, all of a preempted one's."""
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests.values())
 
     def load_weights(self, path: str, version: int | None) -> int | str:
         """Load a safetensors file (engine/weights.py), or a PEFT LoRA adapter folder; it becomes `version`
@@ -281,6 +283,7 @@ class Worker(AdapterServing):
     def loaded(self, version: int | None) -> int:
         """New full weights serve from now on, as `version` (default: the current one + 1)."""
         self.llm.llm_engine.reset_prefix_cache()  # frees the old weights' blocks (refused while one is held: `add`)
+        self.loads += 1
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.adapter = None  # these weights are the policy now: no adapter on top of them

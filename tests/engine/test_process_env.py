@@ -104,6 +104,13 @@ def test_engine_env_keeps_what_the_user_set(monkeypatch):
     assert (env["HF_HUB_OFFLINE"], env["VLLM_CPU_KVCACHE_SPACE"], env["TORCHDYNAMO_DISABLE"]) == ("0", "3", "1")
 
 
+def test_the_engine_core_stays_in_the_worker_whatever_the_user_set(monkeypatch):
+    """The worker reads vLLM's scheduler and patches its model runner in its own process: a user's
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 would move them to a process the worker cannot reach."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert process_env.engine_env(EngineConfig(tcmalloc=False), gpus=[])["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 @pytest.mark.parametrize("deep", [False, True])
 def test_a_socket_folder_fits_an_af_unix_address_however_deep_tmpdir_is(tmp_path, monkeypatch, deep):
     import os

@@ -82,7 +82,8 @@ def test_a_call_after_a_live_load_never_reads_the_prefix_cache_of_the_old_weight
                                                                                    restore_weights):
     """`lab.load_weights` (pause="keep") loads while calls run, and vLLM cannot reset its prefix cache while a call
     holds blocks: it keeps every cached block. A later call whose prompt those blocks cover must still compute it with
-    the new weights (engine/worker.py salts the cache with the policy version), not read the old weights' KV."""
+    the new weights (engine/worker.py salts the cache per load), not read the old weights' KV — also when the load
+    is given the version already served (the engine's `version=`, as a replica brought back at the set's version is)."""
     spec = SamplingSpec(max_tokens=8, temperature=1.0, seed=0)
     lab.engine.submit(prompt_ids, spec).result()
     assert lab.engine.submit(prompt_ids, spec).result().cached_tokens > 0  # the cache serves this prompt
@@ -95,6 +96,12 @@ def test_a_call_after_a_live_load_never_reads_the_prefix_cache_of_the_old_weight
     assert after.cached_tokens == 0 and after.output_versions == [version + 1] * len(after.output_ids)
     assert lab.engine.submit(prompt_ids, spec).result().cached_tokens > 0  # what the new weights computed is reused
     assert running.result(timeout=300).output_versions[-1] == version + 1
+    running = lab.engine.submit(prompt_ids, SamplingSpec(max_tokens=1500, seed=4, ignore_eos=True))
+    time.sleep(0.5)
+    assert lab.engine.load_weights({k: v * 1.02 for k, v in hf_model.state_dict().items()}, version=version + 1) \
+        == version + 1
+    assert lab.engine.submit(prompt_ids, spec).result().cached_tokens == 0
+    running.result(timeout=300)
 
 
 def test_many_concurrent_seeded_requests_are_batched_and_a_split_prefill_samples_as_an_unsplit_one(lab, prompt_ids):
