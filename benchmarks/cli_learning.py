@@ -2,7 +2,7 @@
 rate before and after, the evaluations in between, and the time per step, per seed.
 
     python benchmarks/cli_learning.py [--config configs/tiny_agent_codex.yaml] [--seeds 0] [--steps 8]
-        [--eval-every 2] [--eval-limit 60] [--tasks ...] [--eval-tasks ...] [--harness codex]
+        [--eval-every 2] [--eval-limit 60] [--tasks ...] [--eval-tasks ...] [--harness codex] [--lr 2e-4]
         [--out benchmarks/results/cli_learning.json]
 
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
@@ -48,6 +48,8 @@ def run_seed(config_path: str, seed: int, args) -> dict:
         overrides["eval_tasks"] = args.eval_tasks
     if args.harness:
         overrides["harness"] = args.harness
+    if args.lr:
+        overrides["learning_rate"] = args.lr
     lab_config, config = load_train_config(config_path, **overrides)
     lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(
         lab_config.store, run_name=time.strftime(f"bench-cli-learning-s{seed}-%Y%m%d-%H%M%S")))
@@ -113,6 +115,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=None, help="override grpo.tasks")
     parser.add_argument("--eval-tasks", default=None, help="override grpo.eval_tasks")
     parser.add_argument("--harness", default=None, help="override grpo.harness")
+    parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
     parser.add_argument("--out", default="benchmarks/results/cli_learning.json")
     args = parser.parse_args()
     rows = [run_seed(args.config, int(seed), args) for seed in args.seeds.split(",")]
@@ -120,8 +123,8 @@ def main() -> None:
         print(f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f} ({r['gain']:+.3f}) in {r['train_s']} s of "
               f"training ({r['total_s']} s in all); curve {[round(c['eval_reward'], 3) for c in r['curve']]}")
     save("cli_learning", figures(rows),
-         notes=[f"{args.steps} steps of {args.config}, evaluated every {args.eval_every} steps on {args.eval_limit} "
-                "held-out tasks", *goal_notes(rows)],
+         notes=[f"{args.steps} steps of {args.config}" + (f" at lr {args.lr:g}" if args.lr else "") + f", evaluated "
+                f"every {args.eval_every} steps on {args.eval_limit} held-out tasks", *goal_notes(rows)],
          title="Learning behind an unmodified CLI" + ("" if args.config == DEFAULT_CONFIG else f": {args.config}"),
          raw={"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
               "eval_limit": args.eval_limit, "runs": rows}, out=args.out)
