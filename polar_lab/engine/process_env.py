@@ -21,7 +21,6 @@ ENV_FIXED = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # What the engine process needs in its environment; anything the user has set wins.
 ENV_DEFAULTS = {
-    **ENV_FIXED,
     "HF_HUB_OFFLINE": "1",  # no model hub on these machines; fail fast instead of hanging
     "TORCHDYNAMO_DISABLE": "1",  # eager: the first logprob request costs 0.5 s instead of ~15 s
     "TOKENIZERS_PARALLELISM": "false",
