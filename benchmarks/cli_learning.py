@@ -3,11 +3,14 @@ rate before and after, the evaluations in between, and the time per step, per se
 
     python benchmarks/cli_learning.py [--config configs/tiny_agent_codex.yaml] [--seeds 0] [--steps 8]
         [--eval-every 2] [--eval-limit 60] [--tasks ...] [--eval-tasks ...] [--harness codex] [--lr 2e-4]
-        [--out benchmarks/results/cli_learning.json]
+        [--budget-s 1200] [--merge RESULT.json] [--out benchmarks/results/cli_learning.json]
 
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
-evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. Prints the curve and writes it,
-with wall times and calls and chains per session before and after, to `--out` (benchmarks/result.py's shape).
+evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. With `--budget-s`, training
+stops before `--steps` when the next step (and its evaluation) would end past that many seconds of training; the
+held-out pass rate after is then measured once more. Prints the curve and writes it, with wall times and calls and
+chains per session before and after, to `--out` (benchmarks/result.py's shape). `--merge` keeps the runs of an
+earlier result file with the same settings and other seeds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 
 from polar_lab.grpo.run import load_train_config
 
@@ -38,6 +42,24 @@ def sessions_shape(groups) -> dict:
             "failed": sum(s.status != "closed" for s in sessions)}
 
 
+def train_within(trainer, steps: int, eval_every: int, budget_s: float | None,
+                 clock=time.perf_counter) -> tuple[list[dict], float]:
+    """Up to `steps` GRPO steps, a held-out evaluation every `eval_every`, stopping early when the longest
+    step-and-evaluation so far would end past `budget_s`. Returns the evaluations (step, pass rate, seconds of
+    training when it was measured) and the seconds spent."""
+    curve, longest, t0 = [], 0.0, clock()
+    while len(trainer.history) < steps:
+        elapsed = clock() - t0
+        if budget_s is not None and elapsed + longest > budget_s:
+            break
+        step = trainer.step(progress=False)["step"]
+        if eval_every and step % eval_every == 0:
+            e = trainer.evaluate(progress=False)
+            curve.append({"step": step, "eval_reward": e["eval_reward"], "s": round(clock() - t0)})
+        longest = max(longest, clock() - t0 - elapsed)
+    return curve, clock() - t0
+
+
 def run_seed(config_path: str, seed: int, args) -> dict:
     from polar_lab import GRPOTrainer, Lab
 
@@ -57,52 +79,49 @@ def run_seed(config_path: str, seed: int, args) -> dict:
     with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
         before = trainer.evaluate(progress=False)
         before_shape = sessions_shape(trainer.last_eval_groups)
-        t1 = time.perf_counter()
-        metrics = trainer.train(progress=False)
-        train_s = time.perf_counter() - t1
+        curve, train_s = train_within(trainer, args.steps, args.eval_every, args.budget_s)
         last = trainer.evaluations[-1]
         after = last if last["step"] == len(trainer.history) else trainer.evaluate(progress=False)  # once per step
         after_shape = sessions_shape(trainer.last_eval_groups)
-        curve = [{"step": e["step"], "eval_reward": e["eval_reward"]} for e in trainer.evaluations]
+        curve = [{"step": 0, "eval_reward": before["eval_reward"], "s": 0}, *curve]
+        if curve[-1]["step"] != len(trainer.history):
+            curve.append({"step": len(trainer.history), "eval_reward": after["eval_reward"], "s": round(train_s)})
+        metrics = trainer.metrics
         rewards = [round(float(r), 4) for r in metrics["reward_mean"]]
         step_s = [round(float(s), 1) for s in metrics["step_s"]]
     row = {"seed": seed, "before": before["eval_reward"], "after": after["eval_reward"],
-           "gain": after["eval_reward"] - before["eval_reward"], "curve": curve, "train_rewards": rewards,
-           "step_s": step_s, "train_s": round(train_s), "total_s": round(time.perf_counter() - t0),
-           "before_sessions": before_shape, "after_sessions": after_shape, "eval_runs": after["eval_runs"]}
+           "gain": after["eval_reward"] - before["eval_reward"], "steps": len(rewards), "curve": curve,
+           "train_rewards": rewards, "step_s": step_s, "train_s": round(train_s),
+           "total_s": round(time.perf_counter() - t0), "before_sessions": before_shape, "after_sessions": after_shape,
+           "eval_runs": after["eval_runs"]}
     print(json.dumps(row), flush=True)
     return row
 
 
 def figures(rows: list[dict]) -> dict:
-    """Per seed: held-out pass rate before and after, every evaluation, training seconds, the spread of step times,
-    and the held-out sessions' shape before and after (calls and chains per session, failed runs)."""
+    """Per seed: held-out pass rate before and after, every evaluation, steps and seconds of training, the spread of
+    step times, and the held-out sessions' shape before and after (calls and chains per session, failed runs)."""
     out = {}
     for r in rows:
         seed, before, after = r["seed"], r["before_sessions"], r["after_sessions"]
         out |= {f"held-out pass rate, seed {seed}: before → after": f"{r['before']:.3f} → {r['after']:.3f}",
                 f"evaluations, seed {seed} (step: pass rate)": ", ".join(f"{c['step']}: {c['eval_reward']:.3f}"
                                                                           for c in r["curve"]),
-                f"training, seed {seed} (s)": r["train_s"],
+                f"training, seed {seed}: steps, seconds": f"{r['steps']}, {r['train_s']}",
                 f"step time, seed {seed} (s)": f"{min(r['step_s'])}–{max(r['step_s'])}",
-                f"calls per session, seed {seed}: median / mean, before → after":
-                    f"{before['calls_p50']:g} / {before['calls_mean']:g} → "
-                    f"{after['calls_p50']:g} / {after['calls_mean']:g}",
-                f"chains per session, seed {seed}: before → after":
-                    f"{before['chains_mean']:g} → {after['chains_mean']:g}",
-                f"failed held-out runs, seed {seed}: before → after":
-                    f"{before['failed']} → {after['failed']} of {r['eval_runs']}"}
+                f"held-out sessions, seed {seed}, before → after":
+                    f"calls {before['calls_p50']:g} / {before['calls_mean']:g} → {after['calls_p50']:g} / "
+                    f"{after['calls_mean']:g} (median / mean), chains {before['chains_mean']:g} → "
+                    f"{after['chains_mean']:g}, failed {before['failed']} → {after['failed']} of {r['eval_runs']}"}
     return out
 
 
-def goal_notes(rows: list[dict]) -> list[str]:
+def goal_note(rows: list[dict]) -> str:
     """The issue's goal, per seed: +0.25 held-out within 20 minutes of training (evaluations between steps included)."""
-    out = []
-    for r in rows:
-        met = r["gain"] >= 0.25 and r["train_s"] <= 1200
-        out.append(f"seed {r['seed']}: goal +0.25 within 20 min {'met' if met else 'missed'}: {r['gain']:+.3f} in "
-                   f"{r['train_s']} s of training")
-    return out
+    def met(r: dict) -> str:
+        return "met" if r["gain"] >= 0.25 and r["train_s"] <= 1200 else "missed"
+    seeds = (f"seed {r['seed']} {met(r)}, {r['gain']:+.3f} in {r['steps']} steps, {r['train_s']} s" for r in rows)
+    return "goal +0.25 within 20 min: " + "; ".join(seeds)
 
 
 def main() -> None:
@@ -116,18 +135,33 @@ def main() -> None:
     parser.add_argument("--eval-tasks", default=None, help="override grpo.eval_tasks")
     parser.add_argument("--harness", default=None, help="override grpo.harness")
     parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop training before the step that would end past this many seconds")
+    parser.add_argument("--merge", default=None, help="a result file of the same settings for other seeds: its runs "
+                                                       "are kept")
     parser.add_argument("--out", default="benchmarks/results/cli_learning.json")
     args = parser.parse_args()
-    rows = [run_seed(args.config, int(seed), args) for seed in args.seeds.split(",")]
+    settings = {"config": args.config, "steps": args.steps, "budget_s": args.budget_s, "eval_every": args.eval_every,
+                "eval_limit": args.eval_limit, "lr": args.lr}
+    seeds, earlier, merged = [int(s) for s in args.seeds.split(",")], [], []
+    if args.merge:
+        result = json.loads(Path(args.merge).read_text())
+        earlier = result["raw"]["runs"]
+        if {k: result["raw"].get(k) for k in settings} != settings or {r["seed"] for r in earlier} & set(seeds):
+            raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has "
+                             f"{ {k: result['raw'].get(k) for k in settings} }, seeds {[r['seed'] for r in earlier]}")
+        merged = [f"seeds {[r['seed'] for r in earlier]}: {result['command']}, {result['date']}"]
+    rows = earlier + [run_seed(args.config, seed, args) for seed in seeds]
     for r in rows:
         print(f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f} ({r['gain']:+.3f}) in {r['train_s']} s of "
               f"training ({r['total_s']} s in all); curve {[round(c['eval_reward'], 3) for c in r['curve']]}")
     save("cli_learning", figures(rows),
-         notes=[f"{args.steps} steps of {args.config}" + (f" at lr {args.lr:g}" if args.lr else "") + f", evaluated "
-                f"every {args.eval_every} steps on {args.eval_limit} held-out tasks", *goal_notes(rows)],
+         notes=[f"{'up to ' if args.budget_s else ''}{args.steps} steps of {args.config}"
+                + (f" within {args.budget_s:g} s of training" if args.budget_s else "")
+                + (f" at lr {args.lr:g}" if args.lr else "") + f", evaluated every {args.eval_every} steps on "
+                f"{args.eval_limit} held-out tasks", *merged, goal_note(rows)],
          title="Learning behind an unmodified CLI" + ("" if args.config == DEFAULT_CONFIG else f": {args.config}"),
-         raw={"config": args.config, "steps": args.steps, "eval_every": args.eval_every,
-              "eval_limit": args.eval_limit, "runs": rows}, out=args.out)
+         raw={**settings, "runs": rows}, out=args.out)
 
 
 if __name__ == "__main__":
