@@ -161,16 +161,12 @@ class Policy:
         adapter's tensors are gathered when sharded); returns the bytes written (0 on other ranks)."""
         if not self.lora:
             raise TrainerError("write_adapter needs a LoRA policy (GRPOConfig.peft_config)")
-        tensors = lora.adapter_tensors(self.model, _full)
+        tensors = lora.adapter_tensors(self.model, _full)  # every rank takes part in the gathers, first
         if self._rank != 0:
-            return _write_gathered(None, None, tensors, False)  # take part in each gather
-        try:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self.model.peft_config["default"].save_pretrained(folder)
-        except Exception:
-            _write_gathered(None, None, tensors, False)  # the peers are in the gathers: finish them, then raise
-            raise
-        size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.adapter_layout(self.model), tensors, True)
+            return 0
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.model.peft_config["default"].save_pretrained(folder)
+        size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.tensors_layout(tensors), tensors, True)
         return size + (Path(folder) / lora.ADAPTER_CONFIG).stat().st_size
 
     def write_weights(self, path: str, dtype: torch.dtype | None = None) -> int:
