@@ -8,7 +8,8 @@ rate before and after, the evaluations in between, and the time per step, per se
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
 evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. With `--budget-s`, training
 stops before `--steps` when the next step (and its evaluation) would end past that many seconds of training; the
-held-out pass rate after is then measured once more. Prints the curve and writes it, with wall times and calls and
+held-out pass rate after is then measured once more (outside the budget; its curve point carries the seconds of
+training behind the weights it measured). Prints the curve and writes it, with wall times and calls and
 chains per session before and after, to `--out` (benchmarks/result.py's shape). `--merge` keeps the runs of an
 earlier result file with the same settings and other seeds.
 """
@@ -42,21 +43,25 @@ def sessions_shape(groups) -> dict:
             "failed": sum(s.status != "closed" for s in sessions)}
 
 
-def train_within(trainer, steps: int, eval_every: int, budget_s: float | None,
+def train_within(trainer, steps: int, eval_every: int, budget_s: float | None, eval_s: float = 0.0,
                  clock=time.perf_counter) -> tuple[list[dict], float]:
-    """Up to `steps` GRPO steps, a held-out evaluation every `eval_every`, stopping early when the longest
-    step-and-evaluation so far would end past `budget_s`. Returns the evaluations (step, pass rate, seconds of
-    training when it was measured) and the seconds spent."""
-    curve, longest, t0 = [], 0.0, clock()
+    """Up to `steps` GRPO steps, a held-out evaluation every `eval_every`, stopping early when the next step (the
+    longest so far) and its evaluation, if it has one (the longest so far, `eval_s` before any), would end past
+    `budget_s`. Returns the evaluations (step, pass rate, seconds of training when it was measured) and the seconds
+    spent."""
+    curve, longest_step, t0 = [], 0.0, clock()
     while len(trainer.history) < steps:
-        elapsed = clock() - t0
-        if budget_s is not None and elapsed + longest > budget_s:
+        evaluates = bool(eval_every) and (len(trainer.history) + 1) % eval_every == 0
+        if budget_s is not None and clock() - t0 + longest_step + (eval_s if evaluates else 0.0) > budget_s:
             break
+        t1 = clock()
         step = trainer.step(progress=False)["step"]
-        if eval_every and step % eval_every == 0:
+        longest_step = max(longest_step, clock() - t1)
+        if evaluates:
+            t1 = clock()
             e = trainer.evaluate(progress=False)
+            eval_s = max(eval_s, clock() - t1)
             curve.append({"step": step, "eval_reward": e["eval_reward"], "s": round(clock() - t0)})
-        longest = max(longest, clock() - t0 - elapsed)
     return curve, clock() - t0
 
 
@@ -79,7 +84,8 @@ def run_seed(config_path: str, seed: int, args) -> dict:
     with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
         before = trainer.evaluate(progress=False)
         before_shape = sessions_shape(trainer.last_eval_groups)
-        curve, train_s = train_within(trainer, args.steps, args.eval_every, args.budget_s)
+        curve, train_s = train_within(trainer, args.steps, args.eval_every, args.budget_s, before["eval_s"])
+        trainer.save_checkpoint()  # the trained weights, as `polar-lab train` leaves them
         last = trainer.evaluations[-1]
         after = last if last["step"] == len(trainer.history) else trainer.evaluate(progress=False)  # once per step
         after_shape = sessions_shape(trainer.last_eval_groups)
@@ -142,14 +148,16 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cli_learning.json")
     args = parser.parse_args()
     settings = {"config": args.config, "steps": args.steps, "budget_s": args.budget_s, "eval_every": args.eval_every,
-                "eval_limit": args.eval_limit, "lr": args.lr}
+                "eval_limit": args.eval_limit, "lr": args.lr, "tasks": args.tasks, "eval_tasks": args.eval_tasks,
+                "harness": args.harness}
     seeds, earlier, merged = [int(s) for s in args.seeds.split(",")], [], []
     if args.merge:
         result = json.loads(Path(args.merge).read_text())
         earlier = result["raw"]["runs"]
-        if {k: result["raw"].get(k) for k in settings} != settings or {r["seed"] for r in earlier} & set(seeds):
-            raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has "
-                             f"{ {k: result['raw'].get(k) for k in settings} }, seeds {[r['seed'] for r in earlier]}")
+        theirs = {k: result["raw"].get(k, "(not recorded)") for k in settings}
+        if theirs != settings or {r["seed"] for r in earlier} & set(seeds):
+            raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {theirs}, seeds "
+                             f"{[r['seed'] for r in earlier]}")
         merged = [f"seeds {[r['seed'] for r in earlier]}: {result['command']}, {result['date']}"]
     rows = earlier + [run_seed(args.config, seed, args) for seed in seeds]
     for r in rows:
