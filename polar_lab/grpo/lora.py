@@ -87,19 +87,13 @@ def check_targets(model_path: str, config) -> None:
                           f"are supported; the model's are named {names}")
 
 
-def adapter_tensors(model, full: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def adapter_tensors(model, full: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's tensors, named as in a PEFT adapter file, each made whole by `full` (a gather from the ranks when
     sharded). A collective when sharded, on every rank alike: PEFT ≥ 0.22 gathers FSDP2's DTensors inside
-    `get_peft_model_state_dict` itself, so no rank may call it alone (a layout read on rank 0 would wait there for
-    good). The adapter is small: all of it is held at once."""
+    `get_peft_model_state_dict` itself, so no rank may call it alone. The adapter is small: all of it is held at once."""
     from peft import get_peft_model_state_dict
 
-    return [(name, full(tensor.detach())) for name, tensor in get_peft_model_state_dict(model).items()]
-
-
-def tensors_layout(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(name, dtype, shape) of whole tensors: the layout of the file they are written to."""
-    return [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    return {name: full(tensor.detach()) for name, tensor in get_peft_model_state_dict(model).items()}
 
 
 def merged_tensors(model, full: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from polar_lab.engine.weights import WeightsWriter
+from polar_lab.engine.weights import WeightsWriter, write_weights as write_weights_file
 from polar_lab.errors import TrainerError
 from polar_lab.grpo import lora
 from polar_lab.grpo.batch import Sample, collate, micro_batch_groups, micro_batches, same_count_on_every_rank
@@ -166,7 +166,7 @@ class Policy:
             return 0
         Path(folder).mkdir(parents=True, exist_ok=True)
         self.model.peft_config["default"].save_pretrained(folder)
-        size = _write_gathered(Path(folder) / lora.ADAPTER_WEIGHTS, lora.tensors_layout(tensors), tensors, True)
+        size = write_weights_file(Path(folder) / lora.ADAPTER_WEIGHTS, tensors)
         return size + (Path(folder) / lora.ADAPTER_CONFIG).stat().st_size
 
     def write_weights(self, path: str, dtype: torch.dtype | None = None) -> int:
