@@ -6,12 +6,12 @@ rate before and after, the evaluations in between, and the time per step, per se
         [--budget-s 1200] [--merge RESULT.json] [--out benchmarks/results/cli_learning.json]
 
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
-evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. With `--budget-s`, training
-stops before `--steps` when the next step (and its evaluation) would end past that many seconds of training; the
-held-out pass rate after is then measured once more (outside the budget; its curve point carries the seconds of
-training behind the weights it measured). Prints the curve and writes it, with wall times and calls and
-chains per session before and after, to `--out` (benchmarks/result.py's shape). `--merge` keeps the runs of an
-earlier result file with the same settings and other seeds.
+evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. With `--budget-s` (not the config's
+`time_budget_s`), training stops before `--steps` when the next step (and its evaluation) would end past that many
+seconds of training (`train_steps`, GRPOTrainer.train's loop); the held-out pass rate after is then measured once more
+(outside the budget; its curve point carries the seconds of training behind the weights it measured). Prints the
+curve and writes it, with wall times and calls and chains per session before and after, to `--out`
+(benchmarks/result.py's shape). `--merge` keeps the runs of an earlier result file with the same settings and other seeds.
 """
 
 from __future__ import annotations
@@ -43,30 +43,21 @@ def sessions_shape(groups) -> dict:
             "failed": sum(s.status != "closed" for s in sessions)}
 
 
-def train_within(trainer, steps: int, eval_every: int, budget_s: float | None, eval_s: float = 0.0,
-                 clock=time.perf_counter) -> tuple[list[dict], float]:
-    """Up to `steps` GRPO steps, a held-out evaluation every `eval_every`, stopping early when the next step (the
-    longest so far) and its evaluation, if it has one (the longest so far, `eval_s` before any), would end past
-    `budget_s`. Returns the evaluations (step, pass rate, seconds of training when it was measured) and the seconds
-    spent."""
-    curve, longest_step, t0 = [], 0.0, clock()
-    while len(trainer.history) < steps:
-        evaluates = bool(eval_every) and (len(trainer.history) + 1) % eval_every == 0
-        if budget_s is not None and clock() - t0 + longest_step + (eval_s if evaluates else 0.0) > budget_s:
-            break
-        t1 = clock()
-        step = trainer.step(progress=False)["step"]
-        longest_step = max(longest_step, clock() - t1)
-        if evaluates:
-            t1 = clock()
-            e = trainer.evaluate(progress=False)
-            eval_s = max(eval_s, clock() - t1)
-            curve.append({"step": step, "eval_reward": e["eval_reward"], "s": round(clock() - t0)})
-    return curve, clock() - t0
+def learning_curve(before: dict, during: list[dict], after: dict, train_s: float) -> list[dict]:
+    """Held-out pass rate by step, with the seconds of training behind each point: the evaluation before training
+    (step 0), those during it (when each ended, on the clock from the first's end) and the one after the last step
+    when none ended it (`train_s`: it measured the weights of the whole run)."""
+    curve = [{"step": 0, "eval_reward": before["eval_reward"], "s": 0}]
+    curve += [{"step": e["step"], "eval_reward": e["eval_reward"], "s": round(e["time"] - before["time"])}
+              for e in during]
+    if curve[-1]["step"] != after["step"]:
+        curve.append({"step": after["step"], "eval_reward": after["eval_reward"], "s": round(train_s)})
+    return curve
 
 
 def run_seed(config_path: str, seed: int, args) -> dict:
     from polar_lab import GRPOTrainer, Lab
+    from polar_lab.grpo.trainer import train_steps
 
     overrides = {"seed": seed, "max_steps": args.steps, "eval_limit": args.eval_limit, "eval_steps": args.eval_every}
     if args.tasks:
@@ -78,20 +69,19 @@ def run_seed(config_path: str, seed: int, args) -> dict:
     if args.lr:
         overrides["learning_rate"] = args.lr
     lab_config, config = load_train_config(config_path, **overrides)
+    config = dataclasses.replace(config, time_budget_s=args.budget_s)  # --budget-s, not the config's: None is none
     lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(
         lab_config.store, run_name=time.strftime(f"bench-cli-learning-s{seed}-%Y%m%d-%H%M%S")))
     t0 = time.perf_counter()
     with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
         before = trainer.evaluate(progress=False)
         before_shape = sessions_shape(trainer.last_eval_groups)
-        curve, train_s = train_within(trainer, args.steps, args.eval_every, args.budget_s, before["eval_s"])
-        trainer.save_checkpoint()  # the trained weights, as `polar-lab train` leaves them
-        last = trainer.evaluations[-1]
+        train_s = train_steps(trainer, args.steps, time_budget_s=config.time_budget_s, progress=False)
+        trainer.save_checkpoint()  # the trained weights, as `polar-lab train` leaves them (GRPOTrainer.train)
+        during, last = trainer.evaluations[1:], trainer.evaluations[-1]
         after = last if last["step"] == len(trainer.history) else trainer.evaluate(progress=False)  # once per step
         after_shape = sessions_shape(trainer.last_eval_groups)
-        curve = [{"step": 0, "eval_reward": before["eval_reward"], "s": 0}, *curve]
-        if curve[-1]["step"] != len(trainer.history):
-            curve.append({"step": len(trainer.history), "eval_reward": after["eval_reward"], "s": round(train_s)})
+        curve = learning_curve(before, during, after, train_s)
         metrics = trainer.metrics
         rewards = [round(float(r), 4) for r in metrics["reward_mean"]]
         step_s = [round(float(s), 1) for s in metrics["step_s"]]
@@ -142,7 +132,8 @@ def main() -> None:
     parser.add_argument("--harness", default=None, help="override grpo.harness")
     parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop training before the step that would end past this many seconds")
+                        help="stop training before the step that would end past this many seconds (default: no "
+                             "limit, whatever the config's grpo.time_budget_s)")
     parser.add_argument("--merge", default=None, help="a result file of the same settings for other seeds: its runs "
                                                        "are kept")
     parser.add_argument("--out", default="benchmarks/results/cli_learning.json")
@@ -158,7 +149,8 @@ def main() -> None:
         if theirs != settings or {r["seed"] for r in earlier} & set(seeds):
             raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {theirs}, seeds "
                              f"{[r['seed'] for r in earlier]}")
-        merged = [f"seeds {[r['seed'] for r in earlier]}: {result['command']}, {result['date']}"]
+        merged = [*(n for n in result["notes"] if n.startswith("seeds ")),  # the commands of the seeds before it
+                  f"seeds {[r['seed'] for r in earlier]}: {result['command']}, {result['date']}"]
     rows = earlier + [run_seed(args.config, seed, args) for seed in seeds]
     for r in rows:
         print(f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f} ({r['gain']:+.3f}) in {r['train_s']} s of "

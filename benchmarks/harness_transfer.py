@@ -51,7 +51,8 @@ def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: lis
 
     def config(harness: str, seed: int) -> GRPOConfig:
         return dataclasses.replace(base, harness=harness, tasks_per_step=tasks_per_step, learning_rate=lr, seed=seed,
-                                   eval_limit=eval_limit, output_dir=str(lab.run_dir / f"transfer-{harness}-{seed}"))
+                                   eval_limit=eval_limit, output_dir=str(lab.run_dir / f"transfer-{harness}-{seed}"),
+                                   eval_steps=0, time_budget_s=None)  # `steps` steps, evaluated after them
 
     def behind(harness: str):
         return get_harness(harness, base.harness_options)
@@ -174,7 +175,9 @@ def main() -> None:
             raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {settings}, seeds "
                              f"{earlier['raw']['seeds']}")
         known, earlier_s = pd.DataFrame(earlier["raw"]["runs"]), earlier["figures"]["wall, all runs (s)"]
-        notes = [f"seeds {earlier['raw']['seeds']} and the 'before' column: {earlier['command']}, {earlier['date']}"]
+        first = "" if "--merge" in earlier["command"] else " and the 'before' column"
+        notes = [*(n for n in earlier["notes"] if n.startswith("seeds ")),  # the commands of the seeds before it
+                 f"seeds {earlier['raw']['seeds']}{first}: {earlier['command']}, {earlier['date']}"]
         seeds = earlier["raw"]["seeds"] + seeds
     t0 = time.perf_counter()
     with lab:

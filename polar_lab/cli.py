@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from polar_lab.config import DEFAULT_MODEL
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="GRPO from a YAML config: evaluate, train, evaluate again")
     train.add_argument("config", help="YAML with engine/proxy/store/grpo sections (e.g. configs/tiny_calc_grpo.yaml)")
     train.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
+    train.add_argument("--time-budget-s", type=float, default=None,
+                       help="override grpo.time_budget_s: start no step that would end past this many seconds "
+                            "(0: no limit)")
     train.add_argument("--eval-limit", type=int, default=None, help="override grpo.eval_limit")
     train.add_argument("--output-dir", default=None, help="override grpo.output_dir")
     train.add_argument("--async", dest="async_mode", action="store_true", default=None,
@@ -45,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from polar_lab.grpo.run import format_train_summary, load_train_config, on_cluster, train_from_config
 
         lab_config, grpo_config = load_train_config(
-            args.config, max_steps=args.max_steps, eval_limit=args.eval_limit, output_dir=args.output_dir,
-            async_mode=args.async_mode, world_size=args.world_size)
+            args.config, max_steps=args.max_steps, time_budget_s=args.time_budget_s or None, eval_limit=args.eval_limit,
+            output_dir=args.output_dir, async_mode=args.async_mode, world_size=args.world_size)
+        if args.time_budget_s == 0:
+            grpo_config = dataclasses.replace(grpo_config, time_budget_s=None)
         lab_config = on_cluster(lab_config, replicas=args.replicas, ray_address=args.ray_address)
         print(format_train_summary(train_from_config(lab_config, grpo_config)))
         return 0

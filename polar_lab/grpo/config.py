@@ -165,6 +165,8 @@ class GRPOConfig:
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     max_steps: int = _f(20, "optimiser steps of train()")
+    time_budget_s: float | None = _f(None, "train() starts no step that would end past this many seconds of "
+                                           "training, evaluations included (None = no limit)")
     seed: int = _f(0, "task order and rollout sampling seeds")
     output_dir: str | None = _f(None, "metrics.jsonl and checkpoints; None = <run folder>/grpo")
     report_to: str | list[str] = _f("none", "experiment trackers (TRL's name): tensorboard, wandb, mlflow, trackio, "
@@ -200,6 +202,8 @@ class GRPOConfig:
                      "logprob_chunk_tokens", "max_nonfinite_updates", "async_window_steps",
                      "world_size", "concurrency", "max_steps"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.time_budget_s is None or self.time_budget_s > 0,
+               f"time_budget_s must be > 0 or None, got {self.time_budget_s}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}")
         _check(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         _check(self.lr_scheduler_type in ("constant", "linear", "cosine"),

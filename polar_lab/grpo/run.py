@@ -1,8 +1,8 @@
 """`polar-lab train CONFIG.yaml`: the headless form of a notebook's GRPO cells, from one YAML file.
 
 Starts a Lab from the engine/proxy/store sections, evaluates on the held-out tasks, trains
-`grpo.max_steps` steps, evaluates again with the same seed, and writes `summary.json` next to the
-metrics. The same `GRPOTrainer` a notebook drives.
+`grpo.max_steps` steps (fewer under `grpo.time_budget_s`), evaluates again with the same seed, and writes
+`summary.json` next to the metrics. The same `GRPOTrainer` a notebook drives.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import yaml
 
 from polar_lab.config import LabConfig
@@ -58,18 +59,26 @@ def train_from_config(lab_config: LabConfig, config: GRPOConfig, *, progress: bo
         after = trainer.evaluate() if config.eval_tasks else None
         summary = {
             "run_dir": str(lab.run_dir), "output_dir": str(trainer.output_dir),
-            "steps": len(metrics), "policy_version": lab.policy_version, "async_mode": config.async_mode,
+            "steps": len(metrics), "max_steps": config.max_steps, "time_budget_s": config.time_budget_s,
+            "policy_version": lab.policy_version, "async_mode": config.async_mode,
             "world_size": config.world_size, "replicas": lab_config.engine.replicas,
             "cluster": lab_config.engine.cluster, "trainer_on_ray": trainer.policy.on_ray, "before": before, "after": after,
             "eval_gain": after["eval_reward"] - before["eval_reward"] if before and after else None,
             "train_s": train_s, "startup_s": t_ready - t0, "total_s": time.perf_counter() - t0,
-            "mean_step_s": float(metrics["step_s"].mean()),
-            "mean_engine_busy_frac": float(metrics["engine_busy_frac"].mean()),
-            "reward_first_step": float(metrics["reward_mean"].iloc[0]),
-            "reward_last_step": float(metrics["reward_mean"].iloc[-1]),
+            **step_figures(metrics),
         }
         (trainer.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def step_figures(metrics: pd.DataFrame) -> dict[str, float | None]:
+    """The summary's per-step figures; None when no step ran (eval_steps 1 and a budget shorter than an evaluation)."""
+    if metrics.empty:
+        return dict.fromkeys(("mean_step_s", "mean_engine_busy_frac", "reward_first_step", "reward_last_step"))
+    return {"mean_step_s": float(metrics["step_s"].mean()),
+            "mean_engine_busy_frac": float(metrics["engine_busy_frac"].mean()),
+            "reward_first_step": float(metrics["reward_mean"].iloc[0]),
+            "reward_last_step": float(metrics["reward_mean"].iloc[-1])}
 
 
 def format_train_summary(s: dict[str, Any]) -> str:
@@ -77,9 +86,13 @@ def format_train_summary(s: dict[str, Any]) -> str:
              f"steps             {s['steps']} ({'async' if s['async_mode'] else 'sync'}, "
              f"{s['world_size']} trainer rank{'s' if s['world_size'] > 1 else ''}, {s.get('replicas', 1)} engine "
              f"replica{'s' if s.get('replicas', 1) > 1 else ''}{' on Ray' if s.get('cluster') == 'ray' else ''})",
-             f"train wall        {s['train_s']:.1f} s ({s['mean_step_s']:.2f} s/step, engine busy "
-             f"{s['mean_engine_busy_frac']:.2f})",
-             f"train reward      {s['reward_first_step']:.3f} (step 1) -> {s['reward_last_step']:.3f} (last step)"]
+             f"train wall        {s['train_s']:.1f} s" + (f" ({s['mean_step_s']:.2f} s/step, engine busy "
+                                                          f"{s['mean_engine_busy_frac']:.2f})" if s["steps"] else ""),
+             f"train reward      {s['reward_first_step']:.3f} (step 1) -> {s['reward_last_step']:.3f} (last step)"
+             if s["steps"] else "train reward      (no step)"]
+    if s.get("time_budget_s") and s["steps"] < s["max_steps"]:
+        lines.insert(3, f"time budget       {s['time_budget_s']:.0f} s: no time for step {s['steps'] + 1} "
+                        f"of {s['max_steps']}")
     if s["before"] and s["after"]:
         lines.append(f"held-out reward   {s['before']['eval_reward']:.3f} -> {s['after']['eval_reward']:.3f} "
                      f"({s['eval_gain']:+.3f}) on {s['after']['eval_runs']} tasks, same seed")

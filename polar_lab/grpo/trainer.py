@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,21 +191,13 @@ class GRPOTrainer:
                           f"trainer scores over the engine's sampling support (sampling_support='replay'), at the training "
                           f"temperature, in the engine's dtype and chat template")
 
-    def train(self, num_steps: int | None = None, *, progress: bool = True) -> pd.DataFrame:
-        """Run `num_steps` steps (default config.max_steps); evaluates every eval_steps; checkpoints every
-        save_steps and at the end. Returns the metrics DataFrame."""
-        from tqdm.auto import tqdm
-
-        steps = num_steps or self.config.max_steps
-        bar = tqdm(range(steps), desc="grpo", disable=not progress)
-        for _ in bar:
-            m = self.step(progress=False)  # this bar counts steps
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", v=m["policy_version"])
-            n = m["step"]
-            if self.config.eval_steps and n % self.config.eval_steps == 0:
-                self.evaluate()
-            if self.config.save_steps and n % self.config.save_steps == 0:
-                self.save_checkpoint()
+    def train(self, num_steps: int | None = None, *, time_budget_s: float | None = None,
+              progress: bool = True) -> pd.DataFrame:
+        """Run `num_steps` steps (default config.max_steps), fewer when the next would end past `time_budget_s`
+        seconds of this call (default config.time_budget_s; math.inf: no limit; `train_steps`); evaluates every
+        eval_steps; checkpoints every save_steps and at the end. Returns the metrics DataFrame."""
+        budget = self.config.time_budget_s if time_budget_s is None else time_budget_s
+        train_steps(self, num_steps or self.config.max_steps, time_budget_s=budget, progress=progress)
         self.save_checkpoint()
         return self.metrics
 
@@ -231,7 +224,8 @@ class GRPOTrainer:
         rewards = [s.reward if s.reward is not None else 0.0 for s in sessions]
         result = {"step": len(self.history), "policy_version": self.lab.policy_version,
                   "eval_reward": sum(rewards) / len(rewards), "eval_runs": len(rewards),
-                  "eval_failed": sum(s.status != "closed" for s in sessions), "eval_s": time.perf_counter() - t0}
+                  "eval_failed": sum(s.status != "closed" for s in sessions), "eval_s": time.perf_counter() - t0,
+                  "time": time.time()}
         for part in sorted({k for s in sessions for k in s.reward_parts} - {"total"}):
             result[f"eval_{part}"] = sum(s.reward_parts.get(part, 0.0) for s in sessions) / len(sessions)
         self.evaluations.append(result)
@@ -301,6 +295,39 @@ class GRPOTrainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
         _append_jsonl(self.output_dir / "metrics.jsonl", metrics)
+
+
+def train_steps(trainer: GRPOTrainer, steps: int, *, time_budget_s: float | None = None, progress: bool = True,
+                clock: Callable[[], float] | None = None) -> float:
+    """train()'s loop: up to `steps` steps, evaluating every config.eval_steps and checkpointing every save_steps.
+
+    Under a time budget a step is started only if it would end within `time_budget_s` seconds of the loop's start,
+    taking it to last as long as the longest step so far and, when it is followed by an evaluation, the evaluation
+    as long as the longest so far (the trainer's earlier evaluations, e.g. the one before training, are the first
+    estimate). Returns the seconds spent."""
+    from tqdm.auto import tqdm
+
+    clock = clock or time.perf_counter
+    c, t0, longest_step = trainer.config, clock(), 0.0
+    longest_eval = max((e["eval_s"] for e in trainer.evaluations), default=0.0)
+    with tqdm(total=steps, desc="grpo", disable=not progress) as bar:
+        for _ in range(steps):
+            n = len(trainer.history) + 1
+            evaluates = bool(c.eval_steps) and n % c.eval_steps == 0
+            if time_budget_s is not None and clock() - t0 + longest_step + evaluates * longest_eval > time_budget_s:
+                break
+            t1 = clock()
+            m = trainer.step(progress=False)  # the bar counts steps
+            longest_step = max(longest_step, clock() - t1)
+            bar.update()
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", v=m["policy_version"])
+            if evaluates:
+                t1 = clock()
+                trainer.evaluate(progress=progress)
+                longest_eval = max(longest_eval, clock() - t1)
+            if c.save_steps and n % c.save_steps == 0:
+                trainer.save_checkpoint()
+    return clock() - t0
 
 
 def trainer_threads(config: GRPOConfig, current: int) -> int:
