@@ -3,7 +3,7 @@ rate before and after, the evaluations in between, and the time per step, per se
 
     python benchmarks/cli_learning.py [--config configs/tiny_agent_codex.yaml] [--seeds 0] [--steps 8]
         [--eval-every 2] [--eval-limit 60] [--tasks ...] [--eval-tasks ...] [--harness codex] [--lr 2e-4]
-        [--budget-s 1200] [--merge RESULT.json] [--out benchmarks/results/cli_learning.json]
+        [--set KEY=VALUE ...] [--budget-s 1200] [--merge RESULT.json] [--out benchmarks/results/cli_learning.json]
 
 Each seed is `polar-lab train CONFIG` (polar_lab/grpo/run.py) from the shipped weights, in a Lab of its own, with
 evaluations every `--eval-every` steps on the same held-out tasks and sampling seed. With `--budget-s` (not the config's
@@ -22,6 +22,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+import yaml
 
 from polar_lab.grpo.run import load_train_config
 
@@ -55,10 +57,8 @@ def learning_curve(before: dict, during: list[dict], after: dict, train_s: float
     return curve
 
 
-def run_seed(config_path: str, seed: int, args) -> dict:
-    from polar_lab import GRPOTrainer, Lab
-    from polar_lab.grpo.trainer import train_steps
-
+def seed_config(config_path: str, seed: int, args):
+    """The Lab and GRPO configs of one seed's run: the file's, with the command line's overrides."""
     overrides = {"seed": seed, "max_steps": args.steps, "eval_limit": args.eval_limit, "eval_steps": args.eval_every}
     if args.tasks:
         overrides["tasks"] = args.tasks
@@ -68,10 +68,19 @@ def run_seed(config_path: str, seed: int, args) -> dict:
         overrides["harness"] = args.harness
     if args.lr:
         overrides["learning_rate"] = args.lr
+    overrides |= args.grpo
     lab_config, config = load_train_config(config_path, **overrides)
     config = dataclasses.replace(config, time_budget_s=args.budget_s)  # --budget-s, not the config's: None is none
     lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(
         lab_config.store, run_name=time.strftime(f"bench-cli-learning-s{seed}-%Y%m%d-%H%M%S")))
+    return lab_config, config
+
+
+def run_seed(config_path: str, seed: int, args) -> dict:
+    from polar_lab import GRPOTrainer, Lab
+    from polar_lab.grpo.trainer import train_steps
+
+    lab_config, config = seed_config(config_path, seed, args)
     t0 = time.perf_counter()
     with Lab(config=lab_config) as lab, GRPOTrainer(lab, config) as trainer:
         before = trainer.evaluate(progress=False)
@@ -120,6 +129,14 @@ def goal_note(rows: list[dict]) -> str:
     return "goal +0.25 within 20 min: " + "; ".join(seeds)
 
 
+def parse_setting(text: str) -> tuple[str, object]:
+    """`--set KEY=VALUE` → (KEY, VALUE read as YAML, so 192 is an int and null is None)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set takes KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -131,6 +148,8 @@ def main() -> None:
     parser.add_argument("--eval-tasks", default=None, help="override grpo.eval_tasks")
     parser.add_argument("--harness", default=None, help="override grpo.harness")
     parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any other grpo setting (YAML value), e.g. --set overlong_buffer_len=192")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop training before the step that would end past this many seconds (default: no "
                              "limit, whatever the config's grpo.time_budget_s)")
@@ -141,6 +160,12 @@ def main() -> None:
     settings = {"config": args.config, "steps": args.steps, "budget_s": args.budget_s, "eval_every": args.eval_every,
                 "eval_limit": args.eval_limit, "lr": args.lr, "tasks": args.tasks, "eval_tasks": args.eval_tasks,
                 "harness": args.harness}
+    args.grpo = dict(parse_setting(kv) for kv in args.set)
+    if args.grpo:
+        settings["set"] = args.grpo
+    # every GRPO setting the runs use, so that a seed merged later cannot run a config file that has changed since
+    grpo = {k: v for k, v in seed_config(args.config, 0, args)[1].to_dict().items() if k != "seed"}
+    settings["grpo"] = json.loads(json.dumps(grpo, default=str))  # as the file holds it: lists, not tuples
     seeds, earlier, merged = [int(s) for s in args.seeds.split(",")], [], []
     if args.merge:
         result = json.loads(Path(args.merge).read_text())
@@ -158,7 +183,8 @@ def main() -> None:
     save("cli_learning", figures(rows),
          notes=[f"{'up to ' if args.budget_s else ''}{args.steps} steps of {args.config}"
                 + (f" within {args.budget_s:g} s of training" if args.budget_s else "")
-                + (f" at lr {args.lr:g}" if args.lr else "") + f", evaluated every {args.eval_every} steps on "
+                + (f" at lr {args.lr:g}" if args.lr else "")
+                + "".join(f", {k}={v}" for k, v in args.grpo.items()) + f", evaluated every {args.eval_every} steps on "
                 f"{args.eval_limit} held-out tasks", *merged, goal_note(rows)],
          title="Learning behind an unmodified CLI" + ("" if args.config == DEFAULT_CONFIG else f": {args.config}"),
          raw={**settings, "runs": rows}, out=args.out)
