@@ -161,9 +161,8 @@ def main() -> None:
                 "eval_limit": args.eval_limit, "lr": args.lr, "tasks": args.tasks, "eval_tasks": args.eval_tasks,
                 "harness": args.harness}
     args.grpo = dict(parse_setting(kv) for kv in args.set)
-    if args.grpo:
-        settings["set"] = args.grpo
-    # every GRPO setting the runs use, so that a seed merged later cannot run a config file that has changed since
+    # every GRPO setting the runs use (--set's among them), so that a seed merged later cannot run a config file that
+    # has changed since
     grpo = {k: v for k, v in seed_config(args.config, 0, args)[1].to_dict().items() if k != "seed"}
     settings["grpo"] = json.loads(json.dumps(grpo, default=str))  # as the file holds it: lists, not tuples
     seeds, earlier, merged = [int(s) for s in args.seeds.split(",")], [], []

@@ -74,7 +74,8 @@ def test_evaluation_with_the_same_seed_on_the_same_weights_repeats(lab, tmp_path
     assert first_ids == second_ids and first["eval_reward"] == second["eval_reward"]  # token for token
     assert other_ids != first_ids
     assert {"eval_correct", "eval_has_number"} <= set(first)  # the evaluator's components, averaged
-    assert len((tmp_path / "evaluations.jsonl").read_text().splitlines()) == 3
+    records = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and records[0]["time"] < records[1]["time"] < records[2]["time"]  # each one's end
     assert 0.0 <= other_seed["eval_reward"] <= 1.0
 
 
