@@ -23,9 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-import yaml
-
-from polar_lab.grpo.run import load_train_config
+from polar_lab.grpo.run import load_train_config, parse_setting
 
 from result import save
 
@@ -68,8 +66,7 @@ def seed_config(config_path: str, seed: int, args):
         overrides["harness"] = args.harness
     if args.lr:
         overrides["learning_rate"] = args.lr
-    overrides |= args.grpo
-    lab_config, config = load_train_config(config_path, **overrides)
+    lab_config, config = load_train_config(config_path, args.grpo, **overrides)
     config = dataclasses.replace(config, time_budget_s=args.budget_s)  # --budget-s, not the config's: None is none
     lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(
         lab_config.store, run_name=time.strftime(f"bench-cli-learning-s{seed}-%Y%m%d-%H%M%S")))
@@ -129,14 +126,6 @@ def goal_note(rows: list[dict]) -> str:
     return "goal +0.25 within 20 min: " + "; ".join(seeds)
 
 
-def parse_setting(text: str) -> tuple[str, object]:
-    """`--set KEY=VALUE` → (KEY, VALUE read as YAML, so 192 is an int and null is None)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--set takes KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -148,7 +137,7 @@ def main() -> None:
     parser.add_argument("--eval-tasks", default=None, help="override grpo.eval_tasks")
     parser.add_argument("--harness", default=None, help="override grpo.harness")
     parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=parse_setting,
                         help="override any other grpo setting (YAML value), e.g. --set overlong_buffer_len=192")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop training before the step that would end past this many seconds (default: no "
@@ -160,7 +149,7 @@ def main() -> None:
     settings = {"config": args.config, "steps": args.steps, "budget_s": args.budget_s, "eval_every": args.eval_every,
                 "eval_limit": args.eval_limit, "lr": args.lr, "tasks": args.tasks, "eval_tasks": args.eval_tasks,
                 "harness": args.harness}
-    args.grpo = dict(parse_setting(kv) for kv in args.set)
+    args.grpo = dict(args.set)
     # every GRPO setting the runs use (--set's among them), so that a seed merged later cannot run a config file that
     # has changed since
     grpo = {k: v for k, v in seed_config(args.config, 0, args)[1].to_dict().items() if k != "seed"}
@@ -179,13 +168,16 @@ def main() -> None:
     for r in rows:
         print(f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f} ({r['gain']:+.3f}) in {r['train_s']} s of "
               f"training ({r['total_s']} s in all); curve {[round(c['eval_reward'], 3) for c in r['curve']]}")
+    # what the runs change from the default config, in the section's heading
+    changes = ([args.config] if args.config != DEFAULT_CONFIG else []) + ([f"lr {args.lr:g}"] if args.lr else [])
+    changes += [f"{k}={v}" for k, v in args.grpo.items()]
     save("cli_learning", figures(rows),
          notes=[f"{'up to ' if args.budget_s else ''}{args.steps} steps of {args.config}"
                 + (f" within {args.budget_s:g} s of training" if args.budget_s else "")
                 + (f" at lr {args.lr:g}" if args.lr else "")
                 + "".join(f", {k}={v}" for k, v in args.grpo.items()) + f", evaluated every {args.eval_every} steps on "
                 f"{args.eval_limit} held-out tasks", *merged, goal_note(rows)],
-         title="Learning behind an unmodified CLI" + ("" if args.config == DEFAULT_CONFIG else f": {args.config}"),
+         title="Learning behind an unmodified CLI" + (": " + ", ".join(changes) if changes else ""),
          raw={**settings, "runs": rows}, out=args.out)
 
 

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--async", dest="async_mode", action="store_true", default=None,
                        help="override grpo.async_mode to true")
     train.add_argument("--world-size", type=int, default=None, help="override grpo.world_size")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                       help="override any grpo setting, VALUE read as YAML (e.g. --set mask_truncated_completions=true;"
+                            " null lifts the file's); repeatable")
     train.add_argument("--replicas", type=int, default=None, help="override engine.replicas")
     train.add_argument("--ray-address", default=None,
                        help="run engine replicas and trainer ranks as actors on Ray: 'auto' or HOST:PORT joins a "
@@ -46,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         return 0 if summary["failed_sessions"] == 0 else 1
     if args.command == "train":
-        from polar_lab.grpo.run import format_train_summary, load_train_config, on_cluster, train_from_config
+        from polar_lab.errors import ConfigError
+        from polar_lab.grpo.run import (format_train_summary, load_train_config, on_cluster, parse_setting,
+                                        train_from_config)
 
-        lab_config, grpo_config = load_train_config(
-            args.config, max_steps=args.max_steps, time_budget_s=args.time_budget_s or None, eval_limit=args.eval_limit,
-            output_dir=args.output_dir, async_mode=args.async_mode, world_size=args.world_size)
+        try:  # a config error, the file's or a flag's, is a usage error: the message, no traceback
+            lab_config, grpo_config = load_train_config(
+                args.config, dict(parse_setting(text) for text in args.settings), max_steps=args.max_steps,
+                time_budget_s=args.time_budget_s or None, eval_limit=args.eval_limit, output_dir=args.output_dir,
+                async_mode=args.async_mode, world_size=args.world_size)
+        except ConfigError as e:
+            parser.error(str(e))
         if args.time_budget_s == 0:
             grpo_config = dataclasses.replace(grpo_config, time_budget_s=None)
         lab_config = on_cluster(lab_config, replicas=args.replicas, ray_address=args.ray_address)

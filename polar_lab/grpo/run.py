@@ -24,14 +24,25 @@ from polar_lab.grpo.trainer import GRPOTrainer, check_run
 LAB_SECTIONS = ("engine", "proxy", "store", "harness")
 
 
-def load_train_config(path: str | Path, **grpo_overrides: Any) -> tuple[LabConfig, GRPOConfig]:
+def load_train_config(path: str | Path, settings: dict[str, Any] | None = None,
+                      **grpo_overrides: Any) -> tuple[LabConfig, GRPOConfig]:
+    """The file's Lab and GRPO configs. grpo_overrides: flags' values, None meaning "the file's"; settings (`--set`),
+    applied last: any GRPO field, None included (`--set overlong_buffer_len=null` lifts the file's)."""
     data = yaml.safe_load(Path(path).read_text()) or {}
     unknown = set(data) - {*LAB_SECTIONS, "grpo"}
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)} in {path}; known: {[*LAB_SECTIONS, 'grpo']}")
     lab_config = LabConfig.from_dict({k: data[k] for k in LAB_SECTIONS if k in data})
-    grpo = {**(data.get("grpo") or {}), **{k: v for k, v in grpo_overrides.items() if v is not None}}
+    grpo = {**(data.get("grpo") or {}), **{k: v for k, v in grpo_overrides.items() if v is not None}, **(settings or {})}
     return lab_config, GRPOConfig.from_dict(grpo)
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """`--set KEY=VALUE` → (KEY, VALUE read as YAML: 192 is an int, true a bool, null None)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set takes KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
 
 
 def on_cluster(lab_config: LabConfig, *, replicas: int | None = None, ray_address: str | None = None) -> LabConfig:

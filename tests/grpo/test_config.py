@@ -50,6 +50,27 @@ def test_yaml_sections_map_onto_the_dataclasses(tmp_path):
     assert grpo.learning_rate == 0.01 and grpo.max_steps == 5  # the CLI flag overrides the file
 
 
+def test_train_set_overrides_any_grpo_setting_and_null_lifts_the_files(tmp_path, monkeypatch, capsys):
+    from polar_lab import cli
+
+    path = tmp_path / "run.yaml"
+    path.write_text("grpo: {overlong_buffer_len: 192, overlong_max_tokens: 384, learning_rate: 0.01}\n")
+    seen = []
+    monkeypatch.setattr("polar_lab.grpo.run.train_from_config", lambda lab, grpo: seen.append(grpo))
+    monkeypatch.setattr("polar_lab.grpo.run.format_train_summary", lambda summary: "")
+    assert cli.main(["train", str(path), "--set", "mask_truncated_completions=true", "--set", "overlong_max_tokens=null",
+                     "--set", "overlong_buffer_len = 64", "--max-steps", "3"]) == 0
+    grpo = seen[0]
+    assert grpo.mask_truncated_completions is True and grpo.overlong_max_tokens is None
+    assert grpo.overlong_buffer_len == 64 and grpo.learning_rate == 0.01 and grpo.max_steps == 3
+    for bad, words in [("learning_rate", "KEY=VALUE"), ("learning_rat=0.1", "learning_rat"),
+                       ("num_generations=1", "num_generations")]:  # the form, the name, GRPOConfig's own checks
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["train", str(path), "--set", bad])
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize("text,word", [("grpo: {learning_rat: 0.1}\n", "learning_rat"),
                                        ("trainer: {}\n", "trainer")])
 def test_unknown_keys_are_errors_not_silent_no_ops(tmp_path, text, word):
