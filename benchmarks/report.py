@@ -1,7 +1,8 @@
 """Render docs/benchmarks.md from the result files the benchmarks wrote (benchmarks/results/*.json, see result.py):
-one section per file, in name order, with what the script measures (its docstring's first paragraph), the command,
-date and machine that made the figures, and the figures, tables and notes themselves. Nothing else goes in that page,
-so it says what the committed results say, and `tests/test_docs.py` checks it is up to date.
+one section per file, in name order, with what the script measures (its docstring's first paragraph, under the first
+of its files only), the command, date and machine that made the figures, and the figures, tables and notes
+themselves. Nothing else goes in that page, so it says what the committed results say, and `tests/test_docs.py`
+checks it is up to date.
 
     python benchmarks/report.py [--check]
 
@@ -70,15 +71,15 @@ def table(columns: list, rows: list) -> list[str]:
     return lines
 
 
-def section(path: Path) -> list[str]:
-    """One result file, compactly: under its heading, the description (its script's docstring), then on a line of its
-    own the command, date, machine and file (and, for a transcribed file, where it comes from), with the figures
+def section(path: Path, describe: bool = True) -> list[str]:
+    """One result file, compactly: under its heading, the description (its script's docstring; `describe=False` leaves
+    it out, for a script already described above), then on a line of its own the command, date, machine and file (and, for a transcribed file, where it comes from), with the figures
     right below as one row of a table; each table under its title; the notes. GitHub's tables may follow a paragraph
     directly (the table's header is the paragraph's last line)."""
     result = json.loads(path.read_text())
     name = result["benchmark"]
     title = result.get("title") or name.replace("_", " ").capitalize()
-    about = description(name)
+    about = description(name) if describe else ""
     meta = (f"`{result['command']}` · {result['date']} · {machine(result['machine'])} · "
             f"[`benchmarks/results/{path.name}`](../benchmarks/results/{path.name})")
     if result.get("source"):
@@ -94,9 +95,11 @@ def section(path: Path) -> list[str]:
 
 
 def render() -> str:
-    lines = HEADER.splitlines() + [""]
+    lines, described = HEADER.splitlines() + [""], set()
     for path in sorted(RESULTS.glob("*.json")):
-        lines += section(path)
+        name = json.loads(path.read_text())["benchmark"]
+        lines += section(path, describe=name not in described)
+        described.add(name)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -190,3 +190,21 @@ def test_a_benchmarks_result_file_holds_machine_date_command_and_renders_as_a_se
     assert "| 0.8 | 1,234 |" in text and "| 1 | 2.5 |" in text and "- a note" in text
     with pytest.raises(AssertionError, match="ragged"):
         result.save("x", {}, tables=[{"title": "t", "columns": ["a"], "rows": [[1, 2]]}], out=tmp_path / "x.json")
+
+
+def test_the_benchmarks_page_describes_a_script_once_however_many_result_files_it_wrote(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for name, command in [("storage", "python benchmarks/storage.py"), ("storage_b", "python benchmarks/storage.py -b"),
+                          ("trajectory_cost", "python benchmarks/trajectory_cost.py")]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "benchmark": name.removesuffix("_b"), "command": command, "date": "2026-12-07", "machine": "m",
+            "figures": {"x": 1}}))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    page = report.render()
+    storage, cost = report.description("storage"), report.description("trajectory_cost")
+    assert storage and cost and page.count(storage) == 1 and page.count(cost) == 1
+    assert page.count("`benchmarks/storage.py`") == 2 and "`python benchmarks/storage.py -b`" in page
