@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from polar_lab.errors import ConfigError
 from polar_lab.grpo.run import load_train_config, parse_setting
 
 from result import save
@@ -126,6 +127,14 @@ def goal_note(rows: list[dict]) -> str:
     return "goal +0.25 within 20 min: " + "; ".join(seeds)
 
 
+def setting(text: str) -> tuple[str, object]:
+    """`--set KEY=VALUE` as `polar-lab train` reads it; its error as argparse shows a flag's."""
+    try:
+        return parse_setting(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -137,7 +146,7 @@ def main() -> None:
     parser.add_argument("--eval-tasks", default=None, help="override grpo.eval_tasks")
     parser.add_argument("--harness", default=None, help="override grpo.harness")
     parser.add_argument("--lr", type=float, default=None, help="override grpo.learning_rate")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=parse_setting,
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=setting,
                         help="override any other grpo setting (YAML value), e.g. --set overlong_buffer_len=192")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop training before the step that would end past this many seconds (default: no "

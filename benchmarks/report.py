@@ -73,9 +73,10 @@ def table(columns: list, rows: list) -> list[str]:
 
 def section(path: Path, describe: bool = True) -> list[str]:
     """One result file, compactly: under its heading, the description (its script's docstring; `describe=False` leaves
-    it out, for a script already described above), then on a line of its own the command, date, machine and file (and, for a transcribed file, where it comes from), with the figures
-    right below as one row of a table; each table under its title; the notes. GitHub's tables may follow a paragraph
-    directly (the table's header is the paragraph's last line)."""
+    it out, for a script already described above), then on a line of its own the command, date, machine and file (and,
+    for a transcribed file, where it comes from), with the figures right below as one row of a table; each table under
+    its title; the notes. GitHub's tables may follow a paragraph directly (the table's header is the paragraph's last
+    line)."""
     result = json.loads(path.read_text())
     name = result["benchmark"]
     title = result.get("title") or name.replace("_", " ").capitalize()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from polar_lab.config import DEFAULT_MODEL
@@ -31,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="override grpo.async_mode to true")
     train.add_argument("--world-size", type=int, default=None, help="override grpo.world_size")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                       help="override any grpo setting, VALUE read as YAML (e.g. --set mask_truncated_completions=true;"
-                            " null lifts the file's); repeatable")
+                       help="override any grpo setting, after the file and the other flags; VALUE read as YAML (e.g. "
+                            "--set mask_truncated_completions=true; null lifts the file's); repeatable")
     train.add_argument("--replicas", type=int, default=None, help="override engine.replicas")
     train.add_argument("--ray-address", default=None,
                        help="run engine replicas and trainer ranks as actors on Ray: 'auto' or HOST:PORT joins a "
@@ -54,14 +53,14 @@ def main(argv: list[str] | None = None) -> int:
                                         train_from_config)
 
         try:  # a config error, the file's or a flag's, is a usage error: the message, no traceback
+            settings = {"time_budget_s": None} if args.time_budget_s == 0 else {}  # 0 lifts the file's budget
+            settings |= dict(parse_setting(text) for text in args.settings)
             lab_config, grpo_config = load_train_config(
-                args.config, dict(parse_setting(text) for text in args.settings), max_steps=args.max_steps,
-                time_budget_s=args.time_budget_s or None, eval_limit=args.eval_limit, output_dir=args.output_dir,
-                async_mode=args.async_mode, world_size=args.world_size)
+                args.config, settings, max_steps=args.max_steps, time_budget_s=args.time_budget_s or None,
+                eval_limit=args.eval_limit, output_dir=args.output_dir, async_mode=args.async_mode,
+                world_size=args.world_size)
         except ConfigError as e:
-            parser.error(str(e))
-        if args.time_budget_s == 0:
-            grpo_config = dataclasses.replace(grpo_config, time_budget_s=None)
+            train.error(str(e))
         lab_config = on_cluster(lab_config, replicas=args.replicas, ray_address=args.ray_address)
         print(format_train_summary(train_from_config(lab_config, grpo_config)))
         return 0

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +262,7 @@ class GRPOConfig:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown keys in 'grpo': {sorted(unknown)}")
-        return cls(**data)
+        return cls(**_numbers(data))
 
     def rollout_spec(self) -> RolloutSpec:
         """The deadline and failure rewards every rollout of this training runs with."""
@@ -285,6 +286,27 @@ def _check_correction(c: GRPOConfig) -> None:
     _check(c.loss_type != "cispo" or c.epsilon_high > 1,
            f"loss_type='cispo' reads epsilon_high as the cap on the ratio itself (ScaleRL uses 5.0), so it "
            f"must be > 1; got {c.epsilon_high}")
+
+
+# what YAML 1.2 reads as a float; PyYAML (YAML 1.1) reads `3e-4`, without a dot, as text
+_FLOAT = re.compile(r"[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?")
+
+
+def _numbers(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its numeric fields checked: a float field's text that YAML 1.2 reads as a float (`3e-4`) becomes
+    that float; any other value that is not a number (None where the field takes none, text, a bool) is an error that
+    names the field, rather than a TypeError from a comparison later."""
+    out = dict(data)
+    for f in dataclasses.fields(GRPOConfig):
+        kinds = {part.strip() for part in str(f.type).split("|")}
+        if f.name not in data or not kinds - {"None"} or not kinds - {"None"} <= {"int", "float"}:
+            continue
+        value = data[f.name]
+        if "float" in kinds and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            out[f.name] = value = float(value)
+        if not (value is None and "None" in kinds) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{f.name} must be a number{' or null' if 'None' in kinds else ''}, got {value!r}")
+    return out
 
 
 def _check(ok: bool, message: str) -> None:

@@ -33,7 +33,8 @@ def load_train_config(path: str | Path, settings: dict[str, Any] | None = None,
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)} in {path}; known: {[*LAB_SECTIONS, 'grpo']}")
     lab_config = LabConfig.from_dict({k: data[k] for k in LAB_SECTIONS if k in data})
-    grpo = {**(data.get("grpo") or {}), **{k: v for k, v in grpo_overrides.items() if v is not None}, **(settings or {})}
+    overrides = {k: v for k, v in grpo_overrides.items() if v is not None}
+    grpo = {**(data.get("grpo") or {}), **overrides, **(settings or {})}
     return lab_config, GRPOConfig.from_dict(grpo)
 
 
@@ -42,7 +43,10 @@ def parse_setting(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set takes KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key.strip()}: {value!r} is not a YAML value ({e.problem})") from None
 
 
 def on_cluster(lab_config: LabConfig, *, replicas: int | None = None, ray_address: str | None = None) -> LabConfig:

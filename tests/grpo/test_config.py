@@ -58,17 +58,22 @@ def test_train_set_overrides_any_grpo_setting_and_null_lifts_the_files(tmp_path,
     seen = []
     monkeypatch.setattr("polar_lab.grpo.run.train_from_config", lambda lab, grpo: seen.append(grpo))
     monkeypatch.setattr("polar_lab.grpo.run.format_train_summary", lambda summary: "")
-    assert cli.main(["train", str(path), "--set", "mask_truncated_completions=true", "--set", "overlong_max_tokens=null",
-                     "--set", "overlong_buffer_len = 64", "--max-steps", "3"]) == 0
+    assert cli.main(["train", str(path), "--set", "mask_truncated_completions=true",
+                     "--set", "overlong_max_tokens=null", "--set", "overlong_buffer_len = 64", "--max-steps", "3", "--set", "max_steps=4"]) == 0
+    assert cli.main(["train", str(path), "--set", "learning_rate=3e-4", "--time-budget-s", "0", "--set",
+                     "time_budget_s=60"]) == 0  # 3e-4 is text to PyYAML, a float to YAML 1.2 and here
     grpo = seen[0]
     assert grpo.mask_truncated_completions is True and grpo.overlong_max_tokens is None
-    assert grpo.overlong_buffer_len == 64 and grpo.learning_rate == 0.01 and grpo.max_steps == 3
-    for bad, words in [("learning_rate", "KEY=VALUE"), ("learning_rat=0.1", "learning_rat"),
-                       ("num_generations=1", "num_generations")]:  # the form, the name, GRPOConfig's own checks
+    assert grpo.overlong_buffer_len == 64 and grpo.learning_rate == 0.01 and grpo.max_steps == 4  # --set comes last
+    assert seen[1].learning_rate == 3e-4 and seen[1].time_budget_s == 60
+    for bad, words in [("learning_rate", "takes KEY=VALUE"), ("learning_rat=0.1", "learning_rat"),
+                       ("num_generations=1", "num_generations"), ("x=[1", "not a YAML value"),
+                       ("max_steps=null", "max_steps must be a number, got None"),
+                       ("learning_rate=fast", "learning_rate must be a number, got 'fast'")]:
         with pytest.raises(SystemExit) as exit_:
             cli.main(["train", str(path), "--set", bad])
         assert exit_.value.code == 2 and words in capsys.readouterr().err
-    assert len(seen) == 1
+    assert len(seen) == 2
 
 
 @pytest.mark.parametrize("text,word", [("grpo: {learning_rat: 0.1}\n", "learning_rat"),
