@@ -71,16 +71,18 @@ def table(columns: list, rows: list) -> list[str]:
     return lines
 
 
-def section(path: Path, describe: bool = True) -> list[str]:
-    """One result file, compactly: under its heading, the description (its script's docstring; `describe=False` leaves
-    it out, for a script already described above), then on a line of its own the command, date, machine and file (and,
-    for a transcribed file, where it comes from), with the figures right below as one row of a table; each table under
-    its title; the notes. GitHub's tables may follow a paragraph directly (the table's header is the paragraph's last
-    line)."""
+def section(path: Path, described: set[str] | None = None) -> list[str]:
+    """One result file, compactly: under its heading, the description (its script's docstring; left out when the
+    script is in `described`, the scripts already described above, which this one joins), then on a line of its own
+    the command, date, machine and file (and, for a transcribed file, where it comes from), with the figures right
+    below as one row of a table; each table under its title; the notes. GitHub's tables may follow a paragraph
+    directly (the table's header is the paragraph's last line)."""
     result = json.loads(path.read_text())
     name = result["benchmark"]
     title = result.get("title") or name.replace("_", " ").capitalize()
-    about = description(name) if describe else ""
+    about = "" if described is not None and name in described else description(name)
+    if described is not None:
+        described.add(name)
     meta = (f"`{result['command']}` · {result['date']} · {machine(result['machine'])} · "
             f"[`benchmarks/results/{path.name}`](../benchmarks/results/{path.name})")
     if result.get("source"):
@@ -98,9 +100,7 @@ def section(path: Path, describe: bool = True) -> list[str]:
 def render() -> str:
     lines, described = HEADER.splitlines() + [""], set()
     for path in sorted(RESULTS.glob("*.json")):
-        name = json.loads(path.read_text())["benchmark"]
-        lines += section(path, describe=name not in described)
-        described.add(name)
+        lines += section(path, described)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,25 +287,17 @@ def _check_correction(c: GRPOConfig) -> None:
            f"must be > 1; got {c.epsilon_high}")
 
 
-# what YAML 1.2 reads as a float; PyYAML (YAML 1.1) reads `3e-4`, without a dot, as text
-_FLOAT = re.compile(r"[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?")
-
-
 def _numbers(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` with its numeric fields checked: a float field's text that YAML 1.2 reads as a float (`3e-4`) becomes
-    that float; any other value that is not a number (None where the field takes none, text, a bool) is an error that
-    names the field, rather than a TypeError from a comparison later."""
-    out = dict(data)
+    """`data`, its numeric fields checked: a value that is not a number (null where the field takes none, text, a bool)
+    is an error that names the field, rather than a TypeError from a comparison later."""
     for f in dataclasses.fields(GRPOConfig):
         kinds = {part.strip() for part in str(f.type).split("|")}
         if f.name not in data or not kinds - {"None"} or not kinds - {"None"} <= {"int", "float"}:
             continue
         value = data[f.name]
-        if "float" in kinds and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            out[f.name] = value = float(value)
         if not (value is None and "None" in kinds) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{f.name} must be a number{' or null' if 'None' in kinds else ''}, got {value!r}")
-    return out
+    return data
 
 
 def _check(ok: bool, message: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,19 @@ from polar_lab.grpo.trainer import GRPOTrainer, check_run
 LAB_SECTIONS = ("engine", "proxy", "store", "harness")
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading floats as YAML 1.2 does: `3e-4`, with no dot, is a number, not text."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.\d+|\d+(\.\d*)?)[eE][-+]?\d+$"),
+                              list("-+.0123456789"))
+
+
 def load_train_config(path: str | Path, settings: dict[str, Any] | None = None,
                       **grpo_overrides: Any) -> tuple[LabConfig, GRPOConfig]:
     """The file's Lab and GRPO configs. grpo_overrides: flags' values, None meaning "the file's"; settings (`--set`),
     applied last: any GRPO field, None included (`--set overlong_buffer_len=null` lifts the file's)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
     unknown = set(data) - {*LAB_SECTIONS, "grpo"}
     if unknown:
         raise ConfigError(f"unknown sections {sorted(unknown)} in {path}; known: {[*LAB_SECTIONS, 'grpo']}")
@@ -39,12 +48,12 @@ def load_train_config(path: str | Path, settings: dict[str, Any] | None = None,
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
-    """`--set KEY=VALUE` → (KEY, VALUE read as YAML: 192 is an int, true a bool, null None)."""
+    """`--set KEY=VALUE` → (KEY, VALUE read as YAML, as the config file is: 192 is an int, 3e-4 a float, null None)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set takes KEY=VALUE, got {text!r}")
     try:
-        return key.strip(), yaml.safe_load(value)
+        return key.strip(), yaml.load(value, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key.strip()}: {value!r} is not a YAML value ({e.problem})") from None
 

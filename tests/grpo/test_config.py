@@ -54,12 +54,13 @@ def test_train_set_overrides_any_grpo_setting_and_null_lifts_the_files(tmp_path,
     from polar_lab import cli
 
     path = tmp_path / "run.yaml"
-    path.write_text("grpo: {overlong_buffer_len: 192, overlong_max_tokens: 384, learning_rate: 0.01}\n")
+    path.write_text("grpo: {overlong_buffer_len: 192, overlong_max_tokens: 384, learning_rate: 1e-2}\n")  # YAML 1.2
     seen = []
     monkeypatch.setattr("polar_lab.grpo.run.train_from_config", lambda lab, grpo: seen.append(grpo))
     monkeypatch.setattr("polar_lab.grpo.run.format_train_summary", lambda summary: "")
     assert cli.main(["train", str(path), "--set", "mask_truncated_completions=true",
-                     "--set", "overlong_max_tokens=null", "--set", "overlong_buffer_len = 64", "--max-steps", "3", "--set", "max_steps=4"]) == 0
+                     "--set", "overlong_max_tokens=null", "--set", "overlong_buffer_len = 64",
+                     "--max-steps", "3", "--set", "max_steps=4"]) == 0
     assert cli.main(["train", str(path), "--set", "learning_rate=3e-4", "--time-budget-s", "0", "--set",
                      "time_budget_s=60"]) == 0  # 3e-4 is text to PyYAML, a float to YAML 1.2 and here
     grpo = seen[0]
