@@ -4,8 +4,8 @@ Per CLI (Codex over Responses, Claude Code over Anthropic Messages, Qwen Code an
 fixture, sampling, drives the held-out SWE-style instances through the CLI's own tools, one run each, until a session
 of three to twenty-four calls — the model's tool call, the CLI running it, the next request carrying its output — comes
 up (about half the fixture's runs are that long; which ones depends on the sampled tokens, and so on the run's
-temporary paths and date in the prompt: a fixed sample would not find one everywhere). It is recorded as one chain, or each of
-its breaks is classified (`chain_breaks`: Claude Code echoes an `Edit` call back with `replace_all: false` added,
+temporary paths and date in the prompt: a fixed sample would not find one everywhere). It is recorded as one chain, or
+each of its breaks is classified (`chain_breaks`: Claude Code echoes an `Edit` call back with `replace_all: false` added,
 a turn the harness edited); and `lab.replay` runs it again, every call answered from the record, id for id — up to
 the first tool output that holds a run-specific value (Codex's chunk id and wall time, the seconds pytest reports),
 which no replay can reproduce: then the replay must part from the record inside that output and nowhere else.
@@ -67,7 +67,8 @@ def test_a_multi_turn_session_behind_each_cli_is_one_chain_or_classified_breaks_
     assert sum(len(t.call_ids) for t in chains) == len(calls)
     breaks = chain_breaks(calls, AutoTokenizer.from_pretrained(MODEL))
     assert len(chains) == 1 + int(breaks["new_chain"].sum())
-    assert set(breaks["kind"]) <= {"turn_edited"}, breaks[["kind", "chain_context", "prompt_context"]].to_dict("records")
+    assert set(breaks["kind"]) <= {"turn_edited"}, \
+        breaks[["kind", "chain_context", "prompt_context"]].to_dict("records")
     replayed = agent_lab.replay(session.id, until_turn=len(calls) + 1, harness=harness(cli), branches=1)
     (row,) = replayed.frame().to_dict("records")
     if not row["exact"]:  # a tool's output held a run-specific value: Codex's chunk id and wall time, pytest's time
