@@ -1,8 +1,9 @@
 """Structured outputs and forced tool calls on the real engine, through each official SDK (issue 18): whatever the
-tiny model would have written, the grammar holds it to the schema (10 seeded tries each), the record marks the
-constrained tokens, and the trainer leaves them out of the loss unless told otherwise."""
+tiny model would have written, the grammar holds it to the schema (10 seeded tries each, sent at once), the record
+marks the constrained tokens, and the trainer leaves them out of the loss unless told otherwise."""
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 
@@ -49,6 +50,13 @@ def _valid(text: str, schema=SCHEMA) -> bool:
         return False
 
 
+def tries(one):
+    """[one(0), ..., one(TRIES - 1)], sent at once: the engine samples them in one batch (a seed per call where the API
+    takes one), as a harness's concurrent runs are."""
+    with concurrent.futures.ThreadPoolExecutor(TRIES) as pool:
+        return list(pool.map(one, range(TRIES)))
+
+
 def _openai(session, client=openai.OpenAI):
     return client(base_url=session.openai_base_url, api_key=session.key, max_retries=0)
 
@@ -78,7 +86,7 @@ def test_chat_parse_returns_schema_valid_objects(lab):
         except (pydantic.ValidationError, openai.LengthFinishReasonError) as exc:
             return exc
 
-    answers = [parsed(i) for i in range(TRIES)]
+    answers = tries(parsed)
     assert all(isinstance(a, Answer) for a in answers), answers
     _assert_constrained(lab, s, "json_schema")
 
@@ -87,9 +95,10 @@ def test_chat_json_mode_returns_a_json_object_or_runs_out(lab):
     """JSON mode has no schema to size (constraints.any_object): an answer that stops is an object, one that
     runs out of tokens says so, as OpenAI's does."""
     s = lab.session()
-    choices = [_openai(s).chat.completions.create(
+    client = _openai(s)
+    choices = tries(lambda i: client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": QUESTION}], response_format={"type": "json_object"},
-        seed=i, max_tokens=120).choices[0] for i in range(TRIES)]
+        seed=i, max_tokens=120).choices[0])
     stopped = [c.message.content for c in choices if c.finish_reason == "stop"]
     assert stopped and all(_valid(t, {"type": "object"}) for t in stopped), stopped
     assert all(c.finish_reason == "length" for c in choices if c.finish_reason != "stop")
@@ -99,8 +108,8 @@ def test_chat_json_mode_returns_a_json_object_or_runs_out(lab):
 def test_responses_parse_returns_schema_valid_objects(lab):
     s = lab.session(sampling={"seed": 5})  # Responses has no seed: the session forces one, call k gets its own
     client = _openai(s)
-    parsed = [client.responses.parse(model="m", input=QUESTION, text_format=Answer, max_output_tokens=200).output_parsed
-              for _ in range(TRIES)]
+    parsed = tries(lambda _: client.responses.parse(model="m", input=QUESTION, text_format=Answer,
+                                                     max_output_tokens=200).output_parsed)
     assert all(isinstance(p, Answer) for p in parsed)
     _assert_constrained(lab, s, "json_schema")
 
@@ -118,17 +127,17 @@ def test_the_agents_sdk_gets_its_output_type(lab, surface):
                   model_settings=ModelSettings(max_tokens=200))
 
     async def runs():
-        return [(await Runner.run(agent, QUESTION, max_turns=1)).final_output for _ in range(TRIES)]
+        return await asyncio.gather(*(Runner.run(agent, QUESTION, max_turns=1) for _ in range(TRIES)))
 
-    assert all(isinstance(out, Answer) for out in asyncio.run(runs()))
+    assert all(isinstance(run.final_output, Answer) for run in asyncio.run(runs()))
 
 
 def test_anthropic_structured_output_is_schema_valid(lab):
     s = lab.session(sampling={"seed": 3})
     client = anthropic.Anthropic(base_url=s.anthropic_base_url, api_key=s.key, max_retries=0)
-    texts = [client.messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": QUESTION}],
-                                    output_config={"format": {"type": "json_schema", "schema": SCHEMA}}).content[0].text
-             for _ in range(TRIES)]
+    texts = tries(lambda _: client.messages.create(
+        model="m", max_tokens=200, messages=[{"role": "user", "content": QUESTION}],
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}}).content[0].text)
     assert sum(_valid(t) for t in texts) == TRIES, texts
     _assert_constrained(lab, s, "json_schema")
 
@@ -136,10 +145,9 @@ def test_anthropic_structured_output_is_schema_valid(lab):
 def test_google_response_schema_is_schema_valid(lab):
     s = lab.session()
     client = genai.Client(api_key=s.key, http_options=gtypes.HttpOptions(base_url=s.google_base_url))
-    replies = [client.models.generate_content(
+    replies = tries(lambda i: client.models.generate_content(
         model="m", contents=QUESTION, config=gtypes.GenerateContentConfig(
-            response_mime_type="application/json", response_schema=Answer, seed=i, max_output_tokens=200))
-        for i in range(TRIES)]
+            response_mime_type="application/json", response_schema=Answer, seed=i, max_output_tokens=200)))
     assert all(isinstance(r.parsed, Answer) for r in replies), [r.text for r in replies]
     _assert_constrained(lab, s, "json_schema")
 
@@ -152,7 +160,7 @@ def _check_call(name: str, arguments: str | dict, allowed: set[str]) -> None:
 def test_forced_tool_calls_are_calls_on_chat_and_responses(lab):
     s = lab.session()
     client = _openai(s)
-    for i in range(TRIES):
+    def one(i: int) -> None:
         reply = client.chat.completions.create(
             model="m", messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION}],
             tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}, seed=i, max_tokens=120)
@@ -163,6 +171,8 @@ def test_forced_tool_calls_are_calls_on_chat_and_responses(lab):
                                            tools=[{"type": "function", **t["function"]} for t in TOOLS])
         (call,) = [o for o in response.output if o.type == "function_call"]  # at most one: parallel off
         _check_call(call.name, call.arguments, set(PARAMS))
+
+    tries(one)
     _assert_constrained(lab, s, "tool_call")
 
 
@@ -172,9 +182,11 @@ def test_forced_tool_calls_are_calls_on_anthropic(lab):
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     for choice in ({"type": "tool", "name": "clock"}, {"type": "any", "disable_parallel_tool_use": True}):
-        for _ in range(TRIES):
-            message = client.messages.create(model="m", max_tokens=120, tools=tools, tool_choice=choice,
-                                             messages=[{"role": "user", "content": QUESTION}])
+        def one(_, choice=choice):
+            return client.messages.create(model="m", max_tokens=120, tools=tools, tool_choice=choice,
+                                          messages=[{"role": "user", "content": QUESTION}])
+
+        for message in tries(one):
             (block,) = [b for b in message.content if b.type == "tool_use"]
             _check_call(block.name, block.input, {choice.get("name")} if "name" in choice else set(PARAMS))
 
@@ -185,11 +197,11 @@ def test_google_allowed_function_names_bound_the_call(lab):
     declarations = [gtypes.FunctionDeclaration(name=t["function"]["name"], description=t["function"]["description"],
                                                parameters_json_schema=t["function"]["parameters"]) for t in TOOLS]
     allowed = {"weather", "clock"}
-    for i in range(TRIES):
-        reply = client.models.generate_content(model="m", contents=QUESTION, config=gtypes.GenerateContentConfig(
-            tools=[gtypes.Tool(function_declarations=declarations)], seed=i, max_output_tokens=120,
-            tool_config=gtypes.ToolConfig(function_calling_config=gtypes.FunctionCallingConfig(
-                mode="ANY", allowed_function_names=sorted(allowed)))))
+    config = functools.partial(gtypes.GenerateContentConfig, tools=[gtypes.Tool(function_declarations=declarations)],
+                               max_output_tokens=120, tool_config=gtypes.ToolConfig(
+                                   function_calling_config=gtypes.FunctionCallingConfig(
+                                       mode="ANY", allowed_function_names=sorted(allowed))))
+    for reply in tries(lambda i: client.models.generate_content(model="m", contents=QUESTION, config=config(seed=i))):
         calls = reply.function_calls
         assert calls and len(calls) >= 1, session_calls(lab, s)[-1]
         for call in calls:
