@@ -43,8 +43,8 @@ def long_session(lab, cli: str, max_calls: int = 24):
     for i, task in enumerate(load_tasks("data/tasks/swe_mini.jsonl")):
         # a run that ends by itself takes 3-20 s here; one that loops (Qwen Code's reach 50+ calls a minute) is cut at
         # 30 s and the search goes on
-        (group,) = lab.rollout([task], harness(cli), num_generations=1, evaluator="repo_tests", seed=11 + i,
-                               deadline_s=30, progress=False)
+        # no evaluator: nothing here reads a reward (test_demonstrator.py scores a run behind each CLI with repo_tests)
+        (group,) = lab.rollout([task], harness(cli), num_generations=1, seed=11 + i, deadline_s=30, progress=False)
         (session,) = group.sessions
         assert session.status in {"closed", "timeout"}, session.info  # a crash is a failure; a long run is not
         seen.append((session.status, session.calls))
