@@ -1,5 +1,5 @@
 """A verifiers (0.4) taskset run through polar_lab, against the real engine: verifiers' own harness and rubric in
-its own venv (`make verifiers`), each rollout in its own polar_lab session; then a GRPO step on it."""
+its own venv (`make verifiers`), each rollout in its own polar_lab session, in a GRPO step."""
 
 import pytest
 
@@ -20,11 +20,21 @@ def calc_env():
         yield env
 
 
-def test_a_verifiers_rollout_gives_rewarded_sessions_and_trainable_groups(lab, calc_env):
-    tasks = calc_env.tasks(2)
+def test_a_grpo_step_trains_on_the_verifiers_taskset(lab, calc_env, tmp_path, restore_weights):
+    """One step of 2 tasks x 4 runs of verifiers' own harness, each run in its own session, scored by the taskset's
+    rubric; its groups are what the trainer trains on. (That GRPO steps raise held-out accuracy is proven once per
+    surface: tests/grpo/test_train_cli.py, notebook 05, test_families, test_replicas.)"""
+    tasks = calc_env.tasks(8)
     assert tasks[0]["prompt"] and "answer" in tasks[0]
-    groups = lab.rollout(tasks, calc_env.harness, evaluator=calc_env.evaluator, num_generations=4, progress=False,
-                         sampling={"temperature": 1.0}, seed=5)
+    config = GRPOConfig(tasks_per_step=2, num_generations=4, learning_rate=1e-3, output_dir=str(tmp_path),
+                        concurrency=8)
+    with GRPOTrainer(lab, config, harness=calc_env.harness, evaluator=calc_env.evaluator, tasks=tasks) as trainer:
+        version = lab.policy_version
+        history = trainer.train(1, progress=False)
+    assert list(history["policy_version"]) == [version + 1]
+    assert (history["tokens"] > 0).all() and history["groups"].iloc[0] == 2
+
+    groups = trainer.last_groups
     sessions = [s for g in groups for s in g.sessions]
     assert len(sessions) == 8 and all(s.status == "closed" for s in sessions), [s.info for s in sessions]
     for s in sessions:
@@ -34,22 +44,8 @@ def test_a_verifiers_rollout_gives_rewarded_sessions_and_trainable_groups(lab, c
         assert calls[0].request["stream"] is True  # verifiers' harness streams; unmodified
     assert any(s.reward == 1.0 for s in sessions)  # tiny-calc solves some of its own questions
     assert all(t.reward is not None and sum(t.loss_mask) > 0 for g in groups for t in g.trajectories)
-    multi_turn = [s for s in sessions if len(session_calls(lab, s)) > 1]
-    for s in multi_turn:  # a tool call and its answer: one chain, not one per call
+    for s in (s for s in sessions if len(session_calls(lab, s)) > 1):  # a tool call and its answer: one chain
         assert len([t for g in groups for t in g.trajectories if t.session_id == s.id]) == 1
-
-
-def test_a_grpo_step_trains_on_the_verifiers_taskset(lab, calc_env, tmp_path, restore_weights):
-    """Mechanics, on one step: verifiers' harness and rubric feed the trainer (that GRPO steps raise held-out accuracy
-    is proven once per surface: tests/grpo/test_train_cli.py, notebook 05, test_families, test_replicas)."""
-    config = GRPOConfig(tasks_per_step=2, num_generations=4, learning_rate=1e-3, output_dir=str(tmp_path),
-                        concurrency=8)
-    with GRPOTrainer(lab, config, harness=calc_env.harness, evaluator=calc_env.evaluator,
-                     tasks=calc_env.tasks(8)) as trainer:
-        version = lab.policy_version
-        history = trainer.train(1, progress=False)
-    assert list(history["policy_version"]) == [version + 1]
-    assert (history["tokens"] > 0).all() and history["groups"].iloc[0] == 2
 
 
 def test_a_worker_that_dies_mid_episode_fails_its_runs_masked(lab):
