@@ -100,6 +100,7 @@ def test_a_call_after_a_live_load_never_reads_the_prefix_cache_of_the_old_weight
     time.sleep(0.5)
     assert lab.engine.load_weights({k: v * 1.02 for k, v in hf_model.state_dict().items()}, version=version + 1) \
         == version + 1
+    assert not running.done()
     assert lab.engine.submit(prompt_ids, spec).result().cached_tokens == 0
     running.cancel()  # it only had to hold its blocks through the load: aborted (if still running), not waited for
 

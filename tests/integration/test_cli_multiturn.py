@@ -1,14 +1,14 @@
 """The tiny-agent fixture's multi-turn sessions behind the four unmodified CLIs, on the real engine.
 
 Per CLI (Codex over Responses, Claude Code over Anthropic Messages, Qwen Code and Pi over Chat Completions): the
-fixture, sampling, drives the held-out SWE-style instances through the CLI's own tools, one run each, until a session
-of three to twenty-four calls — the model's tool call, the CLI running it, the next request carrying its output — comes
-up (about half the fixture's runs are that long; which ones depends on the sampled tokens, and so on the run's
-temporary paths and date in the prompt: a fixed sample would not find one everywhere). It is recorded as one chain, or
-each of its breaks is classified (`chain_breaks`: Claude Code echoes an `Edit` call back with `replace_all: false` added,
-a turn the harness edited); and `lab.replay` runs it again, every call answered from the record, id for id — up to
-the first tool output that holds a run-specific value (Codex's chunk id and wall time, the seconds pytest reports),
-which no replay can reproduce: then the replay must part from the record inside that output and nowhere else.
+fixture, sampling, drives the held-out SWE-style instances through the CLI's own tools, one run each, until a session of
+three to twenty-four calls — the model's tool call, the CLI running it, the next request carrying its output — comes up
+(5 of 12 runs seen across the four CLIs were; which ones depends on the sampled tokens, and so on the run's temporary
+paths and date in the prompt: a fixed sample would not find one everywhere). It is recorded as one chain, or each of its
+breaks is classified (`chain_breaks`: Claude Code echoes an `Edit` call back with `replace_all: false` added, a turn the
+harness edited); and `lab.replay` runs it again, every call answered from the record, id for id — up to the first tool
+output that holds a run-specific value (Codex's chunk id and wall time, the seconds pytest reports), which no replay can
+reproduce: then the replay must part from the record inside that output and nowhere else.
 
 One engine for the module, over data/models/tiny-agent (the suite's engine pool; the first use of this model).
 """

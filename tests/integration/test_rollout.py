@@ -29,7 +29,7 @@ def test_crashed_and_timed_out_runs_keep_their_calls_and_are_masked_beside_score
     async def mixed(session, task):
         runs = started.setdefault(task["id"], [])
         runs.append(session.id)
-        order = len(runs)  # this run's place in its group (the others start while it awaits)
+        order = len(runs)  # read before its first await: the runs of a group get 1, 2, 3 and 4, once each
         if order > 2:
             return await calculator_agent(session, task)
         await calculator_agent(session, task, max_turns=1)  # one real call, then it fails

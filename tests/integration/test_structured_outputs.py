@@ -51,8 +51,8 @@ def _valid(text: str, schema=SCHEMA) -> bool:
 
 
 def tries(one):
-    """[one(0), ..., one(TRIES - 1)], sent at once: the engine samples them in one batch (a seed per call where the API
-    takes one), as a harness's concurrent runs are."""
+    """[one(0), ..., one(TRIES - 1)], sent at once (a seed per call where the API takes one): the engine samples them
+    concurrently, usually in one batch, as it does a harness's concurrent runs."""
     with concurrent.futures.ThreadPoolExecutor(TRIES) as pool:
         return list(pool.map(one, range(TRIES)))
 
