@@ -291,12 +291,15 @@ def _numbers(data: dict[str, Any]) -> dict[str, Any]:
     """`data`, its numeric fields checked: a value that is not a number (null where the field takes none, text, a bool)
     is an error that names the field, rather than a TypeError from a comparison later."""
     for f in dataclasses.fields(GRPOConfig):
-        kinds = {part.strip() for part in str(f.type).split("|")}
-        if f.name not in data or not kinds - {"None"} or not kinds - {"None"} <= {"int", "float"}:
-            continue
+        kinds = {part.strip() for part in str(f.type).split("|")}  # the annotation's text: "float | None"
+        nullable = "None" in kinds
+        if f.name not in data or not kinds - {"None"} <= {"int", "float"}:
+            continue  # not given, or not a numeric field
         value = data[f.name]
-        if not (value is None and "None" in kinds) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{f.name} must be a number{' or null' if 'None' in kinds else ''}, got {value!r}")
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{f.name} must be a number{' or null' if nullable else ''}, got {value!r}")
     return data
 
 
