@@ -18,6 +18,9 @@ The paper's CLIs, behind which the tiny-agent fixture acts, with a `polar-lab tr
         --harnesses codex,claude_code,qwen_code,pi --seeds 0 --steps 6 --eval-limit 40 \
         --out benchmarks/results/cli_transfer.json --plot benchmarks/results/cli_transfer.png
 
+One row of it, trained for a time budget rather than a step count, with any other GRPO setting (`--set`, as
+`polar-lab train` reads it): `--train codex --steps 60 --budget-s 1200 --set mask_truncated_completions=true ...`.
+
 `transfer_matrix(lab, ...)` is what the test (smallest setting, on the suite's shared engine) and notebook 09 call.
 """
 
@@ -34,25 +37,28 @@ import pandas as pd
 from polar_lab import GRPOConfig, GRPOTrainer, Lab
 from polar_lab.harness.registry import get_harness
 
-from cli_learning import sessions_shape  # benchmarks/ is on the path (run as a script, or as the test adds it)
+from cli_learning import sessions_shape, setting  # benchmarks/ is on the path (run as a script, or as the test adds it)
 
 HARNESSES = ["calculator", "calculator_anthropic", "calculator_google", "calc_cli"]
 
 
 def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: list[int], steps: int,
                     tasks_per_step: int = 8, eval_limit: int = 50, lr: float = 1e-3, base: GRPOConfig | None = None,
-                    known: pd.DataFrame | None = None, progress: bool = False) -> pd.DataFrame:
+                    known: pd.DataFrame | None = None, train: list[str] | None = None,
+                    time_budget_s: float | None = None, progress: bool = False) -> pd.DataFrame:
     """One row per (train harness, seed, eval harness): before, after, gain, and the evaluated sessions' shape
     before and after (calls and chains per session, failed runs: `sessions_shape`). `shipped`: the weights every run
     starts from (synced back at the end). `base`: every other setting of the runs (default: GRPOConfig's, 8 runs
     per task); its harness_options go to every harness, trained or evaluated behind. `known`: the rows of the same
-    matrix for other seeds; they are kept, and their "before" is reused rather than measured again."""
+    matrix for other seeds; they are kept, and their "before" is reused rather than measured again. `train`: the
+    harnesses trained behind, the matrix's rows (default: all of `harnesses`; each is evaluated behind all of them).
+    `time_budget_s`: each run stops before the step that would end past it (GRPOTrainer.train), `steps` at most."""
     base = base or GRPOConfig(num_generations=8)
 
     def config(harness: str, seed: int) -> GRPOConfig:
         return dataclasses.replace(base, harness=harness, tasks_per_step=tasks_per_step, learning_rate=lr, seed=seed,
                                    eval_limit=eval_limit, output_dir=str(lab.run_dir / f"transfer-{harness}-{seed}"),
-                                   eval_steps=0, time_budget_s=None)  # `steps` steps, evaluated after them
+                                   eval_steps=0, time_budget_s=time_budget_s)  # evaluated after the last step
 
     def behind(harness: str):
         return get_harness(harness, base.harness_options)
@@ -70,18 +76,18 @@ def transfer_matrix(lab: Lab, shipped: dict, harnesses: list[str], *, seeds: lis
                 before[b] = probe.evaluate(harness=behind(b), progress=progress)["eval_reward"]
                 shape[b] = sessions_shape(probe.last_eval_groups)
     rows = [] if known is None else known.to_dict("records")
-    for a in harnesses:
+    for a in train or harnesses:
         for seed in seeds:
             lab.sync_weights(shipped)
             with GRPOTrainer(lab, config(a, seed)) as trainer:
                 t0 = time.perf_counter()
                 trainer.train(steps, progress=progress)
-                train_s = time.perf_counter() - t0
+                train_s, trained = time.perf_counter() - t0, len(trainer.history)
                 for b in harnesses:
                     after = trainer.evaluate(harness=behind(b), progress=progress)["eval_reward"]
                     after_shape = sessions_shape(trainer.last_eval_groups)
                     rows.append({"train": a, "eval": b, "seed": seed, "before": before[b], "after": after,
-                                 "gain": after - before[b], "train_s": train_s,
+                                 "gain": after - before[b], "train_s": train_s, "steps": trained,
                                  **{f"before_{k}": v for k, v in shape[b].items()},
                                  **{f"after_{k}": v for k, v in after_shape.items()}})
     lab.sync_weights(shipped)
@@ -101,19 +107,19 @@ def plot(runs: pd.DataFrame, path: str | Path | None = None):
     import matplotlib.pyplot as plt
 
     cells = summary(runs)
-    order = list(dict.fromkeys(runs["train"]))
-    mean = cells["mean"].unstack().reindex(index=order, columns=order)
-    std = cells["std"].unstack().reindex(index=order, columns=order)
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(order), 1.2 + 1.0 * len(order)))
+    rows, columns = list(dict.fromkeys(runs["train"])), list(dict.fromkeys(runs["eval"]))
+    mean = cells["mean"].unstack().reindex(index=rows, columns=columns)
+    std = cells["std"].unstack().reindex(index=rows, columns=columns)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(columns), 1.2 + 1.0 * len(rows)))
     bound = max(float(mean.abs().max().max()), 1e-3)
     image = ax.imshow(mean.values, cmap="RdBu", vmin=-bound, vmax=bound)
-    for i in range(len(order)):
-        for j in range(len(order)):
+    for i in range(len(rows)):
+        for j in range(len(columns)):
             dark = abs(mean.values[i, j]) > 0.6 * bound
             ax.text(j, i, f"{mean.values[i, j]:+.3f}\n±{std.values[i, j]:.3f}", ha="center", va="center", fontsize=8,
                     color="white" if dark else "black")
-    ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
-    ax.set_yticks(range(len(order)), order)
+    ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("evaluated behind")
     ax.set_ylabel("trained behind")
     ax.set_title(f"held-out gain ({runs['seed'].nunique()} seeds)")
@@ -124,14 +130,16 @@ def plot(runs: pd.DataFrame, path: str | Path | None = None):
     return fig
 
 
-def shape_row(runs: pd.DataFrame, harness: str) -> list:
-    """Calls and chains per held-out session and failed runs behind `harness`, before → after training behind it."""
-    own = runs[(runs["train"] == harness) & (runs["eval"] == harness)].mean(numeric_only=True)
+def shape_row(runs: pd.DataFrame, harness: str, evaluated: str | None = None) -> list:
+    """Calls and chains per held-out session and failed runs behind `evaluated` (default: `harness`), before → after
+    training behind `harness`; the seeds' mean."""
+    evaluated = evaluated or harness
+    own = runs[(runs["train"] == harness) & (runs["eval"] == evaluated)].mean(numeric_only=True)
 
     def pair(name: str) -> str:
         return f"{own[f'before_{name}']:.3g} → {own[f'after_{name}']:.3g}"
 
-    return [harness, pair("calls_p50"), pair("calls_mean"), pair("chains_mean"), pair("failed")]
+    return [evaluated, pair("calls_p50"), pair("calls_mean"), pair("chains_mean"), pair("failed")]
 
 
 def main() -> None:
@@ -142,23 +150,31 @@ def main() -> None:
     parser.add_argument("--model", default="data/models/tiny-calc")
     parser.add_argument("--config", default=None, help="a `polar-lab train` YAML: its Lab and run settings "
                                                         "(--model is then ignored)")
-    parser.add_argument("--harnesses", default=",".join(HARNESSES))
+    parser.add_argument("--harnesses", default=",".join(HARNESSES), help="evaluated behind (the columns)")
+    parser.add_argument("--train", default=None, help="trained behind (the rows; default: every harness)")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tasks-per-step", type=int, default=None, help="tasks per step (8, or the config's)")
     parser.add_argument("--eval-limit", type=int, default=50)
     parser.add_argument("--lr", type=float, default=None, help="learning rate (1e-3, or the config's)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="each run stops before the step that would end past this many seconds of training")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=setting,
+                        help="with --config: any other grpo setting (YAML value), e.g. --set overlong_buffer_len=192")
     parser.add_argument("--merge", default=None, help="a result file of the same matrix for other seeds: its runs "
                                                        "are kept and its 'before' reused")
     parser.add_argument("--out", default="benchmarks/results/harness_transfer.json")
     parser.add_argument("--plot", default="benchmarks/results/harness_transfer.png")
     args = parser.parse_args()
     harnesses, seeds = args.harnesses.split(","), [int(x) for x in args.seeds.split(",")]
+    train = args.train.split(",") if args.train else harnesses
+    if set(train) - set(harnesses) or (args.set and not args.config):
+        raise SystemExit("--train names harnesses of --harnesses; --set needs --config")
     run_name = time.strftime("bench-transfer-%Y%m%d-%H%M%S")
     if args.config:
         from polar_lab.grpo.run import load_train_config
 
-        lab_config, base = load_train_config(args.config)
+        lab_config, base = load_train_config(args.config, dict(args.set))
         lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(lab_config.store, run_name=run_name))
         lab = Lab(config=lab_config)
     else:
@@ -168,9 +184,11 @@ def main() -> None:
     known, earlier_s, notes = None, 0, []
     if args.merge:
         earlier = json.loads(Path(args.merge).read_text())
-        settings = {k: earlier["raw"][k] for k in ("config", "steps", "tasks_per_step", "eval_limit", "lr")}
+        settings = {k: earlier["raw"].get(k) for k in ("config", "steps", "tasks_per_step", "eval_limit", "lr",
+                                                        "budget_s", "set")}
         asked = {"config": args.config, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
-                 "eval_limit": args.eval_limit, "lr": args.lr}
+                 "eval_limit": args.eval_limit, "lr": args.lr, "budget_s": args.budget_s,
+                 "set": dict(args.set) or None}
         if settings != asked or set(earlier["raw"]["seeds"]) & set(seeds):
             raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {settings}, seeds "
                              f"{earlier['raw']['seeds']}")
@@ -184,7 +202,8 @@ def main() -> None:
         runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=[s for s in seeds if known is None or
                                                                             s not in set(known["seed"])],
                                steps=args.steps, base=base, tasks_per_step=args.tasks_per_step,
-                               eval_limit=args.eval_limit, lr=args.lr, known=known)
+                               eval_limit=args.eval_limit, lr=args.lr, known=known, train=train,
+                               time_budget_s=args.budget_s)
     with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
         print(runs.to_string(index=False))
         print(f"\n{len(seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval {args.eval_limit} "
@@ -197,23 +216,31 @@ def main() -> None:
         spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if len(seeds) > 1 else ""
         return f"{round(cells.loc[(a, b), 'mean'], 3) + 0.0:+.3f}{spread}"  # + 0.0: no '-0.000'
 
+    steps_run = runs.drop_duplicates(["train", "seed"]).groupby("train")["steps"]
     save("harness_transfer", {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
-                              "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in harnesses),
+                              "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in train),
+                              **({"steps run within the budget": " / ".join(
+                                  f"{a} {steps_run.min()[a]}–{steps_run.max()[a]}" for a in train)}
+                                 if args.budget_s else {}),
                               "wall, all runs (s)": elapsed},
          tables=[{"title": f"Gain ({'mean ± sd over seeds' if len(seeds) > 1 else 'one seed'}): trained behind ↓ / "
                            "evaluated behind →",
                   "columns": ["trained behind", *harnesses],
-                  "rows": [[a, *(cell(a, b) for b in harnesses)] for a in harnesses]},
-                 {"title": "Held-out sessions behind each harness, before → after training behind it (seeds' mean)",
+                  "rows": [[a, *(cell(a, b) for b in harnesses)] for a in train]},
+                 {"title": "Held-out sessions behind each harness, before → after training behind "
+                           + (train[0] if len(train) == 1 else "it") + " (seeds' mean)",
                   "columns": ["harness", "calls per session: median", "mean", "chains per session", "failed runs"],
-                  "rows": [shape_row(runs, a) for a in harnesses]}],
-         notes=[f"{len(seeds)} seeds × {args.steps} sync steps of {args.tasks_per_step} tasks × "
-                f"{base.num_generations} runs, lr {args.lr:g}, {args.eval_limit} held-out tasks"
+                  "rows": [shape_row(runs, a, b) for a in train for b in (harnesses if len(train) == 1 else [a])]}],
+         notes=[f"{len(seeds)} seeds × {'up to ' if args.budget_s else ''}{args.steps} sync steps"
+                + (f" within {args.budget_s:g} s of training" if args.budget_s else "")
+                + f" of {args.tasks_per_step} tasks × {base.num_generations} runs, lr {args.lr:g}"
+                + "".join(f", {k}={v}" for k, v in args.set) + f", {args.eval_limit} held-out tasks"
                 + (f"; every other setting from {args.config}" if args.config else ""), *notes],
          title="Harness transfer" + (" behind the CLIs" if args.config else ""),
          raw={"model": lab_config.engine.model if args.config else args.model, "config": args.config,
               "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,
-              "eval_limit": args.eval_limit, "lr": args.lr, "runs": runs.to_dict("records")}, out=args.out)
+              "eval_limit": args.eval_limit, "lr": args.lr, "budget_s": args.budget_s, "set": dict(args.set) or None,
+              "train": train, "runs": runs.to_dict("records")}, out=args.out)
     plot(runs, args.plot)
 
 

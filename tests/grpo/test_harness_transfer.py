@@ -30,15 +30,21 @@ def test_the_transfer_matrix_trains_behind_each_harness_and_evaluates_behind_eve
     assert len(cells) == 4 and (cells["seeds"] == 1).all()
     assert len(plot(runs).axes[0].texts) == 4  # every cell annotated with its mean ± spread
 
-    # another seed added to the same matrix (`--merge`): its rows kept, its "before" reused, not measured again
+    # another seed added to one row of the same matrix (`--merge --train`): the earlier rows kept, the "before"
+    # reused, not measured again; only the named harness trained behind, evaluated behind every one
     from polar_lab import GRPOTrainer
 
     evaluated, evaluate = [], GRPOTrainer.evaluate
     monkeypatch.setattr(GRPOTrainer, "evaluate", lambda *a, **k: evaluated.append(1) or evaluate(*a, **k))
     more = transfer_matrix(lab, shipped_weights, HARNESSES, seeds=[2], steps=1, tasks_per_step=2, eval_limit=4,
-                           known=runs)
-    assert len(evaluated) == 4 and more.iloc[:4].equals(runs) and sorted(set(more["seed"])) == [1, 2]
-    assert (more.groupby("eval")["before"].nunique() == 1).all() and (summary(more)["seeds"] == 2).all()
+                           known=runs, train=HARNESSES[:1])
+    assert len(evaluated) == 2 and more.iloc[:4].equals(runs) and sorted(set(more["seed"])) == [1, 2]
+    added = more.iloc[4:]
+    assert set(added["train"]) == {HARNESSES[0]} and sorted(added["eval"]) == HARNESSES and (added["steps"] == 1).all()
+    assert len(plot(added).axes[0].texts) == 2  # a row alone: one trained behind, every evaluated behind
+    assert (more.groupby("eval")["before"].nunique() == 1).all()
+    assert summary(more)["seeds"].to_dict() == {(a, b): 2 if a == HARNESSES[0] else 1 for a in HARNESSES
+                                                for b in HARNESSES}
 
 
 def test_the_google_calculator_agent_runs_its_own_function_call_loop_as_one_chain_per_run(lab):
