@@ -5,7 +5,8 @@ Harnesses (polar_lab/harness/registry.py), the calculator task through each: `ca
 `calculator_anthropic` (Anthropic Messages' tool_use loop), `calculator_google` (google-genai's functionCall loop) and
 `calc_cli` (the loop as a program of its own, in the sandbox). One Lab on the shipped tiny model. Each eval harness's
 "before" is the shipped weights behind it (eval seed fixed); each (train harness, seed) starts from the shipped
-weights, trains `--steps` sync steps behind A, then is evaluated behind every B: gain = after − before(B).
+weights, trains `--steps` sync steps behind A (fewer within `--budget-s`), then is evaluated behind every B:
+gain = after − before(B).
 
     python benchmarks/harness_transfer.py [--harnesses calculator,calc_cli] [--seeds 1,2,3] [--steps 4]
         [--tasks-per-step 8] [--eval-limit 50] [--lr 1e-3] [--out benchmarks/results/harness_transfer.json]
@@ -142,10 +143,12 @@ def shape_row(runs: pd.DataFrame, harness: str, evaluated: str | None = None) ->
     return [evaluated, pair("calls_p50"), pair("calls_mean"), pair("chains_mean"), pair("failed")]
 
 
-def main() -> None:
-    from learning_rate import shipped_weights  # benchmarks/ is on the path when run
-    from result import save
+# Set by transfer_matrix for each run: a --set of one of them would be replaced without a word.
+PER_RUN = ("harness", "tasks_per_step", "learning_rate", "seed", "eval_limit", "eval_steps", "output_dir",
+           "time_budget_s")
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/tiny-calc")
     parser.add_argument("--config", default=None, help="a `polar-lab train` YAML: its Lab and run settings "
@@ -165,82 +168,114 @@ def main() -> None:
                                                        "are kept and its 'before' reused")
     parser.add_argument("--out", default="benchmarks/results/harness_transfer.json")
     parser.add_argument("--plot", default="benchmarks/results/harness_transfer.png")
-    args = parser.parse_args()
-    harnesses, seeds = args.harnesses.split(","), [int(x) for x in args.seeds.split(",")]
-    train = args.train.split(",") if args.train else harnesses
-    if set(train) - set(harnesses) or (args.set and not args.config):
-        raise SystemExit("--train names harnesses of --harnesses; --set needs --config")
-    run_name = time.strftime("bench-transfer-%Y%m%d-%H%M%S")
-    if args.config:
-        from polar_lab.grpo.run import load_train_config
+    args = parser.parse_args(argv)
+    args.harnesses, args.seeds = args.harnesses.split(","), [int(x) for x in args.seeds.split(",")]
+    args.train = args.train.split(",") if args.train else None
+    if args.train and set(args.train) - set(args.harnesses):
+        parser.error(f"--train {','.join(args.train)}: each must be one of --harnesses {','.join(args.harnesses)}")
+    if args.set and not args.config:
+        parser.error("--set needs --config (it overrides the config's grpo settings)")
+    if set(dict(args.set)) & set(PER_RUN):
+        parser.error(f"--set {sorted(set(dict(args.set)) & set(PER_RUN))}: the benchmark sets these per run; use its "
+                     f"own flags (--steps, --tasks-per-step, --lr, --eval-limit, --budget-s, --seeds)")
+    return args
 
-        lab_config, base = load_train_config(args.config, dict(args.set))
-        lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(lab_config.store, run_name=run_name))
-        lab = Lab(config=lab_config)
-    else:
-        base, lab = GRPOConfig(num_generations=8), Lab(args.model, port=0, run_name=run_name)
-    args.lr = args.lr or (base.learning_rate if args.config else 1e-3)
-    args.tasks_per_step = args.tasks_per_step or (base.tasks_per_step if args.config else 8)
-    known, earlier_s, notes = None, 0, []
-    if args.merge:
-        earlier = json.loads(Path(args.merge).read_text())
-        settings = {k: earlier["raw"].get(k) for k in ("config", "steps", "tasks_per_step", "eval_limit", "lr",
-                                                        "budget_s", "set")}
-        asked = {"config": args.config, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
-                 "eval_limit": args.eval_limit, "lr": args.lr, "budget_s": args.budget_s,
-                 "set": dict(args.set) or None}
-        if settings != asked or set(earlier["raw"]["seeds"]) & set(seeds):
-            raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {settings}, seeds "
-                             f"{earlier['raw']['seeds']}")
-        known, earlier_s = pd.DataFrame(earlier["raw"]["runs"]), earlier["figures"]["wall, all runs (s)"]
-        first = "" if "--merge" in earlier["command"] else " and the 'before' column"
-        notes = [*(n for n in earlier["notes"] if n.startswith("seeds ")),  # the commands of the seeds before it
-                 f"seeds {earlier['raw']['seeds']}{first}: {earlier['command']}, {earlier['date']}"]
-        seeds = earlier["raw"]["seeds"] + seeds
-    t0 = time.perf_counter()
-    with lab:
-        runs = transfer_matrix(lab, shipped_weights(lab), harnesses, seeds=[s for s in seeds if known is None or
-                                                                            s not in set(known["seed"])],
-                               steps=args.steps, base=base, tasks_per_step=args.tasks_per_step,
-                               eval_limit=args.eval_limit, lr=args.lr, known=known, train=train,
-                               time_budget_s=args.budget_s)
-    with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
-        print(runs.to_string(index=False))
-        print(f"\n{len(seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval {args.eval_limit} "
-              f"tasks, {time.perf_counter() - t0:.0f} s in all\n")
-        print(summary(runs).to_string())
-    cells, elapsed = summary(runs), round(time.perf_counter() - t0) + earlier_s
+
+def merged(args: argparse.Namespace) -> tuple[pd.DataFrame | None, int, list[str]]:
+    """With --merge: the earlier file's runs (the same settings, other seeds), its wall time and the notes naming the
+    commands of its seeds; args.seeds becomes every seed. Refuses a file made with other settings."""
+    if not args.merge:
+        return None, 0, []
+    earlier = json.loads(Path(args.merge).read_text())
+    keys = ("config", "steps", "tasks_per_step", "eval_limit", "lr", "budget_s", "set", "train")
+    settings = {k: earlier["raw"].get(k) for k in keys}  # older files: no budget, --set or --train
+    asked = {"config": args.config, "steps": args.steps, "tasks_per_step": args.tasks_per_step,
+             "eval_limit": args.eval_limit, "lr": args.lr, "budget_s": args.budget_s, "set": dict(args.set) or None,
+             "train": args.train}
+    if settings != asked or set(earlier["raw"]["seeds"]) & set(args.seeds):
+        raise SystemExit(f"--merge needs the same settings and other seeds: {args.merge} has {settings}, seeds "
+                         f"{earlier['raw']['seeds']}; asked {asked}, seeds {args.seeds}")
+    known = pd.DataFrame(earlier["raw"]["runs"])
+    if "steps" not in known:  # before budgets, every run trained exactly the file's steps
+        known["steps"] = earlier["raw"]["steps"]
+    first = "" if "--merge" in earlier["command"] else " and the 'before' column"
+    notes = [*(n for n in earlier["notes"] if n.startswith("seeds ")),  # the commands of the seeds before it
+             f"seeds {earlier['raw']['seeds']}{first}: {earlier['command']}, {earlier['date']}"]
+    args.seeds = earlier["raw"]["seeds"] + args.seeds
+    return known, earlier["figures"]["wall, all runs (s)"], notes
+
+
+def save_result(args: argparse.Namespace, runs: pd.DataFrame, base: GRPOConfig, model: str, elapsed: float,
+                notes: list[str]) -> None:
+    """The result file: before, the trained rows' gains (mean ± sd where a cell has seeds to spread), the matrix, and
+    the held-out sessions' shape before → after (each trained harness behind itself; a lone row behind every one)."""
+    from result import save
+
+    harnesses, train = args.harnesses, list(dict.fromkeys(runs["train"]))
+    cells, seeds = summary(runs), sorted(set(runs["seed"]))
     before = runs.drop_duplicates("eval").set_index("eval")["before"]
 
-    def cell(a: str, b: str) -> str:  # one seed has no spread to show
-        spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if len(seeds) > 1 else ""
+    def cell(a: str, b: str) -> str:
+        spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if cells.loc[(a, b), "seeds"] > 1 else ""
         return f"{round(cells.loc[(a, b), 'mean'], 3) + 0.0:+.3f}{spread}"  # + 0.0: no '-0.000'
 
-    steps_run = runs.drop_duplicates(["train", "seed"]).groupby("train")["steps"]
-    save("harness_transfer", {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
-                              "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in train),
-                              **({"steps run within the budget": " / ".join(
-                                  f"{a} {steps_run.min()[a]}–{steps_run.max()[a]}" for a in train)}
-                                 if args.budget_s else {}),
-                              "wall, all runs (s)": elapsed},
+    steps_run = runs.drop_duplicates(["train", "seed"]).groupby("train")["steps"].agg(["min", "max"])
+    figures = {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
+               "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in train)}
+    if args.budget_s:
+        figures[f"steps run (at most {args.steps})"] = " / ".join(
+            f"{a} {lo}" if lo == hi else f"{a} {lo}–{hi}" for a, (lo, hi) in steps_run.iterrows())
+    one_row = len(train) == 1 and len(harnesses) > 1
+    save("harness_transfer", {**figures, "wall, all runs (s)": elapsed},
          tables=[{"title": f"Gain ({'mean ± sd over seeds' if len(seeds) > 1 else 'one seed'}): trained behind ↓ / "
                            "evaluated behind →",
                   "columns": ["trained behind", *harnesses],
                   "rows": [[a, *(cell(a, b) for b in harnesses)] for a in train]},
                  {"title": "Held-out sessions behind each harness, before → after training behind "
-                           + (train[0] if len(train) == 1 else "it") + " (seeds' mean)",
+                           + (train[0] if one_row else "it") + " (seeds' mean)",
                   "columns": ["harness", "calls per session: median", "mean", "chains per session", "failed runs"],
-                  "rows": [shape_row(runs, a, b) for a in train for b in (harnesses if len(train) == 1 else [a])]}],
+                  "rows": [shape_row(runs, a, b) for a in train for b in (harnesses if one_row else [a])]}],
          notes=[f"{len(seeds)} seeds × {'up to ' if args.budget_s else ''}{args.steps} sync steps"
                 + (f" within {args.budget_s:g} s of training" if args.budget_s else "")
                 + f" of {args.tasks_per_step} tasks × {base.num_generations} runs, lr {args.lr:g}"
                 + "".join(f", {k}={v}" for k, v in args.set) + f", {args.eval_limit} held-out tasks"
                 + (f"; every other setting from {args.config}" if args.config else ""), *notes],
-         title="Harness transfer" + (" behind the CLIs" if args.config else ""),
-         raw={"model": lab_config.engine.model if args.config else args.model, "config": args.config,
-              "steps": args.steps, "seeds": seeds, "tasks_per_step": args.tasks_per_step,
-              "eval_limit": args.eval_limit, "lr": args.lr, "budget_s": args.budget_s, "set": dict(args.set) or None,
-              "train": train, "runs": runs.to_dict("records")}, out=args.out)
+         title="Harness transfer" + (" behind the CLIs" if args.config else "")
+               + (f", trained behind {train[0]}" if one_row else ""),
+         raw={"model": model, "config": args.config, "steps": args.steps, "seeds": seeds,
+              "tasks_per_step": args.tasks_per_step, "eval_limit": args.eval_limit, "lr": args.lr,
+              "budget_s": args.budget_s, "set": dict(args.set) or None, "train": args.train,
+              "runs": runs.to_dict("records")}, out=args.out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from learning_rate import shipped_weights  # benchmarks/ is on the path when run
+
+    args = parse_args(argv)
+    run_name = time.strftime("bench-transfer-%Y%m%d-%H%M%S")
+    if args.config:  # the settings first: a bad --merge is refused before an engine starts
+        from polar_lab.grpo.run import load_train_config
+
+        lab_config, base = load_train_config(args.config, dict(args.set))
+        lab_config = dataclasses.replace(lab_config, store=dataclasses.replace(lab_config.store, run_name=run_name))
+        model = lab_config.engine.model
+    else:
+        lab_config, base, model = None, GRPOConfig(num_generations=8), args.model
+    args.lr = args.lr or (base.learning_rate if args.config else 1e-3)
+    args.tasks_per_step = args.tasks_per_step or (base.tasks_per_step if args.config else 8)
+    fresh = list(args.seeds)
+    known, earlier_s, notes = merged(args)
+    t0 = time.perf_counter()
+    with Lab(config=lab_config) if lab_config else Lab(model, port=0, run_name=run_name) as lab:
+        runs = transfer_matrix(lab, shipped_weights(lab), args.harnesses, seeds=fresh, steps=args.steps, base=base,
+                               tasks_per_step=args.tasks_per_step, eval_limit=args.eval_limit, lr=args.lr,
+                               known=known, train=args.train, time_budget_s=args.budget_s)
+    with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
+        print(runs.to_string(index=False))
+        print(f"\n{len(args.seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval "
+              f"{args.eval_limit} tasks, {time.perf_counter() - t0:.0f} s in all\n")
+        print(summary(runs).to_string())
+    save_result(args, runs, base, model, round(time.perf_counter() - t0) + earlier_s, notes)
     plot(runs, args.plot)
 
 

@@ -5,8 +5,12 @@ and its plot."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness_transfer  # noqa: E402
 from harness_transfer import plot, summary, transfer_matrix  # noqa: E402
 
 HARNESSES = ["calculator", "calculator_anthropic"]
@@ -31,13 +35,14 @@ def test_the_transfer_matrix_trains_behind_each_harness_and_evaluates_behind_eve
     assert len(plot(runs).axes[0].texts) == 4  # every cell annotated with its mean ± spread
 
     # another seed added to one row of the same matrix (`--merge --train`): the earlier rows kept, the "before"
-    # reused, not measured again; only the named harness trained behind, evaluated behind every one
+    # reused, not measured again; only the named harness trained behind, evaluated behind every one; a time budget
+    # shorter than a step stops it after its first of two steps
     from polar_lab import GRPOTrainer
 
     evaluated, evaluate = [], GRPOTrainer.evaluate
     monkeypatch.setattr(GRPOTrainer, "evaluate", lambda *a, **k: evaluated.append(1) or evaluate(*a, **k))
-    more = transfer_matrix(lab, shipped_weights, HARNESSES, seeds=[2], steps=1, tasks_per_step=2, eval_limit=4,
-                           known=runs, train=HARNESSES[:1])
+    more = transfer_matrix(lab, shipped_weights, HARNESSES, seeds=[2], steps=2, tasks_per_step=2, eval_limit=4,
+                           known=runs, train=HARNESSES[:1], time_budget_s=1.0)
     assert len(evaluated) == 2 and more.iloc[:4].equals(runs) and sorted(set(more["seed"])) == [1, 2]
     added = more.iloc[4:]
     assert set(added["train"]) == {HARNESSES[0]} and sorted(added["eval"]) == HARNESSES and (added["steps"] == 1).all()
@@ -60,3 +65,26 @@ def test_the_google_calculator_agent_runs_its_own_function_call_loop_as_one_chai
     calls = lab.call_records([s.id for s in group.sessions])
     assert {c.api for c in calls} == {"google.generate_content"} and len(calls) > len(group.sessions)  # tool turns
     assert len(group.trajectories) == len(group.sessions)
+
+
+class Started(Exception):
+    """The benchmark got as far as starting its engine."""
+
+
+def test_the_benchmark_refuses_other_rows_merged_or_a_setting_it_replaces_before_an_engine_starts(monkeypatch, capsys):
+    def lab(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(harness_transfer, "Lab", lab)
+    monkeypatch.chdir(ROOT)  # the result file names its config as the command gave it
+    row = ["--config", "configs/tiny_agent_codex.yaml", "--harnesses", "codex,claude_code,qwen_code,pi",
+           "--seeds", "3", "--steps", "60", "--budget-s", "1200", "--eval-limit", "40",
+           "--set", "mask_truncated_completions=true", "--set", "overlong_buffer_len=192",
+           "--set", "overlong_max_tokens=384", "--merge", str(ROOT / "benchmarks/results/cli_transfer_codex.json")]
+    with pytest.raises(SystemExit, match=r"'train': \['codex'\].*asked .*'train': None"):
+        harness_transfer.main(row)  # every row asked, of a file that holds one: its tables would lose the others
+    with pytest.raises(Started):
+        harness_transfer.main([*row, "--train", "codex"])  # the same row: merged, and on to the engine
+    with pytest.raises(SystemExit):
+        harness_transfer.main([*row, "--train", "codex", "--set", "eval_limit=10"])  # set per run by the benchmark
+    assert "--set ['eval_limit']" in capsys.readouterr().err
