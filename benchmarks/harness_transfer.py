@@ -183,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def merged(args: argparse.Namespace) -> tuple[pd.DataFrame | None, int, list[str]]:
     """With --merge: the earlier file's runs (the same settings, other seeds), its wall time and the notes naming the
-    commands of its seeds; args.seeds becomes every seed. Refuses a file made with other settings."""
+    commands of its seeds. Refuses a file made with other settings."""
     if not args.merge:
         return None, 0, []
     earlier = json.loads(Path(args.merge).read_text())
@@ -201,7 +201,6 @@ def merged(args: argparse.Namespace) -> tuple[pd.DataFrame | None, int, list[str
     first = "" if "--merge" in earlier["command"] else " and the 'before' column"
     notes = [*(n for n in earlier["notes"] if n.startswith("seeds ")),  # the commands of the seeds before it
              f"seeds {earlier['raw']['seeds']}{first}: {earlier['command']}, {earlier['date']}"]
-    args.seeds = earlier["raw"]["seeds"] + args.seeds
     return known, earlier["figures"]["wall, all runs (s)"], notes
 
 
@@ -219,10 +218,10 @@ def save_result(args: argparse.Namespace, runs: pd.DataFrame, base: GRPOConfig, 
         spread = f" ± {cells.loc[(a, b), 'std']:.3f}" if cells.loc[(a, b), "seeds"] > 1 else ""
         return f"{round(cells.loc[(a, b), 'mean'], 3) + 0.0:+.3f}{spread}"  # + 0.0: no '-0.000'
 
-    steps_run = runs.drop_duplicates(["train", "seed"]).groupby("train")["steps"].agg(["min", "max"])
     figures = {"held-out before": " / ".join(f"{b} {before[b]:.2f}" for b in harnesses),
                "gain behind the harness trained on": " / ".join(f"{a} {cell(a, a)}" for a in train)}
     if args.budget_s:
+        steps_run = runs.drop_duplicates(["train", "seed"]).groupby("train")["steps"].agg(["min", "max"])
         figures[f"steps run (at most {args.steps})"] = " / ".join(
             f"{a} {lo}" if lo == hi else f"{a} {lo}–{hi}" for a, (lo, hi) in steps_run.iterrows())
     one_row = len(train) == 1 and len(harnesses) > 1
@@ -263,16 +262,15 @@ def main(argv: list[str] | None = None) -> None:
         lab_config, base, model = None, GRPOConfig(num_generations=8), args.model
     args.lr = args.lr or (base.learning_rate if args.config else 1e-3)
     args.tasks_per_step = args.tasks_per_step or (base.tasks_per_step if args.config else 8)
-    fresh = list(args.seeds)
     known, earlier_s, notes = merged(args)
     t0 = time.perf_counter()
     with Lab(config=lab_config) if lab_config else Lab(model, port=0, run_name=run_name) as lab:
-        runs = transfer_matrix(lab, shipped_weights(lab), args.harnesses, seeds=fresh, steps=args.steps, base=base,
-                               tasks_per_step=args.tasks_per_step, eval_limit=args.eval_limit, lr=args.lr,
+        runs = transfer_matrix(lab, shipped_weights(lab), args.harnesses, seeds=args.seeds, steps=args.steps,
+                               base=base, tasks_per_step=args.tasks_per_step, eval_limit=args.eval_limit, lr=args.lr,
                                known=known, train=args.train, time_budget_s=args.budget_s)
     with pd.option_context("display.width", 160, "display.float_format", "{:+.3f}".format):
         print(runs.to_string(index=False))
-        print(f"\n{len(args.seeds)} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval "
+        print(f"\n{runs['seed'].nunique()} seeds x {args.steps} steps of {args.tasks_per_step} tasks, eval "
               f"{args.eval_limit} tasks, {time.perf_counter() - t0:.0f} s in all\n")
         print(summary(runs).to_string())
     save_result(args, runs, base, model, round(time.perf_counter() - t0) + earlier_s, notes)

@@ -2,9 +2,11 @@
 harnesses over two provider APIs, one seed, one step — the matrix's rows, each cell's gain against the same "before",
 and its plot."""
 
+import json
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,3 +90,25 @@ def test_the_benchmark_refuses_other_rows_merged_or_a_setting_it_replaces_before
     with pytest.raises(SystemExit):
         harness_transfer.main([*row, "--train", "codex", "--set", "eval_limit=10"])  # set per run by the benchmark
     assert "--set ['eval_limit']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, flags", [
+    # the full 4x4 matrix: each CLI's sessions behind itself
+    ("cli_transfer", ["--steps", "5", "--eval-limit", "30", "--lr", "2e-4"]),
+    # one row: the sessions behind every CLI the row was evaluated behind
+    ("cli_transfer_codex", ["--train", "codex", "--steps", "60", "--budget-s", "1200", "--eval-limit", "40",
+                            "--set", "mask_truncated_completions=true", "--set", "overlong_buffer_len=192",
+                            "--set", "overlong_max_tokens=384"]),
+])
+def test_a_committed_result_renders_its_tables_again_from_its_runs(name, flags, tmp_path):
+    from polar_lab import GRPOConfig
+
+    committed = json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
+    args = harness_transfer.parse_args(["--config", "configs/tiny_agent_codex.yaml", "--harnesses",
+                                        "codex,claude_code,qwen_code,pi", "--out", str(tmp_path / "out.json"), *flags])
+    args.tasks_per_step, args.lr = 4, args.lr or 2e-4  # as main() reads them from the config
+    runs = pd.DataFrame(committed["raw"]["runs"]).assign(steps=committed["raw"]["steps"])
+    harness_transfer.save_result(args, runs, GRPOConfig(num_generations=8), committed["raw"]["model"],
+                                 committed["figures"]["wall, all runs (s)"], committed["notes"][1:])
+    rendered = json.loads((tmp_path / "out.json").read_text())
+    assert rendered["tables"] == committed["tables"] and rendered["notes"] == committed["notes"]
